@@ -1,0 +1,28 @@
+"""vlmbind: mechanistic interpretability of vision-language models, aimed at the binding problem.
+
+``import vlmbind as vb``; ``vb.load(name)`` gives a :class:`VLM`; see the README for the tour.
+"""
+
+from .errors import (
+    InputError,
+    InterventionError,
+    ModelLoadError,
+    SiteError,
+    SpanNotFoundError,
+    UnsupportedModelError,
+    VlmbindError,
+)
+from .hooks import AblateHeads, AddToHeads, PatchHeads, ZeroImageAttention
+from .models import VLM, Batch, RunOutput, load, registered_names, supported_families
+from .sites import Site, resolve_sites
+from .tokens import ImageGrid, TokenIndex
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
+    "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
+    "Site", "resolve_sites", "ImageGrid", "TokenIndex",
+    "VlmbindError", "UnsupportedModelError", "ModelLoadError", "SiteError", "InterventionError", "InputError",
+    "SpanNotFoundError",
+]

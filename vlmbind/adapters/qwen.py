@@ -1,0 +1,65 @@
+"""Qwen2-VL and Qwen2.5-VL.
+
+Image tokens: one contiguous run of ``<|image_pad|>`` per image between ``<|vision_start|>`` and ``<|vision_end|>``.
+The processor resizes each image to ``h*p x w*p`` pixels (``image_grid_thw = (1, h, w)`` patches of ``p`` pixels) and
+the merger joins ``m x m`` patches, so the language model sees an ``h/m x w/m`` grid in raster order, each token
+covering ``m*p`` resized pixels. Position ids are 3-D (M-RoPE) and need ``mm_token_type_ids``, which the processor
+returns; without them the model silently falls back to 1-D positions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..tokens import ImageGrid, grid_boxes
+from .base import ModelAdapter, register_adapter
+
+
+class _QwenVLAdapter(ModelAdapter):
+    vision_blocks = "model.visual.blocks"
+    projector = "model.visual.merger"
+    vision_attention = "attn"
+    image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    mrope = True
+
+    @property
+    def n_vision_layers(self) -> int:
+        return int(self.config.vision_config.depth)
+
+    def image_grids(self, inputs, row, roles, image_ids, image_sizes):
+        image_positions = np.flatnonzero(roles == "image")
+        thw = inputs["image_grid_thw"].cpu().numpy()
+        patch = int(self.config.vision_config.patch_size)
+        merge = int(self.config.vision_config.spatial_merge_size)
+        grids, cursor = [], 0
+        for k, (image_id, (width, height)) in enumerate(zip(image_ids, image_sizes)):
+            t, h, w = (int(v) for v in thw[image_id])
+            rows, cols = t * h // merge, w // merge
+            n = rows * cols
+            positions = image_positions[cursor : cursor + n].reshape(rows, cols)
+            cursor += n
+            boxes = grid_boxes(
+                rows, cols, merge * patch, merge * patch,
+                scale_x=(w * patch) / width, scale_y=(h * patch) / height, image_size=(width, height),
+            )
+            grids.append(ImageGrid("image", k, positions, boxes))
+        if cursor != len(image_positions):
+            raise RuntimeError(f"row {row}: {len(image_positions)} image tokens, grids account for {cursor}")
+        return grids
+
+
+@register_adapter
+class Qwen25VLAdapter(_QwenVLAdapter):
+    family = "qwen2_5_vl"
+    display_name = "Qwen2.5-VL"
+    model_types = ("qwen2_5_vl",)
+    model_class_name = "Qwen2_5_VLForConditionalGeneration"
+    transformer_lens_bridge = True
+
+
+@register_adapter
+class Qwen2VLAdapter(_QwenVLAdapter):
+    family = "qwen2_vl"
+    display_name = "Qwen2-VL"
+    model_types = ("qwen2_vl",)
+    model_class_name = "Qwen2VLForConditionalGeneration"

@@ -1,0 +1,414 @@
+"""Loading models and running them: :func:`load` and the :class:`VLM` wrapper.
+
+``load`` accepts a registered name (``tiny-*`` random-weight models built offline, the shipped organisms), a local
+directory or a hub id. Directories and hub ids go through the real ``from_pretrained`` path for model and processor;
+the family is detected from the config's ``model_type``. ``trust_remote_code`` is never set on the user's behalf.
+
+A :class:`VLM` holds the HF model, its processor and the family adapter. ``prepare`` turns images and prompts into a
+:class:`Batch` (processor outputs plus one :class:`~vlmbind.tokens.TokenIndex` per row); ``run`` does one real forward
+with chosen sites captured and interventions applied, and removes every hook afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from . import adapters as _adapters  # noqa: F401  (registers the families)
+from .adapters.base import ModelAdapter, adapter_class_for_config, supported_families
+from .errors import InputError, ModelLoadError, UnsupportedModelError, close_matches
+from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
+from .sites import Site, resolve_sites
+from .tokens import TokenIndex, text_offsets
+
+
+@dataclass
+class Batch:
+    """Processor outputs for a batch plus what every position is.
+
+    Attributes:
+        inputs: the processor's tensors (``input_ids``, ``attention_mask``, ``pixel_values``, ...).
+        index: one TokenIndex per row.
+        prompts: the user prompts (before image placeholders were added).
+        images: the RGB images of each row.
+    """
+
+    inputs: dict[str, torch.Tensor]
+    index: list[TokenIndex]
+    prompts: list[str]
+    images: list[list[Image.Image]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.inputs["input_ids"].shape[1])
+
+    @property
+    def last_positions(self) -> np.ndarray:
+        """``B`` the last real position of each row."""
+        return np.array([ti.last_position for ti in self.index])
+
+
+@dataclass
+class RunOutput:
+    """Logits of one forward and the captured activations (site name -> tensor)."""
+
+    logits: torch.Tensor
+    cache: dict[str, torch.Tensor]
+
+    def __getitem__(self, site: str) -> torch.Tensor:
+        return self.cache[site]
+
+
+def _as_heads(heads: Any) -> list[tuple[int, int]]:
+    """``[(layer, head), ...]`` from pairs, ``"12.3"`` strings or a comma-separated string."""
+    if isinstance(heads, str):
+        heads = [h for h in heads.split(",") if h.strip()]
+    out = []
+    for h in heads:
+        if isinstance(h, str):
+            try:
+                layer, head = (int(p) for p in h.strip().split("."))
+            except ValueError:
+                raise InputError(f"head {h!r} is not LAYER.HEAD, e.g. '12.3'") from None
+        else:
+            try:
+                layer, head = (int(p) for p in h)
+            except (TypeError, ValueError):
+                raise InputError(f"head {h!r} is not a (layer, head) pair") from None
+        out.append((layer, head))
+    return out
+
+
+class VLM:
+    """A loaded vision-language model with its processor and family adapter.
+
+    Attributes:
+        model: the Hugging Face model (eval mode).
+        processor: its processor.
+        adapter: the family adapter bound to both.
+        name: the name or path it was loaded from.
+        source: where the weights came from (``"tiny (random, seed 0)"``, a directory, a hub id).
+    """
+
+    def __init__(self, model: torch.nn.Module, processor: Any, name: str, source: str):
+        self.model = model.eval()
+        self.processor = processor
+        self.adapter: ModelAdapter = adapter_class_for_config(model.config)(model, processor)
+        self.name = name
+        self.source = source
+        self._active: list[Intervention] = []
+
+    def __repr__(self) -> str:
+        a = self.adapter
+        return f"VLM({self.name!r}, family={a.family}, layers={a.n_layers}, heads={a.n_heads})"
+
+    # ---- shapes --------------------------------------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        return self.adapter.family
+
+    @property
+    def n_layers(self) -> int:
+        return self.adapter.n_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.adapter.n_heads
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sites(self, patterns: str | Sequence[str | Site]) -> list[Site]:
+        """Resolve site names and ``*`` patterns against this model."""
+        a = self.adapter
+        return resolve_sites(patterns, a.n_layers, a.n_vision_layers)
+
+    # ---- inputs ----------------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        images: Image.Image | Sequence[Image.Image | Sequence[Image.Image]],
+        prompts: str | Sequence[str],
+        *,
+        chat: bool = False,
+    ) -> Batch:
+        """Turn images and prompts into a model batch (left-padded) with a TokenIndex per row.
+
+        Args:
+            images: one image per prompt (or a list of images per prompt); PIL images of any mode are converted
+                to RGB.
+            prompts: the text after the image(s).
+            chat: wrap each prompt in the processor's chat template (real instruction-tuned checkpoints).
+
+        Raises:
+            InputError: counts do not match, a prompt is empty, or an image is not a PIL image.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if isinstance(images, Image.Image):
+            images = [images]
+        prompts, images = list(prompts), list(images)
+        if not prompts:
+            raise InputError("no prompts given: pass at least one prompt")
+        if len(images) != len(prompts):
+            raise InputError(f"{len(images)} images for {len(prompts)} prompts: pass one image (or list) per prompt")
+        rows: list[list[Image.Image]] = []
+        for i, (img, prompt) in enumerate(zip(images, prompts)):
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise InputError(f"prompt {i} is empty: every example needs text after its image")
+            group = [img] if isinstance(img, Image.Image) else list(img)
+            if not group:
+                raise InputError(f"example {i} has no image; vlmbind analyses image-conditioned prompts")
+            for im in group:
+                if not isinstance(im, Image.Image):
+                    raise InputError(f"example {i}: expected a PIL image, got {type(im).__name__}")
+            rows.append([im if im.mode == "RGB" else im.convert("RGB") for im in group])
+        texts = [self._text(p, len(r), chat) for p, r in zip(prompts, rows)]
+        tok = self.adapter.tokenizer
+        old_side = tok.padding_side
+        tok.padding_side = "left"
+        try:
+            inputs = self.processor(
+                images=[im for r in rows for im in r], text=texts, return_tensors="pt", padding=True
+            )
+        finally:
+            tok.padding_side = old_side
+        inputs = dict(inputs)
+        index = self._index(inputs, rows)
+        return Batch(inputs=inputs, index=index, prompts=prompts, images=rows)
+
+    def _text(self, prompt: str, n_images: int, chat: bool) -> str:
+        if not chat:
+            return self.adapter.build_prompt(prompt, n_images)
+        if getattr(self.processor, "chat_template", None) is None:
+            raise InputError(f"{self.name} has no chat template; call prepare(..., chat=False)")
+        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
+        return self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+
+    def _index(self, inputs: dict[str, torch.Tensor], rows: list[list[Image.Image]]) -> list[TokenIndex]:
+        ids = inputs["input_ids"].cpu().numpy()
+        mask = inputs["attention_mask"].cpu().numpy()
+        index, next_image = [], 0
+        for r, row_images in enumerate(rows):
+            roles = self.adapter.roles(ids[r], mask[r])
+            sizes = [im.size for im in row_images]
+            image_ids = list(range(next_image, next_image + len(row_images)))
+            next_image += len(row_images)
+            grids = self.adapter.image_grids(inputs, r, roles, image_ids, sizes)
+            offsets, text = text_offsets(self.adapter.tokenizer, ids[r], roles)
+            index.append(TokenIndex(ids[r], roles, grids, offsets, text, sizes))
+        return index
+
+    def _model_inputs(self, batch: Batch) -> dict[str, Any]:
+        device = self.device
+        inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.inputs.items()}
+        inputs.update(self.adapter.forward_kwargs(inputs))
+        return inputs
+
+    # ---- running ----------------------------------------------------------------------------------------------
+    def run(
+        self,
+        batch: Batch,
+        *,
+        sites: str | Sequence[str | Site] = (),
+        interventions: Sequence[Intervention] = (),
+        grad: bool = False,
+    ) -> RunOutput:
+        """One forward with ``sites`` captured and ``interventions`` (plus any active ones) applied.
+
+        Returns:
+            RunOutput with ``logits`` ``B P V`` and ``cache`` site name -> tensor (shapes in :mod:`vlmbind.sites`).
+        """
+        resolved = self.sites(sites) if sites else []
+        session = HookSession(
+            self.adapter, resolved, [*self._active, *interventions], index=batch.index, detach=not grad
+        )
+        with contextlib.ExitStack() as stack:
+            if not grad:
+                stack.enter_context(torch.no_grad())
+            stack.enter_context(session)
+            out = self.model(**self._model_inputs(batch), use_cache=False)
+        cache = {name: (vals[0] if len(vals) == 1 else torch.cat(vals, 0)) for name, vals in session.captured.items()}
+        return RunOutput(logits=out.logits, cache=cache)
+
+    def logits(self, batch: Batch, interventions: Sequence[Intervention] = ()) -> torch.Tensor:
+        """``B P V`` logits of one forward."""
+        return self.run(batch, interventions=interventions).logits
+
+    def capture(self, batch: Batch, sites: str | Sequence[str | Site]) -> dict[str, torch.Tensor]:
+        """Captured activations for ``sites`` (site name -> tensor)."""
+        return self.run(batch, sites=sites).cache
+
+    def head_means(self, batch: Batch, layer: int, heads: Sequence[int], per_position: bool = False) -> torch.Tensor:
+        """Mean z of ``heads`` at ``layer`` over the batch: ``h D``, or ``P h D`` with ``per_position``
+        (for :class:`AblateHeads` mean mode). Padding positions are excluded from the mean."""
+        z = self.capture(batch, f"blocks.{layer}.attn.hook_z")[f"blocks.{layer}.attn.hook_z"][:, :, list(heads)]
+        mask = batch.inputs["attention_mask"].to(z.device, z.dtype)[:, :, None, None]
+        if per_position:
+            return (z * mask).sum(0) / mask.sum(0).clamp_min(1)
+        return (z * mask).sum((0, 1)) / mask.sum((0, 1)).clamp_min(1)
+
+    @contextlib.contextmanager
+    def intervene(self, interventions: Sequence[Intervention]) -> Iterator[VLM]:
+        """Apply interventions to every run and generate inside the block; they are checked on entry."""
+        interventions = list(interventions)
+        for i in interventions:
+            i.check(self.adapter)
+        self._active.extend(interventions)
+        try:
+            yield self
+        finally:
+            for i in interventions:
+                self._active.remove(i)
+
+    def ablate(
+        self,
+        heads: Any,
+        mode: str = "image_attention",
+        *,
+        renormalize: bool = False,
+        means: dict[int, torch.Tensor] | None = None,
+    ) -> contextlib.AbstractContextManager[VLM]:
+        """Context manager ablating heads in every run inside it.
+
+        Args:
+            heads: ``[(layer, head), ...]`` or ``"12.3,14.0"``.
+            mode: ``image_attention`` (zero attention to image tokens after the softmax), ``zero`` or ``mean`` (z).
+            renormalize: for ``image_attention``: renormalise the remaining attention.
+            means: for ``mean``: layer -> ``h D`` means of that layer's listed heads, in the order given.
+        """
+        by_layer: dict[int, list[int]] = {}
+        for layer, head in _as_heads(heads):
+            by_layer.setdefault(layer, []).append(head)
+        modes = ("image_attention", "zero", "mean")
+        if mode not in modes:
+            raise InputError(f"ablation mode {mode!r} is not one of {modes}.{close_matches(mode, modes)}")
+        items: list[Intervention] = []
+        for layer, hs in sorted(by_layer.items()):
+            if mode == "image_attention":
+                items.append(ZeroImageAttention(layer=layer, heads=hs, renormalize=renormalize))
+            elif mode == "zero":
+                items.append(AblateHeads(layer=layer, heads=hs, mode="zero"))
+            else:
+                if means is None or layer not in means:
+                    raise InputError(f"mean ablation of layer {layer} needs means[{layer}] (see VLM.head_means)")
+                items.append(AblateHeads(layer=layer, heads=hs, mode="mean", means=means[layer]))
+        return self.intervene(items)
+
+    def generate(
+        self,
+        batch: Batch,
+        max_new_tokens: int = 16,
+        *,
+        interventions: Sequence[Intervention] = (),
+        sites: str | Sequence[str | Site] = (),
+        **kwargs: Any,
+    ) -> tuple[list[str], dict[str, list[torch.Tensor]]]:
+        """Greedy generation with interventions applied at every step.
+
+        Returns:
+            The decoded continuations, and site name -> list of per-step captures.
+        """
+        resolved = self.sites(sites) if sites else []
+        session = HookSession(self.adapter, resolved, [*self._active, *interventions], index=batch.index)
+        kwargs.setdefault("do_sample", False)
+        with torch.no_grad(), session:
+            out = self.model.generate(**self._model_inputs(batch), max_new_tokens=max_new_tokens, **kwargs)
+        new = out[:, batch.seq_len :]
+        texts = self.adapter.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return texts, session.captured
+
+    def nnsight(self) -> Any:
+        """An ``nnsight.NNsight`` wrapper of the same model object, for ad-hoc traces beside vlmbind's analyses."""
+        from nnsight import NNsight
+
+        return NNsight(self.model)
+
+    def describe(self) -> dict[str, Any]:
+        d = self.adapter.describe()
+        d.update(name=self.name, source=self.source)
+        return d
+
+
+# --------------------------------------------------------------------------------------------------------------
+# load
+# --------------------------------------------------------------------------------------------------------------
+def registered_names() -> list[str]:
+    """Names ``load`` accepts besides directories and hub ids."""
+    from . import tiny
+
+    return [*tiny.TINY_NAMES]
+
+
+def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
+    """Load a model by registered name, local directory or hub id.
+
+    Args:
+        name_or_path: ``tiny-<family>``, a directory saved with ``save_pretrained``, or a hub id.
+        **hf_kwargs: passed to ``from_pretrained`` (``torch_dtype``, ``device_map``, ``attn_implementation``, ...).
+            ``attn_implementation`` defaults to ``"eager"``; attention patterns are available with any choice.
+
+    Raises:
+        UnsupportedModelError: the config's family is not supported (the message lists the supported ones).
+        ModelLoadError: the directory or hub id has no loadable config, weights or processor.
+    """
+    from . import tiny
+
+    name = os.fspath(name_or_path)
+    if name in tiny.TINY_NAMES:
+        seed = int(hf_kwargs.pop("seed", 0))
+        model, processor = tiny.build(name, seed=seed, **hf_kwargs)
+        return VLM(model, processor, name=name, source=f"tiny (random weights, seed {seed})")
+    if name.startswith("tiny-") or name.startswith("organism-"):
+        raise UnsupportedModelError(
+            f"unknown model name {name!r}.{close_matches(name, registered_names())} Registered names: "
+            f"{', '.join(registered_names())}; or pass a directory or hub id."
+        )
+    return _from_pretrained(name, **hf_kwargs)
+
+
+def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
+
+    if hf_kwargs.get("trust_remote_code"):
+        config_kwargs = {"trust_remote_code": True}
+    else:
+        config_kwargs = {}
+    is_dir = Path(name).is_dir()
+    if not is_dir and (Path(name).exists() or name.startswith((".", "/", "~"))):
+        raise ModelLoadError(f"{name!r} is not a model directory; pass a directory saved with save_pretrained")
+    try:
+        config = AutoConfig.from_pretrained(name, **config_kwargs)
+    except (OSError, ValueError) as exc:
+        where = "directory" if is_dir else "hub id"
+        raise ModelLoadError(
+            f"could not read a model config from {where} {name!r}: {str(exc).splitlines()[0]}. "
+            f"Check the path, or that the hub id is downloaded (this machine may have no network)."
+        ) from exc
+    adapter_cls = adapter_class_for_config(config)
+    model_cls = getattr(transformers, adapter_cls.model_class_name)
+    hf_kwargs.setdefault("attn_implementation", "eager")
+    try:
+        model = model_cls.from_pretrained(name, **hf_kwargs)
+        processor = AutoProcessor.from_pretrained(name, **config_kwargs)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"could not load {adapter_cls.display_name} weights or processor from {name!r}: "
+                             f"{str(exc).splitlines()[0]}") from exc
+    return VLM(model, processor, name=name, source=str(Path(name).resolve()) if is_dir else f"hub:{name}")
+
+
+__all__ = ["VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families", "UnsupportedModelError"]

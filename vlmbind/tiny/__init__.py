@@ -1,0 +1,42 @@
+"""Random-weight tiny models of every supported family, built offline and deterministic from a seed.
+
+Each builder makes the real HF config, model class, tokenizer and processor of its family at a tiny size (about 1M
+parameters), so tests and examples exercise exactly the code paths a real checkpoint uses. Tokenizers are byte-level
+BPE vocabularies trained in-process on the stimuli's words (answer words with a leading space are single tokens),
+plus each family's special and image tokens. Zero-initialised image paths (Gemma-3's projector, Molmo2's scaled
+adapter) are re-initialised so that the image matters.
+
+``build("tiny-<family>", seed=0)`` returns ``(model, processor)``; ``vlmbind.load`` wraps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UnsupportedModelError, close_matches
+
+TINY_BUILDERS: dict[str, Callable[..., tuple[Any, Any]]] = {}
+
+
+def register_tiny(name: str) -> Callable:
+    def deco(fn: Callable) -> Callable:
+        TINY_BUILDERS[name] = fn
+        return fn
+
+    return deco
+
+
+from . import gemma3, llava, molmo2, qwen  # noqa: E402,F401  (register the builders)
+
+TINY_NAMES = tuple(
+    n for n in ("tiny-qwen2_5_vl", "tiny-qwen2_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-molmo2")
+    if n in TINY_BUILDERS
+)
+
+
+def build(name: str, seed: int = 0, **kwargs: Any) -> tuple[Any, Any]:
+    """Build the tiny model ``name`` with random weights from ``seed``; returns ``(model, processor)``."""
+    if name not in TINY_BUILDERS:
+        raise UnsupportedModelError(f"unknown tiny model {name!r}.{close_matches(name, TINY_BUILDERS)}")
+    return TINY_BUILDERS[name](seed=seed, **kwargs)

@@ -1,0 +1,1 @@
+"""Placeholder: builder added with the family adapter."""

@@ -1,0 +1,189 @@
+"""TokenIndex: what every position of a prepared prompt is.
+
+For each position: its role (``image``, ``text`` or ``special``); for image tokens, the grid they belong to (an image
+can have several: Molmo2's low-res and high-res grids, LLaVA-OneVision's base grid and any-res tiles), the cell
+(row, col) in that grid, and the pixel box the token covers in the *original* image, ``(x0, y0, x1, y1)`` in pixels
+with x to the right and y down. Boxes are computed from the processor's own resize / crop arithmetic and are checked in
+tests against the model's patch embeddings (changing pixels inside a box changes the features only of the tokens whose
+boxes contain them).
+
+Text spans: :meth:`TokenIndex.span` finds the positions of a piece of the prompt (e.g. ``"blue circle"``), which
+mediation uses to patch the tokens of one described object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import SpanNotFoundError
+
+ROLES = ("text", "image", "special", "pad")
+
+
+@dataclass(frozen=True)
+class ImageGrid:
+    """One grid of image tokens.
+
+    Attributes:
+        name: e.g. ``"image"``, ``"base"``, ``"tile"``, ``"low_res"``, ``"high_res"``.
+        image: index of the image within the example.
+        positions: ``rows cols`` int array, the sequence position of each cell's token.
+        boxes: ``rows cols 4`` float array, ``(x0, y0, x1, y1)`` in original-image pixels.
+    """
+
+    name: str
+    image: int
+    positions: np.ndarray
+    boxes: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.positions.shape[0]), int(self.positions.shape[1])
+
+
+@dataclass
+class TokenIndex:
+    """Roles, image grids and text offsets of one example of a batch (positions index the padded batch row).
+
+    Attributes:
+        input_ids: ``P`` token ids of the row.
+        roles: ``P`` array of role strings (see ``ROLES``).
+        grids: the image-token grids of this example.
+        text_offsets: ``P 2`` character offsets of each text token in ``text`` (``-1`` for non-text tokens).
+        text: the prompt's text tokens decoded and concatenated (image placeholders removed).
+        image_sizes: ``(width, height)`` of each original image.
+    """
+
+    input_ids: np.ndarray
+    roles: np.ndarray
+    grids: list[ImageGrid]
+    text_offsets: np.ndarray
+    text: str
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def positions(self, role: str) -> np.ndarray:
+        """All positions with this role, in order."""
+        return np.flatnonzero(self.roles == role)
+
+    @property
+    def image_positions(self) -> np.ndarray:
+        return self.positions("image")
+
+    @property
+    def last_position(self) -> int:
+        """The last non-padding position (where the next token is predicted)."""
+        return int(np.flatnonzero(self.roles != "pad")[-1])
+
+    def grid(self, name: str | None = None, image: int = 0) -> ImageGrid:
+        """The grid called ``name`` of image ``image`` (the first grid of that image when name is None)."""
+        for g in self.grids:
+            if g.image == image and (name is None or g.name == name):
+                return g
+        names = [(g.name, g.image) for g in self.grids]
+        raise KeyError(f"no grid {name!r} for image {image}; this example has {names}")
+
+    def cell(self, position: int) -> tuple[str, int, int, int] | None:
+        """``(grid name, image, row, col)`` of an image token, or None for other positions."""
+        for g in self.grids:
+            hit = np.argwhere(g.positions == position)
+            if len(hit):
+                return g.name, g.image, int(hit[0, 0]), int(hit[0, 1])
+        return None
+
+    def box(self, position: int) -> tuple[float, float, float, float] | None:
+        """The original-image pixel box of an image token, or None for other positions."""
+        for g in self.grids:
+            hit = np.argwhere(g.positions == position)
+            if len(hit):
+                return tuple(float(v) for v in g.boxes[hit[0, 0], hit[0, 1]])
+        return None
+
+    def positions_covering(
+        self, box: tuple[float, float, float, float], image: int = 0, grid: str | None = None, min_overlap: float = 0.0
+    ) -> np.ndarray:
+        """Image-token positions whose boxes overlap ``box`` (x0, y0, x1, y1) by more than ``min_overlap`` of the
+        token's area; all grids of the image unless ``grid`` names one."""
+        x0, y0, x1, y1 = box
+        out = []
+        for g in self.grids:
+            if g.image != image or (grid is not None and g.name != grid):
+                continue
+            b = g.boxes.reshape(-1, 4)
+            ix = np.clip(np.minimum(b[:, 2], x1) - np.maximum(b[:, 0], x0), 0, None)
+            iy = np.clip(np.minimum(b[:, 3], y1) - np.maximum(b[:, 1], y0), 0, None)
+            area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+            keep = (ix * iy) > min_overlap * area
+            keep &= (ix > 0) & (iy > 0)
+            out.append(g.positions.reshape(-1)[keep])
+        return np.sort(np.concatenate(out)) if out else np.zeros(0, dtype=int)
+
+    def span(self, text: str, occurrence: int = -1) -> np.ndarray:
+        """Positions of the tokens that cover ``text`` in the prompt.
+
+        Args:
+            text: a piece of the prompt, e.g. ``"blue circle"``.
+            occurrence: which occurrence when it appears several times (``-1``: the last, ``0``: the first).
+
+        Raises:
+            SpanNotFoundError: ``text`` is not in the prompt.
+        """
+        starts, i = [], self.text.find(text)
+        while i >= 0:
+            starts.append(i)
+            i = self.text.find(text, i + 1)
+        if not starts:
+            raise SpanNotFoundError(f"{text!r} does not occur in the prompt {self.text!r}")
+        try:
+            start = starts[occurrence]
+        except IndexError:
+            raise SpanNotFoundError(
+                f"{text!r} occurs {len(starts)} times in the prompt; occurrence {occurrence} does not exist"
+            ) from None
+        end = start + len(text)
+        o = self.text_offsets
+        hit = (o[:, 0] >= 0) & (o[:, 0] < end) & (o[:, 1] > start)
+        return np.flatnonzero(hit)
+
+
+def text_offsets(tokenizer, input_ids: np.ndarray, roles: np.ndarray) -> tuple[np.ndarray, str]:
+    """Decode the text tokens one by one and record where each lands in the concatenated text."""
+    offsets = np.full((len(input_ids), 2), -1, dtype=np.int64)
+    pieces, cursor = [], 0
+    for pos, (tid, role) in enumerate(zip(input_ids.tolist(), roles.tolist())):
+        if role != "text":
+            continue
+        piece = tokenizer.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        offsets[pos] = (cursor, cursor + len(piece))
+        pieces.append(piece)
+        cursor += len(piece)
+    return offsets, "".join(pieces)
+
+
+def grid_boxes(rows: int, cols: int, cell_w: float, cell_h: float, x_off: float = 0.0, y_off: float = 0.0,
+               scale_x: float = 1.0, scale_y: float = 1.0, image_size: tuple[int, int] | None = None) -> np.ndarray:
+    """Pixel boxes of a regular grid laid on a processed image, mapped back to the original image.
+
+    A cell (r, c) covers ``[x_off + c*cell_w, x_off + (c+1)*cell_w)`` in processed pixels (likewise y); dividing by
+    ``scale`` maps processed pixels back to original pixels. With ``image_size`` the boxes are clipped to the image.
+    """
+    c = np.arange(cols, dtype=np.float64)
+    r = np.arange(rows, dtype=np.float64)
+    x0 = (x_off + c * cell_w) / scale_x
+    x1 = (x_off + (c + 1) * cell_w) / scale_x
+    y0 = (y_off + r * cell_h) / scale_y
+    y1 = (y_off + (r + 1) * cell_h) / scale_y
+    boxes = np.zeros((rows, cols, 4))
+    boxes[..., 0] = x0[None, :]
+    boxes[..., 2] = x1[None, :]
+    boxes[..., 1] = y0[:, None]
+    boxes[..., 3] = y1[:, None]
+    if image_size is not None:
+        w, h = image_size
+        boxes[..., [0, 2]] = boxes[..., [0, 2]].clip(0, w)
+        boxes[..., [1, 3]] = boxes[..., [1, 3]].clip(0, h)
+    return boxes
