@@ -1,0 +1,1 @@
+"""Placeholder: this family's adapter is being written."""
