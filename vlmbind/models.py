@@ -180,7 +180,7 @@ class VLM:
         tok.padding_side = "left"
         try:
             inputs = self.processor(
-                images=[im for r in rows for im in r], text=texts, return_tensors="pt", padding=True
+                images=self.adapter.processor_images(rows), text=texts, return_tensors="pt", padding=True
             )
         finally:
             tok.padding_side = old_side
@@ -402,10 +402,12 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
     adapter_cls = adapter_class_for_config(config)
     model_cls = getattr(transformers, adapter_cls.model_class_name)
     hf_kwargs.setdefault("attn_implementation", "eager")
+    from safetensors import SafetensorError
+
     try:
         model = model_cls.from_pretrained(name, **hf_kwargs)
         processor = AutoProcessor.from_pretrained(name, **config_kwargs)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise ModelLoadError(f"could not load {adapter_cls.display_name} weights or processor from {name!r}: "
                              f"{str(exc).splitlines()[0]}") from exc
     return VLM(model, processor, name=name, source=str(Path(name).resolve()) if is_dir else f"hub:{name}")

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models of every family (built once per session) and simple drawn images."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+import vlmbind as vb
+from vlmbind.tiny import TINY_NAMES
+
+torch.set_num_threads(2)
+
+PROMPT = "In this image there is a red square, a blue circle and a"
+
+
+def draw_scene(seed: int = 0, size: tuple[int, int] = (224, 224)) -> Image.Image:
+    """Three coloured shapes on white at seed-dependent places."""
+    rng = np.random.default_rng(seed)
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    w, h = size
+    for colour in ("red", "blue", "green"):
+        x, y = int(rng.integers(10, w - 50)), int(rng.integers(10, h - 50))
+        if rng.random() < 0.5:
+            d.rectangle([x, y, x + 36, y + 36], fill=colour)
+        else:
+            d.ellipse([x, y, x + 36, y + 36], fill=colour)
+    return img
+
+
+_CACHE: dict[str, vb.VLM] = {}
+
+
+def get_tiny(name: str) -> vb.VLM:
+    if name not in _CACHE:
+        _CACHE[name] = vb.load(name)
+    return _CACHE[name]
+
+
+@pytest.fixture(params=TINY_NAMES)
+def tiny(request) -> vb.VLM:
+    """Each tiny model in turn (built once per session)."""
+    return get_tiny(request.param)
+
+
+@pytest.fixture
+def scene() -> Image.Image:
+    return draw_scene(0)

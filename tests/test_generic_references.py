@@ -1,0 +1,104 @@
+"""vlmbind's captures and interventions against independent references: HF outputs and nnsight traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPT, draw_scene
+
+import vlmbind as vb
+from vlmbind.hooks import ATTENTION_IMPL
+
+
+def _envoy(root, path: str):
+    for part in path.split("."):
+        root = root[int(part)] if part.isdigit() else getattr(root, part)
+    return root
+
+
+@pytest.fixture
+def batch(tiny):
+    return tiny.prepare([draw_scene(0), draw_scene(1)], [PROMPT, "the red object is a"])
+
+
+def test_patterns_and_residuals_equal_hf_outputs(tiny, batch):
+    ref = tiny.model(**batch.inputs, output_attentions=True, output_hidden_states=True, use_cache=False)
+    out = tiny.run(batch, sites=["blocks.*.attn.hook_pattern", "blocks.*.hook_resid_pre", "blocks.*.hook_resid_post"])
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    hidden = ref.hidden_states  # embeddings, then each layer's output (the last after the final norm)
+    for layer in range(tiny.n_layers):
+        torch.testing.assert_close(out[f"blocks.{layer}.attn.hook_pattern"], ref.attentions[layer], atol=1e-6, rtol=0)
+        torch.testing.assert_close(out[f"blocks.{layer}.hook_resid_pre"], hidden[layer], atol=1e-6, rtol=0)
+        if layer < tiny.n_layers - 1:
+            torch.testing.assert_close(out[f"blocks.{layer}.hook_resid_post"], hidden[layer + 1], atol=1e-6, rtol=0)
+
+
+def test_vlmbind_eager_equals_hf_eager_and_sdpa_patterns_work(tiny, batch):
+    """Pattern capture switches the text model to vlmbind's eager function; logits must not move."""
+    eager = tiny.logits(batch)
+    with_pattern = tiny.run(batch, sites="blocks.0.attn.hook_pattern")
+    torch.testing.assert_close(with_pattern.logits, eager, atol=1e-6, rtol=0)
+    cfg = tiny.adapter.text_config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = "sdpa"
+    try:
+        sdpa = tiny.run(batch, sites="blocks.1.attn.hook_pattern")
+        assert cfg._attn_implementation == "sdpa"
+    finally:
+        cfg._attn_implementation = before
+    assert cfg._attn_implementation != ATTENTION_IMPL
+    ref = tiny.model(**batch.inputs, output_attentions=True, use_cache=False)
+    torch.testing.assert_close(sdpa["blocks.1.attn.hook_pattern"], ref.attentions[1], atol=1e-6, rtol=0)
+
+
+def test_z_equals_nnsight_o_proj_input(tiny, batch):
+    path = tiny.adapter.text_layers
+    nn_model = tiny.nnsight()
+    saved = []
+    with torch.no_grad(), nn_model.trace(**batch.inputs, use_cache=False):
+        for layer in range(tiny.n_layers):
+            o_proj = _envoy(nn_model, f"{path}.{layer}.{tiny.adapter.attention}.{tiny.adapter.o_proj}")
+            saved.append(o_proj.input.save())
+    out = tiny.run(batch, sites="blocks.*.attn.hook_z")
+    b, p = batch.inputs["input_ids"].shape
+    for layer in range(tiny.n_layers):
+        ref = saved[layer].reshape(b, p, tiny.n_heads, tiny.adapter.d_head)
+        torch.testing.assert_close(out[f"blocks.{layer}.attn.hook_z"], ref, atol=0, rtol=0)
+
+
+def test_head_patch_equals_nnsight_patch(tiny):
+    clean = tiny.prepare(draw_scene(0), PROMPT)
+    corrupt = tiny.prepare(draw_scene(7), PROMPT)
+    layer, head, d = tiny.n_layers - 2, 1, tiny.adapter.d_head
+    positions = [-1, -2]
+    z_corrupt = tiny.capture(corrupt, f"blocks.{layer}.attn.hook_z")[f"blocks.{layer}.attn.hook_z"]
+    values = z_corrupt[:, positions][:, :, [head]]
+    ours = tiny.logits(clean, [vb.PatchHeads(layer=layer, heads=[head], positions=positions, values=values)])
+
+    nn_model = tiny.nnsight()
+    path = f"{tiny.adapter.text_layers}.{layer}.{tiny.adapter.attention}.{tiny.adapter.o_proj}"
+    seq = clean.seq_len
+    with torch.no_grad(), nn_model.trace(**clean.inputs, use_cache=False):
+        x = _envoy(nn_model, path).input
+        for k, pos in enumerate(positions):
+            x[:, seq + pos, head * d : (head + 1) * d] = values[:, k, 0]
+        logits = nn_model.output.logits.save()
+    torch.testing.assert_close(ours, logits, atol=1e-6, rtol=0)
+    clean_logits = tiny.logits(clean)
+    assert (ours - clean_logits).abs().max() > 1e-4, "the patch must change something for the test to mean anything"
+
+
+def test_identity_interventions_are_exact(tiny, batch):
+    clean = tiny.logits(batch)
+    layer = 1
+    heads = list(range(tiny.n_heads))
+    z = tiny.capture(batch, f"blocks.{layer}.attn.hook_z")[f"blocks.{layer}.attn.hook_z"]
+    self_patch = vb.PatchHeads(layer=layer, heads=heads, positions=list(range(batch.seq_len)), values=z)
+    torch.testing.assert_close(tiny.logits(batch, [self_patch]), clean, atol=0, rtol=0)
+    zero_alpha = vb.AddToHeads(layer=layer, heads=heads, positions=[-1], vector=torch.ones(tiny.adapter.d_head),
+                               alpha=0.0)
+    torch.testing.assert_close(tiny.logits(batch, [zero_alpha]), clean, atol=0, rtol=0)
+    one = tiny.prepare(draw_scene(0), PROMPT)
+    means = tiny.head_means(one, layer, heads, per_position=True)
+    mean_self = vb.AblateHeads(layer=layer, heads=heads, mode="mean", means=means)
+    torch.testing.assert_close(tiny.logits(one, [mean_self]), tiny.logits(one), atol=0, rtol=0)

@@ -1,0 +1,93 @@
+"""TokenIndex against the model's own computation, for every family.
+
+With the vision tower's attention silenced, every vision block works patch by patch, and the projector only mixes
+the patches it pools, so painting pixels inside one cell's box changes the language model's input features exactly
+at the image tokens whose boxes overlap the painted pixels. That checks the family's grid layout and pixel boxes
+against what the model computes, not against our own formula.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPT
+from PIL import Image, ImageDraw
+
+from vlmbind.adapters.base import get_module
+from vlmbind.errors import SpanNotFoundError
+
+
+@contextlib.contextmanager
+def silenced_vision_attention(vlm):
+    a = vlm.adapter
+
+    def zero(module, args, output):
+        if isinstance(output, tuple):
+            return (torch.zeros_like(output[0]), *output[1:])
+        return torch.zeros_like(output)
+
+    handles = [get_module(a.vision_block(i), a.vision_attention).register_forward_hook(zero)
+               for i in range(a.n_vision_layers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _features(vlm, image):
+    batch = vlm.prepare(image, PROMPT)
+    return batch, vlm.capture(batch, "blocks.0.hook_resid_pre")["blocks.0.hook_resid_pre"][0]
+
+
+@pytest.mark.parametrize("size", [(224, 224), (256, 192)])
+def test_painted_region_changes_only_mapped_tokens(tiny, size):
+    base = Image.new("RGB", size, (255, 255, 255))
+    with silenced_vision_attention(tiny):
+        batch, ref = _features(tiny, base)
+        ti = batch.index[0]
+        checked = 0
+        for grid in ti.grids:
+            rows, cols = grid.shape
+            for r, c in {(rows // 2, cols // 3), (1, cols - 2), (rows - 1, 0)}:
+                x0, y0, x1, y1 = grid.boxes[r, c]
+                w, h = x1 - x0, y1 - y0
+                box = (x0 + 0.35 * w, y0 + 0.35 * h, x1 - 0.35 * w, y1 - 0.35 * h)
+                painted = base.copy()
+                ImageDraw.Draw(painted).rectangle([box[0], box[1], box[2] - 1, box[3] - 1], fill=(200, 30, 40))
+                _, feats = _features(tiny, painted)
+                changed = np.flatnonzero((feats - ref).abs().amax(-1).numpy() > 1e-5)
+                expected = ti.positions_covering(box)
+                assert grid.positions[r, c] in expected
+                assert set(changed.tolist()) == set(expected.tolist()), (grid.name, r, c, box)
+                checked += 1
+        assert checked >= 2
+
+
+def test_boxes_lie_inside_the_image(tiny):
+    batch = tiny.prepare(Image.new("RGB", (256, 192), "white"), PROMPT)
+    for grid in batch.index[0].grids:
+        b = grid.boxes
+        assert (b[..., 0] >= 0).all() and (b[..., 2] <= 256 + 1e-6).all()
+        assert (b[..., 1] >= 0).all() and (b[..., 3] <= 192 + 1e-6).all()
+        assert (b[..., 2] > b[..., 0]).all() and (b[..., 3] > b[..., 1]).all()
+        # raster order: x grows along a row, y down a column
+        assert (np.diff(b[..., 0], axis=1) > 0).all() and (np.diff(b[..., 1], axis=0) > 0).all()
+
+
+def test_span_positions(tiny, scene):
+    batch = tiny.prepare(scene, "there is a red square, a blue circle and a blue star")
+    ti = batch.index[0]
+    tok = tiny.adapter.tokenizer
+    first = ti.span("blue", occurrence=0)
+    last = ti.span("blue")
+    assert first[0] < last[0]
+    assert "blue circle" in tok.decode(ti.input_ids[ti.span("blue circle")])
+    assert (ti.roles[ti.span("red square")] == "text").all()
+    with pytest.raises(SpanNotFoundError):
+        ti.span("green triangle")
+    with pytest.raises(SpanNotFoundError, match="occurs 2 times"):
+        ti.span("blue", occurrence=5)

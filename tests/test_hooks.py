@@ -1,0 +1,133 @@
+"""Interventions do what their names say, check their input, and never leave a hook behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPT, draw_scene
+
+import vlmbind as vb
+from vlmbind.hooks import _PROB_EDITS, ATTENTION_IMPL
+
+
+def _hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _clean_state(vlm) -> None:
+    assert _hook_count(vlm.model) == 0
+    assert not any(hasattr(m, _PROB_EDITS) for m in vlm.model.modules())
+    assert vlm.adapter.text_config._attn_implementation != ATTENTION_IMPL
+    assert vlm._active == []
+
+
+@pytest.fixture
+def batch(tiny):
+    return tiny.prepare([draw_scene(0), draw_scene(3)], [PROMPT, "the red object is a"])
+
+
+def _all_interventions(vlm, batch):
+    z = vlm.capture(batch, "blocks.1.attn.hook_z")["blocks.1.attn.hook_z"]
+    d = vlm.adapter.d_head
+    return [
+        vb.PatchHeads(layer=1, heads=[0], positions=[-1], values=z[:, [-1]][:, :, [0]] * 2),
+        vb.AblateHeads(layer=1, heads=[1], mode="zero"),
+        vb.AblateHeads(layer=1, heads=[1], mode="mean", means=torch.ones(1, d)),
+        vb.AddToHeads(layer=1, heads=[0, 1], positions=[-1], vector=torch.ones(d), alpha=3.0),
+        vb.ZeroImageAttention(layer=1, heads=[0], renormalize=True),
+        vb.ZeroImageAttention(layer=1, heads=[0], renormalize=False),
+    ]
+
+
+def test_hooks_removed_when_forward_raises(tiny, batch):
+    clean = tiny.logits(batch)
+    a = tiny.adapter
+
+    def boom(module, args, output):
+        raise RuntimeError("boom")
+
+    for intervention in _all_interventions(tiny, batch):
+        handle = a.layer(a.n_layers - 1).register_forward_hook(boom)
+        try:
+            with pytest.raises(RuntimeError, match="boom"):
+                tiny.run(batch, sites=["blocks.*.attn.hook_pattern", "blocks.0.attn.hook_z"],
+                         interventions=[intervention])
+        finally:
+            handle.remove()
+        _clean_state(tiny)
+        torch.testing.assert_close(tiny.logits(batch), clean, atol=0, rtol=0)
+
+
+def test_context_managers_clean_up_on_error(tiny, batch):
+    clean = tiny.logits(batch)
+    for mode in ("image_attention", "zero"):
+        with pytest.raises(ValueError, match="inside"):
+            with tiny.ablate([(0, 0), (1, 1)], mode=mode):
+                assert (tiny.logits(batch) - clean).abs().max() > 0
+                raise ValueError("inside the block")
+        _clean_state(tiny)
+        torch.testing.assert_close(tiny.logits(batch), clean, atol=0, rtol=0)
+
+
+def test_every_intervention_changes_logits_then_leaves_no_trace(tiny, batch):
+    clean = tiny.logits(batch)
+    for intervention in _all_interventions(tiny, batch):
+        changed = tiny.logits(batch, [intervention])
+        assert (changed - clean).abs().max() > 1e-5, intervention
+        _clean_state(tiny)
+    torch.testing.assert_close(tiny.logits(batch), clean, atol=0, rtol=0)
+
+
+def test_zero_ablation_zeroes_z(tiny, batch):
+    out = tiny.run(batch, sites="blocks.2.attn.hook_z", interventions=[vb.AblateHeads(layer=2, heads=[1, 3 % tiny.n_heads])])
+    z = out["blocks.2.attn.hook_z"]
+    assert z[:, :, [1, 3 % tiny.n_heads]].abs().max() == 0
+    assert z[:, :, 0].abs().max() > 0
+
+
+def test_zero_image_attention_matches_decomposition(tiny, batch):
+    """Zeroing attention to image tokens after the softmax = removing those keys' weighted values from z."""
+    layer, head = 1, 0
+    sites = [f"blocks.{layer}.attn.hook_pattern", f"blocks.{layer}.attn.hook_z"]
+    clean = tiny.run(batch, sites=sites)
+    for renorm in (False, True):
+        out = tiny.run(batch, sites=sites,
+                       interventions=[vb.ZeroImageAttention(layer=layer, heads=[head], renormalize=renorm)])
+        pattern = out[sites[0]]
+        for row, ti in enumerate(batch.index):
+            img = torch.as_tensor(ti.image_positions)
+            assert pattern[row, head][:, img].abs().max() == 0
+            other = [h for h in range(tiny.n_heads) if h != head]
+            torch.testing.assert_close(pattern[row, other], clean[sites[0]][row, other], atol=0, rtol=0)
+            sums = pattern[row, head, ti.last_position].sum()
+            if renorm:
+                torch.testing.assert_close(sums, torch.tensor(1.0), atol=1e-5, rtol=0)
+            else:
+                kept = 1 - clean[sites[0]][row, head, ti.last_position, img].sum()
+                torch.testing.assert_close(sums, kept, atol=1e-5, rtol=0)
+
+
+def test_bad_interventions_raise_named_errors(tiny, batch):
+    d = tiny.adapter.d_head
+    with pytest.raises(vb.InterventionError, match="layer 99"):
+        tiny.logits(batch, [vb.AblateHeads(layer=99, heads=[0])])
+    with pytest.raises(vb.InterventionError, match=r"heads \[42\]"):
+        tiny.logits(batch, [vb.AblateHeads(layer=0, heads=[42])])
+    with pytest.raises(vb.InterventionError, match="outside the sequence"):
+        tiny.logits(batch, [vb.PatchHeads(layer=0, heads=[0], positions=[10_000], values=torch.zeros(1, 1, d))])
+    with pytest.raises(vb.InterventionError, match="do not fit"):
+        tiny.logits(batch, [vb.PatchHeads(layer=0, heads=[0], positions=[1], values=torch.zeros(3, 2, 1, d + 1))])
+    with pytest.raises(vb.InterventionError, match="needs means"):
+        vb.AblateHeads(layer=0, heads=[0], mode="mean")
+    with pytest.raises(vb.InterventionError, match="mode"):
+        vb.AblateHeads(layer=0, heads=[0], mode="half")
+    with pytest.raises(vb.InputError, match="ablation mode"):
+        tiny.ablate([(0, 0)], mode="imag_attention")
+    _clean_state(tiny)
+
+
+def test_generate_applies_interventions_and_cleans_up(tiny):
+    batch = tiny.prepare(draw_scene(0), PROMPT)
+    texts, caps = tiny.generate(batch, max_new_tokens=3, sites="blocks.0.attn.hook_pattern")
+    assert len(texts) == 1 and len(caps["blocks.0.attn.hook_pattern"]) == 3
+    _clean_state(tiny)

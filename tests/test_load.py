@@ -1,0 +1,78 @@
+"""vb.load: names, directories, and the errors users see."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+import vlmbind as vb
+from vlmbind.tiny import TINY_NAMES
+
+
+def test_registered_names_include_every_tiny_model():
+    assert set(TINY_NAMES) <= set(vb.registered_names())
+
+
+def test_unknown_name_lists_close_matches():
+    with pytest.raises(vb.UnsupportedModelError, match="tiny-qwen2_5_vl"):
+        vb.load("tiny-qwen25_vl")
+
+
+def test_unsupported_family_lists_supported_ones(tmp_path):
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(vb.UnsupportedModelError) as e:
+        vb.load(str(tmp_path))
+    assert "'gpt2'" in str(e.value)
+    assert "Qwen2.5-VL" in str(e.value)
+
+
+def test_missing_directory_and_missing_weights(tmp_path):
+    with pytest.raises(vb.ModelLoadError, match="not a model directory"):
+        vb.load(str(tmp_path / "nope"))
+    with pytest.raises(vb.ModelLoadError, match="config"):
+        vb.load(str(tmp_path))  # empty directory
+    vlm = vb.load(TINY_NAMES[0])
+    vlm.model.config.save_pretrained(tmp_path)
+    with pytest.raises(vb.ModelLoadError, match="weights or processor"):
+        vb.load(str(tmp_path))
+
+
+def test_corrupt_weights(tmp_path):
+    vlm = vb.load(TINY_NAMES[0])
+    vlm.model.save_pretrained(tmp_path)
+    vlm.processor.save_pretrained(tmp_path)
+    weights = next(tmp_path.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(vb.ModelLoadError):
+        vb.load(str(tmp_path))
+
+
+def test_load_never_trusts_remote_code(monkeypatch, tmp_path):
+    seen = []
+    real = transformers.AutoConfig.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy)
+    vlm = vb.load(TINY_NAMES[0])
+    vlm.model.save_pretrained(tmp_path)
+    vlm.processor.save_pretrained(tmp_path)
+    vb.load(str(tmp_path))
+    assert seen and not any(seen)
+
+
+def test_bad_prepare_inputs():
+    vlm = vb.load(TINY_NAMES[0])
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 64))
+    with pytest.raises(vb.InputError, match="2 images for 1 prompts"):
+        vlm.prepare([img, img], ["a"])
+    with pytest.raises(vb.InputError, match="empty"):
+        vlm.prepare(img, "   ")
+    with pytest.raises(vb.InputError, match="PIL image"):
+        vlm.prepare(["not an image"], ["a"])
+    gray = vlm.prepare(Image.new("L", (64, 64)), "a")
+    assert gray.images[0][0].mode == "RGB"
