@@ -203,6 +203,14 @@ class ModelAdapter:
         """
         raise NotImplementedError
 
+    def processor_images(self, rows: list[list[Any]]) -> list[Any]:
+        """The ``images`` argument of the processor call for a batch whose row ``i`` has the images ``rows[i]``.
+
+        Flat (all images in prompt order) by default; a family whose processor reads a flat list as the images of
+        one prompt (Gemma-3) overrides this to pass one list per prompt.
+        """
+        return [im for row in rows for im in row]
+
     def forward_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Extra keyword arguments the family's forward needs beyond the processor's outputs."""
         return {}
