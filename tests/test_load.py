@@ -76,3 +76,34 @@ def test_bad_prepare_inputs():
         vlm.prepare(["not an image"], ["a"])
     gray = vlm.prepare(Image.new("L", (64, 64)), "a")
     assert gray.images[0][0].mode == "RGB"
+
+
+def _run_offline(code: str, cache) -> "subprocess.CompletedProcess":
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "TRANSFORMERS_VERBOSITY": "error"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_hub_id_loads_from_the_hub_cache(tmp_path):
+    """A hub id resolves through huggingface_hub's cache (laid out as a download leaves it), offline."""
+    snapshot = tmp_path / "models--vlmbind-test--tiny-qwen" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--vlmbind-test--tiny-qwen" / "refs").mkdir()
+    (tmp_path / "models--vlmbind-test--tiny-qwen" / "refs" / "main").write_text("0" * 40)
+    vlm = vb.load(TINY_NAMES[0])
+    vlm.model.save_pretrained(snapshot)
+    vlm.processor.save_pretrained(snapshot)
+    code = (
+        "import vlmbind as vb\n"
+        "vlm = vb.load('vlmbind-test/tiny-qwen')\n"
+        "print(vlm.family, vlm.source)\n"
+        "try:\n    vb.load('vlmbind-test/absent')\nexcept vb.ModelLoadError as e:\n    print('ERR', e)\n"
+    )
+    result = _run_offline(code, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == f"{vlm.family} hub:vlmbind-test/tiny-qwen"
+    assert lines[1].startswith("ERR could not read a model config from hub id 'vlmbind-test/absent'")
