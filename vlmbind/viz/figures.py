@@ -1,0 +1,307 @@
+"""Plotly figure builders shared by the CLI, the result classes and the notebooks, plus atomic file writing.
+
+Design: every builder takes plain data (a tidy pandas frame, numpy arrays, a PIL image) and returns a
+``plotly.graph_objects.Figure``; none of them knows about models, so a result class, the CLI and a notebook draw the
+same figure from the same table. Hover text always shows the exact stored value (``repr`` of the float), because
+reading a number off a colour bar is not good enough to compare heads. Colour scales are chosen from the data: a
+diverging scale centred at zero for signed values (effects, differences), a sequential one for non-negative values
+(attention mass, probabilities). Images travel inside the figure as PNG data URIs, so every HTML file written here
+is readable offline. Writers go through a temporary file in the target directory and ``os.replace``, so a reader
+never sees a half-written file and an interrupted run leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import sample_colorscale
+from PIL import Image
+
+from ..errors import InputError
+
+SEQUENTIAL_SCALE = "Viridis"
+DIVERGING_SCALE = "RdBu_r"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Atomic writes
+# ------------------------------------------------------------------------------------------------------------------
+def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
+    """Write ``data`` to ``path`` atomically (temporary file in the same directory, then ``os.replace``).
+
+    The parent directory is created if needed. On failure the temporary file is removed and any previous file at
+    ``path`` is left untouched.
+
+    Args:
+        data: the bytes to write.
+        path: the destination file.
+
+    Returns:
+        The destination as a :class:`~pathlib.Path`.
+
+    Raises:
+        InputError: ``path`` is an existing directory.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"cannot write {str(path)!r}: it is a directory; pass a file path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        # mkstemp creates 0600; give the file the permissions a plain open() would
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return path
+
+
+def _remove_quietly(path: str) -> None:
+    """Remove a leftover temporary file; a file that is already gone is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write UTF-8 ``text`` to ``path`` atomically (see :func:`write_bytes_atomic`)."""
+    return write_bytes_atomic(text.encode("utf-8"), path)
+
+
+def write_html_atomic(
+    fig: go.Figure, path: str | os.PathLike, *, include_plotlyjs: bool | str = True, div_id: str | None = None
+) -> Path:
+    """Write ``fig`` as a standalone HTML page, atomically.
+
+    Args:
+        fig: the figure.
+        path: the destination ``.html`` file.
+        include_plotlyjs: ``True`` embeds plotly.js (about 4.8 MB; readable offline), ``"cdn"`` links it.
+        div_id: the plot's ``<div>`` id; defaults to one derived from the file name, so the same figure gives the
+            same bytes (plotly would otherwise draw a random id).
+
+    Returns:
+        The destination as a :class:`~pathlib.Path`.
+    """
+    path = Path(path)
+    html = fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True, div_id=div_id or f"vlmbind-{path.stem}")
+    return write_text_atomic(html, path)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Figures
+# ------------------------------------------------------------------------------------------------------------------
+def _full_title(title: str, model: str | None, n: int | None) -> str:
+    extras = [part for part in (model, None if n is None else f"n={n}") if part]
+    # model and n go on a smaller second line so long titles are not clipped by narrow figures
+    return f"{title}<br><sup>{', '.join(extras)}</sup>" if extras else title
+
+
+def head_heatmap(
+    frame: pd.DataFrame,
+    value: str = "mass",
+    *,
+    title: str = "Per-head value",
+    model: str | None = None,
+    n: int | None = None,
+) -> go.Figure:
+    """A layers x heads heatmap of one value per attention head.
+
+    Args:
+        frame: tidy table with integer columns ``layer`` and ``head`` and the column ``value``; one row per
+            (layer, head). Heads missing from the table are drawn blank.
+        value: the column to draw.
+        title: the figure title; ``model`` and ``n`` are added on a second line as ``model, n=...``.
+        model: the model name shown in the title.
+        n: the number of examples the values summarise, shown in the title.
+
+    Returns:
+        The figure: x axis ``head``, y axis ``layer`` (layer 0 at the bottom), hover text with the exact values. A
+        diverging scale centred at zero when any value is negative, a sequential scale otherwise.
+
+    Raises:
+        InputError: a column is missing, the table is empty, or a (layer, head) occurs twice.
+    """
+    missing = [c for c in ("layer", "head", value) if c not in frame.columns]
+    if missing:
+        raise InputError(
+            f"head_heatmap: the frame has no column(s) {missing}; it has {list(frame.columns)}. "
+            f"Pass a tidy table with columns layer, head, {value}."
+        )
+    if frame.empty:
+        raise InputError("head_heatmap: the frame is empty; pass at least one (layer, head) row")
+    dup = frame.duplicated(["layer", "head"])
+    if dup.any():
+        first = frame.loc[dup, ["layer", "head"]].iloc[0].tolist()
+        raise InputError(
+            f"head_heatmap: (layer, head) {tuple(int(v) for v in first)} occurs more than once; aggregate the frame "
+            f"first, e.g. frame.groupby(['layer', 'head'], as_index=False)[{value!r}].mean()"
+        )
+    n_layers = int(frame["layer"].max()) + 1
+    n_heads = int(frame["head"].max()) + 1
+    z = np.full((n_layers, n_heads), np.nan)
+    z[frame["layer"].to_numpy(int), frame["head"].to_numpy(int)] = frame[value].to_numpy(float)
+    # repr gives the shortest string that round-trips to the same float: the exact stored value
+    text = [["" if np.isnan(v) else repr(float(v)) for v in row] for row in z]
+    signed = bool(np.nanmin(z) < 0)
+    heatmap = go.Heatmap(
+        z=z,
+        x=list(range(n_heads)),
+        y=list(range(n_layers)),
+        text=text,
+        hovertemplate="layer %{y}<br>head %{x}<br>" + value + " = %{text}<extra></extra>",
+        colorscale=DIVERGING_SCALE if signed else SEQUENTIAL_SCALE,
+        zmid=0.0 if signed else None,
+        colorbar={"title": {"text": value}},
+        xgap=1,
+        ygap=1,
+    )
+    fig = go.Figure(heatmap)
+    fig.update_layout(
+        title={"text": _full_title(title, model, n)},
+        xaxis={"title": {"text": "head"}, "dtick": 1 if n_heads <= 32 else None},
+        yaxis={"title": {"text": "layer"}, "dtick": 1 if n_layers <= 48 else None},
+        template="plotly_white",
+        width=max(560, 40 * n_heads + 220),
+        height=max(360, 28 * n_layers + 160),
+    )
+    return fig
+
+
+def _with_alpha(colour: str, alpha: float) -> str:
+    """``rgb(r, g, b)`` (as plotly's colour scales give) -> ``rgba(r, g, b, alpha)``."""
+    inner = colour[colour.index("(") + 1 : colour.rindex(")")]
+    r, g, b = (float(v) for v in inner.split(",")[:3])
+    return f"rgba({r:.0f}, {g:.0f}, {b:.0f}, {alpha:.4f})"
+
+
+def image_data_uri(image: Image.Image) -> str:
+    """A PIL image as a ``data:image/png;base64,...`` URI (lossless, embeddable in offline HTML)."""
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def attention_overlay(
+    image: Image.Image,
+    grid_positions: np.ndarray,
+    boxes: np.ndarray,
+    weights: np.ndarray,
+    title: str,
+    *,
+    opacity: float = 0.7,
+    value_name: str = "attention",
+) -> go.Figure:
+    """Image-token cells coloured by a weight, drawn over the image they cover.
+
+    Args:
+        image: the original image (pixel coordinates of ``boxes`` refer to it).
+        grid_positions: ``rows cols`` sequence positions of the grid's tokens (shown on hover); any shape ``S``.
+        boxes: ``rows cols 4`` pixel boxes ``(x0, y0, x1, y1)`` of the tokens in the original image (``S 4``).
+        weights: ``rows cols`` one weight per token, e.g. one head's attention from the last token (``S``).
+        title: the figure title.
+        opacity: opacity of the cell with the largest weight; a cell's opacity is proportional to its weight, so
+            the image shows through where attention is low.
+        value_name: what the weights are, for the colour bar and hover text.
+
+    Returns:
+        The figure: the image as background in pixel coordinates (y down), one outlined rectangle per token filled
+        on a sequential scale from 0 to the largest weight (opacity proportional to the weight), and an invisible
+        marker at each cell centre carrying the hover text (row, col, position, exact weight) and the colour bar.
+
+    Raises:
+        InputError: the shapes of positions, boxes and weights do not agree, or a weight is not finite.
+    """
+    positions = np.asarray(grid_positions)
+    boxes = np.asarray(boxes, dtype=float)
+    weights = np.asarray(weights, dtype=float)
+    if positions.ndim == 0 or boxes.shape != (*positions.shape, 4) or weights.shape != positions.shape:
+        raise InputError(
+            f"attention_overlay: grid_positions {positions.shape}, boxes {boxes.shape} and weights {weights.shape} "
+            f"do not agree; pass positions and weights of one shape S and boxes of shape S + (4,)"
+        )
+    if not np.isfinite(weights).all():
+        raise InputError("attention_overlay: weights contain NaN or inf; pass finite weights")
+    width, height = image.size
+    flat_pos = positions.reshape(-1)
+    flat_box = boxes.reshape(-1, 4)
+    flat_w = weights.reshape(-1)
+    cells = np.argwhere(np.ones(positions.shape, dtype=bool))  # row-major, like the reshape(-1) above
+    top = float(flat_w.max()) if flat_w.size and flat_w.max() > 0 else 1.0
+    scaled = np.clip(flat_w / top, 0.0, 1.0)
+    colours = sample_colorscale(SEQUENTIAL_SCALE, list(scaled))
+
+    fig = go.Figure()
+    shapes = [
+        {
+            "type": "rect", "xref": "x", "yref": "y", "x0": b[0], "y0": b[1], "x1": b[2], "y1": b[3],
+            "fillcolor": _with_alpha(c, opacity * a), "line": {"width": 0.5, "color": "rgba(90,90,90,0.35)"},
+            "layer": "above",
+        }
+        for b, c, a in zip(flat_box.tolist(), colours, scaled.tolist())
+    ]
+    cell_labels = [", ".join(str(int(i)) for i in cell) for cell in cells]
+    fig.add_trace(
+        go.Scatter(
+            x=((flat_box[:, 0] + flat_box[:, 2]) / 2).tolist(),
+            y=((flat_box[:, 1] + flat_box[:, 3]) / 2).tolist(),
+            mode="markers",
+            marker={
+                "size": 1, "opacity": 0, "color": flat_w.tolist(), "colorscale": SEQUENTIAL_SCALE,
+                "cmin": 0.0, "cmax": top, "showscale": True, "colorbar": {"title": {"text": value_name}},
+            },
+            customdata=[[lbl, int(p), repr(float(w))] for lbl, p, w in zip(cell_labels, flat_pos, flat_w)],
+            hovertemplate="cell (%{customdata[0]})<br>position %{customdata[1]}<br>"
+            + value_name + " = %{customdata[2]}<extra></extra>",
+            showlegend=False,
+        )
+    )
+    fig.update_layout(
+        title={"text": title},
+        images=[{
+            "source": image_data_uri(image), "xref": "x", "yref": "y", "x": 0, "y": 0, "sizex": width,
+            "sizey": height, "sizing": "stretch", "layer": "below",
+        }],
+        shapes=shapes,
+        xaxis={"range": [0, width], "showgrid": False, "zeroline": False, "title": {"text": "x (pixels)"}},
+        # y grows downwards, as in the image and in the TokenIndex boxes
+        yaxis={"range": [height, 0], "showgrid": False, "zeroline": False, "scaleanchor": "x",
+               "title": {"text": "y (pixels)"}},
+        template="plotly_white",
+        width=640,
+        height=600,
+    )
+    return fig
+
+
+def frame_to_html_table(frame: pd.DataFrame, *, float_format: str = "{:.4f}", index: bool = True) -> str:
+    """A small HTML table for reports (values escaped; floats formatted with ``float_format``)."""
+    return frame.to_html(
+        index=index, escape=True, border=0, classes="vb-table", float_format=float_format.format, na_rep=""
+    )
+
+
+__all__ = [
+    "attention_overlay",
+    "frame_to_html_table",
+    "head_heatmap",
+    "image_data_uri",
+    "write_bytes_atomic",
+    "write_html_atomic",
+    "write_text_atomic",
+]
