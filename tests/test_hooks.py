@@ -11,7 +11,12 @@ from vlmbind.hooks import _PROB_EDITS, ATTENTION_IMPL
 
 
 def _hook_count(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    """Hooks vlmbind registered (transformers installs its own output-capturing hooks; those are not ours)."""
+    return sum(
+        getattr(fn, "__module__", "") == "vlmbind.hooks"
+        for m in model.modules()
+        for fn in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+    )
 
 
 def _clean_state(vlm) -> None:
@@ -42,6 +47,9 @@ def _all_interventions(vlm, batch):
 def test_hooks_removed_when_forward_raises(tiny, batch):
     clean = tiny.logits(batch)
     a = tiny.adapter
+    with tiny.intervene([vb.AblateHeads(layer=0, heads=[0])]):
+        tiny.run(batch, sites="blocks.0.attn.hook_z")
+        assert _hook_count(tiny.model) == 0  # hooks live only during a call
 
     def boom(module, args, output):
         raise RuntimeError("boom")
@@ -131,3 +139,11 @@ def test_generate_applies_interventions_and_cleans_up(tiny):
     texts, caps = tiny.generate(batch, max_new_tokens=3, sites="blocks.0.attn.hook_pattern")
     assert len(texts) == 1 and len(caps["blocks.0.attn.hook_pattern"]) == 3
     _clean_state(tiny)
+
+
+def test_hook_counter_sees_our_hooks(tiny, batch):
+    from vlmbind.hooks import HookSession
+
+    with HookSession(tiny.adapter, tiny.sites(["blocks.*.attn.hook_z", "vision.*"]), index=batch.index):
+        assert _hook_count(tiny.model) == tiny.n_layers + tiny.adapter.n_vision_layers
+    assert _hook_count(tiny.model) == 0

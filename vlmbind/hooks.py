@@ -415,9 +415,9 @@ class HookSession:
                 elif site.hook == "hook_resid_post":
                     self._handles.append(a.layer(site.layer).register_forward_hook(self._post_capture(name)))
                 elif site.hook == "hook_attn_out":
-                    self._handles.append(a.attention_module(site.layer).register_forward_hook(self._post_capture(name)))
+                    self._handles.append(a.attn_out_module(site.layer).register_forward_hook(self._post_capture(name)))
                 elif site.hook == "hook_mlp_out":
-                    self._handles.append(a.mlp_module(site.layer).register_forward_hook(self._post_capture(name)))
+                    self._handles.append(a.mlp_out_module(site.layer).register_forward_hook(self._post_capture(name)))
                 elif site.hook == "attn.hook_pattern":
                     self._handles.append(
                         a.attention_module(site.layer).register_forward_hook(self._pattern_capture(name))

@@ -9,8 +9,8 @@ Shapes (``B`` batch, ``P`` positions, ``H`` query heads, ``D`` head dim, ``N`` v
 ============================================  ===========================================================
 ``blocks.{l}.hook_resid_pre``                 ``B P d_model``: input of decoder layer l
 ``blocks.{l}.hook_resid_post``                ``B P d_model``: output of decoder layer l
-``blocks.{l}.hook_attn_out``                  ``B P d_model``: output of the attention block (after o_proj)
-``blocks.{l}.hook_mlp_out``                   ``B P d_model``: output of the MLP
+``blocks.{l}.hook_attn_out``                  ``B P d_model``: what attention adds to the residual stream
+``blocks.{l}.hook_mlp_out``                   ``B P d_model``: what the MLP adds to the residual stream
 ``blocks.{l}.attn.hook_z``                    ``B P H D``: per-head attention output, the input of o_proj
 ``blocks.{l}.attn.hook_pattern``              ``B H P P``: attention probabilities after the softmax
 ``vision.blocks.{l}.hook_resid_post``         the vision block's output, as the tower lays it out

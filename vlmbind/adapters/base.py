@@ -74,6 +74,10 @@ class ModelAdapter:
     attention: ClassVar[str] = "self_attn"
     o_proj: ClassVar[str] = "o_proj"
     mlp: ClassVar[str] = "mlp"
+    # modules (inside a layer) whose outputs are what the attention / MLP add to the residual stream; families with
+    # post-norms (Gemma-3) point these at the norm so the names mean what they mean in TransformerLens
+    attn_out: ClassVar[str | None] = None
+    mlp_out: ClassVar[str | None] = None
     vision_blocks: ClassVar[str]
     # attention module inside a vision block (tests silence it to make the tower local, for the TokenIndex check)
     vision_attention: ClassVar[str] = "self_attn"
@@ -134,6 +138,12 @@ class ModelAdapter:
 
     def mlp_module(self, layer: int) -> nn.Module:
         return get_module(self.layer(layer), self.mlp)
+
+    def attn_out_module(self, layer: int) -> nn.Module:
+        return get_module(self.layer(layer), self.attn_out) if self.attn_out else self.attention_module(layer)
+
+    def mlp_out_module(self, layer: int) -> nn.Module:
+        return get_module(self.layer(layer), self.mlp_out) if self.mlp_out else self.mlp_module(layer)
 
     def vision_block(self, layer: int) -> nn.Module:
         return get_module(self.model, self.vision_blocks)[layer]
@@ -210,6 +220,14 @@ class ModelAdapter:
         one prompt (Gemma-3) overrides this to pass one list per prompt.
         """
         return [im for row in rows for im in row]
+
+    def processor_kwargs(self, chat: bool) -> dict[str, Any]:
+        """Extra keyword arguments of the processor call; ``chat``: the texts came from the chat template.
+
+        Empty by default; a family whose chat template already writes the BOS token that its tokenizer also adds
+        (Gemma-3) returns ``{"add_special_tokens": False}`` for chat texts, as ``apply_chat_template`` does.
+        """
+        return {}
 
     def forward_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Extra keyword arguments the family's forward needs beyond the processor's outputs."""
