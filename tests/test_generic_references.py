@@ -102,3 +102,13 @@ def test_identity_interventions_are_exact(tiny, batch):
     means = tiny.head_means(one, layer, heads, per_position=True)
     mean_self = vb.AblateHeads(layer=layer, heads=heads, mode="mean", means=means)
     torch.testing.assert_close(tiny.logits(one, [mean_self]), tiny.logits(one), atol=0, rtol=0)
+
+
+def test_residual_stream_decomposes(tiny, batch):
+    """resid_post = resid_pre + attn_out + mlp_out: the two outputs are exactly what each block adds."""
+    sites = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post", "blocks.*.hook_attn_out", "blocks.*.hook_mlp_out"]
+    out = tiny.run(batch, sites=sites)
+    for layer in range(tiny.n_layers):
+        total = out[f"blocks.{layer}.hook_resid_pre"] + out[f"blocks.{layer}.hook_attn_out"] + out[
+            f"blocks.{layer}.hook_mlp_out"]
+        torch.testing.assert_close(total, out[f"blocks.{layer}.hook_resid_post"], atol=1e-5, rtol=1e-5)

@@ -203,18 +203,13 @@ def test_captures_equal_bridge_hooks(family, hook):
 
 
 @pytest.mark.parametrize("hook", ("hook_attn_out", "hook_mlp_out"))
-def test_block_output_sites_equal_bridge_hooks(family, hook, request):
+def test_block_output_sites_equal_bridge_hooks(family, hook):
     """Same name, same tensor: vlmbind's attention / MLP outputs against the bridge's.
 
-    Gemma-3 has post-attention and post-feedforward norms. TL names the *normed* branch output (what is added to
-    the residual) ``hook_attn_out`` / ``hook_mlp_out``; vlmbind captures the module output before that norm, which
-    is TL's ``attn.hook_out`` / ``mlp.hook_out``. The strict xfail records the divergence until vlmbind decides.
+    Gemma-3 has post-attention and post-feedforward norms; both TL and vlmbind name the *normed* branch output (what
+    is added to the residual) ``hook_attn_out`` / ``hook_mlp_out``.
     """
     vlm, bridge = family["vlm"], family["bridge"]
-    if family["name"] == "tiny-gemma3":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="Gemma-3: TL's hook_attn_out/hook_mlp_out are after the post-norms, vlmbind's before"
-        ))
     names = _names(vlm, (hook,))
     ids, kwargs = family["ids"], family["kwargs"]
     with torch.no_grad():
@@ -225,8 +220,9 @@ def test_block_output_sites_equal_bridge_hooks(family, hook, request):
 
 
 @pytest.mark.parametrize("family", ["tiny-gemma3"], indirect=True)
-def test_gemma3_block_outputs_are_tl_pre_norm_outputs(family):
-    """What vlmbind's Gemma-3 ``hook_attn_out`` / ``hook_mlp_out`` are, in TL terms (the divergence above, pinned)."""
+def test_gemma3_block_outputs_are_post_norm(family):
+    """Gemma-3's ``hook_attn_out`` / ``hook_mlp_out`` are the post-normed branch outputs, not TL's pre-norm
+    ``attn.hook_out`` / ``mlp.hook_out`` (the two really differ on this model)."""
     vlm, bridge = family["vlm"], family["bridge"]
     ours = vlm.run(family["batch"], sites=_names(vlm, ("hook_attn_out", "hook_mlp_out"))).cache
     tl_names = _names(vlm, ("attn.hook_out", "mlp.hook_out", "hook_attn_out", "hook_mlp_out"))
@@ -235,16 +231,11 @@ def test_gemma3_block_outputs_are_tl_pre_norm_outputs(family):
     for layer in range(vlm.n_layers):
         block = vlm.adapter.layer(layer)
         attn, mlp = ours[f"blocks.{layer}.hook_attn_out"], ours[f"blocks.{layer}.hook_mlp_out"]
-        torch.testing.assert_close(attn, cache[f"blocks.{layer}.attn.hook_out"], atol=ATOL, rtol=0)
-        torch.testing.assert_close(mlp, cache[f"blocks.{layer}.mlp.hook_out"], atol=ATOL, rtol=0)
+        pre_attn, pre_mlp = cache[f"blocks.{layer}.attn.hook_out"], cache[f"blocks.{layer}.mlp.hook_out"]
         with torch.no_grad():
-            torch.testing.assert_close(
-                block.post_attention_layernorm(attn), cache[f"blocks.{layer}.hook_attn_out"], atol=ATOL, rtol=0
-            )
-            torch.testing.assert_close(
-                block.post_feedforward_layernorm(mlp), cache[f"blocks.{layer}.hook_mlp_out"], atol=ATOL, rtol=0
-            )
-        assert _max_diff(attn, cache[f"blocks.{layer}.hook_attn_out"]) > 1e-2  # the names really disagree
+            torch.testing.assert_close(block.post_attention_layernorm(pre_attn), attn, atol=ATOL, rtol=0)
+            torch.testing.assert_close(block.post_feedforward_layernorm(pre_mlp), mlp, atol=ATOL, rtol=0)
+        assert _max_diff(attn, pre_attn) > 1e-2  # the pre- and post-norm tensors really differ
 
 
 def test_head_ablation_equals_bridge_hook(family):

@@ -180,7 +180,8 @@ class VLM:
         tok.padding_side = "left"
         try:
             inputs = self.processor(
-                images=self.adapter.processor_images(rows), text=texts, return_tensors="pt", padding=True
+                images=self.adapter.processor_images(rows), text=texts, return_tensors="pt", padding=True,
+                **self.adapter.processor_kwargs(chat),
             )
         finally:
             tok.padding_side = old_side
