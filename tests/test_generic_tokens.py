@@ -55,9 +55,12 @@ def test_painted_region_changes_only_mapped_tokens(tiny, size):
             for r, c in {(rows // 2, cols // 3), (1, cols - 2), (rows - 1, 0)}:
                 x0, y0, x1, y1 = grid.boxes[r, c]
                 w, h = x1 - x0, y1 - y0
-                box = (x0 + 0.35 * w, y0 + 0.35 * h, x1 - 0.35 * w, y1 - 0.35 * h)
+                # whole pixels [px0, px1) x [py0, py1) in the middle of the cell, so the expected set is exact
+                px0, py0 = round(x0 + 0.35 * w), round(y0 + 0.35 * h)
+                px1, py1 = max(round(x1 - 0.35 * w), px0 + 1), max(round(y1 - 0.35 * h), py0 + 1)
+                box = (px0, py0, px1, py1)
                 painted = base.copy()
-                ImageDraw.Draw(painted).rectangle([box[0], box[1], box[2] - 1, box[3] - 1], fill=(200, 30, 40))
+                ImageDraw.Draw(painted).rectangle([px0, py0, px1 - 1, py1 - 1], fill=(200, 30, 40))
                 _, feats = _features(tiny, painted)
                 changed = np.flatnonzero((feats - ref).abs().amax(-1).numpy() > 1e-5)
                 expected = ti.positions_covering(box)

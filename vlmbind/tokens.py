@@ -20,6 +20,7 @@ import numpy as np
 from .errors import SpanNotFoundError
 
 ROLES = ("text", "image", "special", "pad")
+ROLE_DTYPE = "<U8"
 
 
 @dataclass(frozen=True)

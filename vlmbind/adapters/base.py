@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..tokens import ImageGrid
+from ..tokens import ROLE_DTYPE, ImageGrid
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
 
@@ -181,11 +181,11 @@ class ModelAdapter:
     def roles(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Role of every position of one row: ``image``, ``special``, ``text`` or ``pad``."""
         special = set(self.tokenizer.all_special_ids) | set(self.extra_special_ids())
-        roles = np.array(["text"] * len(input_ids), dtype=object)
+        roles = np.full(len(input_ids), "text", dtype=ROLE_DTYPE)  # wide enough for every role name
         roles[np.isin(input_ids, list(special))] = "special"
         roles[input_ids == self.image_token_id] = "image"
         roles[attention_mask == 0] = "pad"
-        return roles.astype(str)
+        return roles
 
     def extra_special_ids(self) -> list[int]:
         """Ids of the family's added tokens that the tokenizer does not list as special (override if needed)."""
