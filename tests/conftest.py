@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
 
 import vlmbind as vb
+from vlmbind.adapters.base import get_module
 from vlmbind.tiny import TINY_NAMES
 
 torch.set_num_threads(2)
@@ -48,3 +51,22 @@ def tiny(request) -> vb.VLM:
 @pytest.fixture
 def scene() -> Image.Image:
     return draw_scene(0)
+
+
+@contextlib.contextmanager
+def silenced_vision_attention(vlm):
+    """Zero every vision block's attention output: the tower then works patch by patch."""
+    a = vlm.adapter
+
+    def zero(module, args, output):
+        if isinstance(output, tuple):
+            return (torch.zeros_like(output[0]), *output[1:])
+        return torch.zeros_like(output)
+
+    handles = [get_module(a.vision_block(i), a.vision_attention).register_forward_hook(zero)
+               for i in range(a.n_vision_layers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

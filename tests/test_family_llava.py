@@ -17,12 +17,11 @@ Hand computations (tiny configs, see ``vlmbind/tiny/llava.py``):
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, get_tiny
+from conftest import PROMPT, draw_scene, get_tiny, silenced_vision_attention
 from PIL import Image, ImageDraw
 
 import vlmbind as vb
@@ -40,25 +39,6 @@ def onevision() -> vb.VLM:
 
 def _image(size: tuple[int, int], seed: int = 0) -> Image.Image:
     return draw_scene(seed, size)
-
-
-@contextlib.contextmanager
-def _silenced_vision_attention(vlm: vb.VLM):
-    """Zero every vision block's attention output, which makes the tower act on each patch alone."""
-    a = vlm.adapter
-
-    def zero(module, args, output):
-        if isinstance(output, tuple):
-            return (torch.zeros_like(output[0]), *output[1:])
-        return torch.zeros_like(output)
-
-    handles = [getattr(a.vision_block(i), a.vision_attention).register_forward_hook(zero)
-               for i in range(a.n_vision_layers)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _resid_pre(vlm: vb.VLM, batch: vb.Batch) -> torch.Tensor:
@@ -294,7 +274,7 @@ def _assert_painting_is_local(vlm: vb.VLM, image: Image.Image, grid: str, cell: 
         [int(np.ceil(box[0])), int(np.ceil(box[1])), int(np.floor(box[2])) - 1, int(np.floor(box[3])) - 1],
         fill=(255, 0, 255),
     )
-    with _silenced_vision_attention(vlm):
+    with silenced_vision_attention(vlm):
         before, after = _resid_pre(vlm, clean), _resid_pre(vlm, vlm.prepare(painted, PROMPT))
     changed = np.flatnonzero((before - after).abs().amax(-1).numpy() > 1e-6)
     expected = ti.positions_covering(box)

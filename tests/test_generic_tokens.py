@@ -8,34 +8,13 @@ against what the model computes, not against our own formula.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT
+from conftest import PROMPT, silenced_vision_attention
 from PIL import Image, ImageDraw
 
-from vlmbind.adapters.base import get_module
 from vlmbind.errors import SpanNotFoundError
-
-
-@contextlib.contextmanager
-def silenced_vision_attention(vlm):
-    a = vlm.adapter
-
-    def zero(module, args, output):
-        if isinstance(output, tuple):
-            return (torch.zeros_like(output[0]), *output[1:])
-        return torch.zeros_like(output)
-
-    handles = [get_module(a.vision_block(i), a.vision_attention).register_forward_hook(zero)
-               for i in range(a.n_vision_layers)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _features(vlm, image):
