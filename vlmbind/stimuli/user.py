@@ -1,0 +1,82 @@
+"""User images as a data set: a folder of PNG/JPEG files plus an optional JSONL of prompts.
+
+The JSONL holds one object per line, ``{"image": "cat.png", "prompt": "...", "answer": "..."}`` (answer optional; other
+keys are kept as metadata); without it every image gets ``default_prompt``. No object metadata is needed for capture,
+RSA on patches or attention maps, so ``Example.objects`` is empty. Files are read in sorted name order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from .core import Dataset, Example, StimulusError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+DEFAULT_PROMPT = "describe the objects in this image :"
+
+
+def _open_rgb(path: Path) -> Image.Image:
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        raise StimulusError(f"{path.name}: image is too large to decode safely ({exc}); downscale it first") from exc
+    except (UnidentifiedImageError, OSError) as exc:
+        raise StimulusError(f"{path.name}: not a readable PNG/JPEG image ({exc}); remove or replace the file") from exc
+
+
+def user_images(folder: str | os.PathLike, prompts: str | os.PathLike | None = None, *,
+                default_prompt: str = DEFAULT_PROMPT) -> Dataset:
+    """Read a folder of images (and optionally a JSONL of prompts) as a :class:`Dataset` (task ``"user"``).
+
+    Raises:
+        StimulusError: the folder does not exist or has no images, a file is not a readable image, the JSONL is
+            malformed or names an image that is not in the folder.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise StimulusError(f"{str(folder)!r} is not a directory of images")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if prompts is None:
+        if not files:
+            raise StimulusError(f"{str(folder)!r} has no .png/.jpg/.jpeg images")
+        rows = [{"image": p.name, "prompt": default_prompt} for p in files]
+    else:
+        rows = _read_prompts(Path(prompts), {p.name for p in files})
+    examples = []
+    for i, row in enumerate(rows):
+        path = folder / row["image"]
+        extra = {k: v for k, v in row.items() if k not in ("image", "prompt", "answer")}
+        extra["source"] = row["image"]
+        examples.append(Example(f"user-{i:06d}", _open_rgb(path), [], row["prompt"], row.get("answer", ""), "user",
+                                extra))
+    params = {"folder": str(folder.resolve()), "prompts": str(Path(prompts).resolve()) if prompts else None}
+    return Dataset("user", examples, params, seed=0)
+
+
+def _read_prompts(path: Path, names: set[str]) -> list[dict]:
+    if not path.is_file():
+        raise StimulusError(f"prompts file {str(path)!r} does not exist")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise StimulusError(f"{path.name} line {lineno}: not JSON ({exc.msg})") from exc
+        if not isinstance(row, dict) or not isinstance(row.get("image"), str) or not isinstance(row.get("prompt"), str):
+            raise StimulusError(f"{path.name} line {lineno}: needs string fields 'image' and 'prompt'")
+        if not row["prompt"].strip():
+            raise StimulusError(f"{path.name} line {lineno}: the prompt is empty")
+        if row["image"] not in names:
+            raise StimulusError(f"{path.name} line {lineno}: image {row['image']!r} is not in the folder")
+        rows.append(row)
+    if not rows:
+        raise StimulusError(f"prompts file {str(path)!r} has no records")
+    return rows
