@@ -33,7 +33,7 @@ def test_every_shape_draws_only_its_colour_inside_its_box(shape):
     ys, xs = np.nonzero(ink)
     x0, y0, x1, y1 = obj.box
     assert ink.sum() > 0.15 * obj.size**2, "a shape must have substance"
-    assert xs.min() >= x0 - 0.5 and xs.max() <= x1 and ys.min() >= y0 - 0.5 and ys.max() <= y1
+    assert xs.min() >= x0 and xs.max() + 1 <= x1 and ys.min() >= y0 and ys.max() + 1 <= y1  # pixel [x, x+1)
     assert {tuple(p) for p in arr[ink]} == {COLOURS["purple"]}  # no anti-aliasing: one exact colour
 
 

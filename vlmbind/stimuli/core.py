@@ -170,7 +170,7 @@ def draw_object(draw: ImageDraw.ImageDraw, shape: str, rgb: tuple[int, int, int]
     elif shape == "pentagon":
         draw.polygon(_polygon(5, cx, cy, h), fill=rgb)
     elif shape == "hexagon":
-        draw.polygon(_polygon(6, cx, cy, h, rotation=0.0), fill=rgb)
+        draw.polygon(_polygon(6, cx, cy, h - 1, rotation=0.0), fill=rgb)  # PIL inks vertices: stay in the box
     elif shape == "star":
         outer, inner = _polygon(5, cx, cy, h), _polygon(5, cx, cy, h * 0.45, rotation=-math.pi / 2 + math.pi / 5)
         draw.polygon([p for pair in zip(outer, inner) for p in pair], fill=rgb)
