@@ -11,7 +11,8 @@ SHAPES = ["square", "circle", "triangle", "diamond", "pentagon", "hexagon", "cro
           "letter", "shape", "object", "objects", "shapes"]
 WORDS = ("in this image there is are a an the and of what colour color is it which object how many count point "
          "points to each find yes no answer question : ? , . ( ) < > = \" ' / x y at left right top bottom row col "
-         "column image picture describe missing last first second third fourth target present absent among").split()
+         "column image picture describe missing last first second third fourth target present absent among "
+         "none").split()
 NUMBERS = [str(i) for i in range(0, 101)]
 
 

@@ -1,0 +1,186 @@
+"""Points in generated text: the Point-to-Answer format and a robust parser for it and Molmo's tags.
+
+Design: one format is written, several are read. The stimuli write points as ``(x, y)`` pairs separated by single
+spaces, followed by the answer (``(3, 1) (0, 4) 2``); integers print as integers and floats with Python's shortest
+round-tripping ``repr``, so formatting then parsing gives the same numbers back. The parser reads that style (also
+``(x,y)``, extra spaces, signs, decimals, exponents) and the tags Molmo models emit: Molmo's ``<point x=".." y="..">``
+and ``<points x1=".." y1=".." x2=".." ...>`` (percent of the image) and Molmo2's
+``<points coords="[frame] idx x y idx x y ...">`` (per-mille, frame groups separated by ``;``). Points come back in
+order of appearance, in the coordinate frame of the text (no rescaling: the caller knows the model's convention).
+Parsing scans the text once with a regular expression that has no nested quantifiers, so it stays linear on hostile
+input and never raises: anything that is not a complete point (an unbalanced parenthesis, ``(a, b)``, a lone
+number, a tag without both coordinates, a non-finite value) is skipped. Text inside a ``<point>..</point>`` element is
+its label, not a point. :func:`parse_count` and :func:`parse_yes_no` read the answer that follows the points.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from numbers import Integral, Real
+
+from .core import StimulusError
+
+__all__ = ["NO_POINTS", "format_points", "p2a_text", "parse_points", "parse_count", "parse_yes_no", "point_spans"]
+
+# What a Point-to-Answer trace says when there is nothing to point at (visual search, target absent).
+NO_POINTS = "none"
+
+# A decimal number: the integer part has no optional digits after it, so the engine never backtracks quadratically.
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_TAG = r"<(?P<tag>points?)\b(?P<attrs>[^<>]*)>(?:[^<]*</(?P=tag)\s*>)?"
+_TUPLE = rf"\(\s*(?P<x>{_NUM})\s*,\s*(?P<y>{_NUM})\s*\)"
+_SCAN = re.compile(rf"{_TAG}|{_TUPLE}", re.IGNORECASE)
+_ATTR = re.compile(r"""([A-Za-z_][\w-]*)\s*=\s*(?:"([^"]*)"|'([^']*)')""")
+_INDEXED = re.compile(r"([xy])(\d+)", re.IGNORECASE)
+_NUMBER = re.compile(_NUM)
+_INTEGER = re.compile(r"(?<![\w.])\d+(?!\w|\.\d)")
+_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+
+
+def _format_number(value: object) -> str:
+    """An int as an int, a float by its shortest round-tripping repr; anything else is an error."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise StimulusError(f"a point coordinate must be a real number, got {value!r}")
+    if isinstance(value, Integral):
+        return str(int(value))
+    v = float(value)
+    if not math.isfinite(v):
+        raise StimulusError(f"a point coordinate must be finite, got {v!r}")
+    return repr(v)
+
+
+def format_points(points: Iterable[Sequence[float]]) -> str:
+    """Points in the Point-to-Answer style: ``(x, y) (x, y) ...``; the empty string for no points.
+
+    Args:
+        points: ``(x, y)`` pairs (ints or finite floats; numpy scalars are fine).
+
+    Returns:
+        The pairs, each ``(x, y)``, separated by single spaces.
+
+    Raises:
+        StimulusError: a point that is not a pair of finite real numbers.
+    """
+    parts = []
+    for p in points:
+        if len(p) != 2:
+            raise StimulusError(f"a point must be an (x, y) pair, got {p!r}")
+        parts.append(f"({_format_number(p[0])}, {_format_number(p[1])})")
+    return " ".join(parts)
+
+
+def p2a_text(points: Sequence[Sequence[float]], answer: str) -> str:
+    """A Point-to-Answer target: the points, then the answer; :data:`NO_POINTS` stands in for an empty list.
+
+    Example: ``p2a_text([(3, 1)], "yes") == "(3, 1) yes"`` and ``p2a_text([], "no") == "none no"``.
+    """
+    return f"{format_points(points) if len(points) else NO_POINTS} {answer}"
+
+
+def _finite_pair(x: str, y: str) -> tuple[float, float] | None:
+    try:
+        fx, fy = float(x), float(y)
+    except ValueError:  # cannot happen for _NUM matches; kept so parsing never raises
+        return None
+    return (fx, fy) if math.isfinite(fx) and math.isfinite(fy) else None
+
+
+def _tag_points(attrs: str) -> list[tuple[float, float]]:
+    """Points of one Molmo tag's attribute string, in the tag's own order."""
+    values: dict[str, str] = {}
+    for name, dq, sq in _ATTR.findall(attrs):
+        values.setdefault(name.lower(), dq if dq or not sq else sq)
+    out: list[tuple[float, float]] = []
+    if "coords" in values:  # Molmo2: groups "[frame] idx x y idx x y ..." separated by ';'
+        for group in values["coords"].split(";"):
+            nums = _NUMBER.findall(group)
+            start = 1 if len(nums) % 3 == 1 else 0  # a leading frame / image index
+            if (len(nums) - start) % 3:
+                continue
+            for k in range(start, len(nums), 3):
+                p = _finite_pair(nums[k + 1], nums[k + 2])
+                if p is not None:
+                    out.append(p)
+        return out
+    if "x" in values and "y" in values:  # Molmo: <point x=".." y="..">
+        xs, ys = _NUMBER.fullmatch(values["x"].strip()), _NUMBER.fullmatch(values["y"].strip())
+        p = _finite_pair(xs.group(), ys.group()) if xs and ys else None
+        return [p] if p is not None else []
+    indexed: dict[int, dict[str, str]] = {}  # Molmo: <points x1=".." y1=".." x2=".." ...>
+    for name, value in values.items():
+        m = _INDEXED.fullmatch(name)
+        if m and len(m.group(2)) < 10:
+            indexed.setdefault(int(m.group(2)), {})[m.group(1).lower()] = value.strip()
+    for k in sorted(indexed):
+        xy = indexed[k]
+        xs, ys = _NUMBER.fullmatch(xy.get("x", "")), _NUMBER.fullmatch(xy.get("y", ""))
+        p = _finite_pair(xs.group(), ys.group()) if xs and ys else None
+        if p is not None:
+            out.append(p)
+    return out
+
+
+def point_spans(text: str) -> list[tuple[int, int, list[tuple[float, float]]]]:
+    """Every point-bearing span of ``text``: ``(start, end, points)`` in order of appearance.
+
+    A plain ``(x, y)`` span holds one point; a Molmo tag element (with its label and closing tag) holds its points,
+    possibly none when its attributes are incomplete.
+    """
+    spans = []
+    if not isinstance(text, str):
+        return spans
+    for m in _SCAN.finditer(text):
+        if m.group("tag") is not None:
+            spans.append((m.start(), m.end(), _tag_points(m.group("attrs"))))
+        else:
+            p = _finite_pair(m.group("x"), m.group("y"))
+            spans.append((m.start(), m.end(), [p] if p is not None else []))
+    return spans
+
+
+def parse_points(text: str) -> list[tuple[float, float]]:
+    """All points in ``text``, in order of appearance; never raises.
+
+    Args:
+        text: generated text: the plain ``(x, y)`` style, Molmo ``<point>`` / ``<points>`` tags, or a mixture, with
+            any other text around them.
+
+    Returns:
+        ``(x, y)`` float pairs in the text's own coordinate frame; an empty list when there are none.
+    """
+    return [p for _, _, pts in point_spans(text) for p in pts]
+
+
+def _after_points(text: str) -> str:
+    """The text after the last point-bearing span (all of it when there is none)."""
+    spans = point_spans(text)
+    return text[spans[-1][1]:] if spans else text
+
+
+def parse_count(text: str) -> int | None:
+    """The final integer after the points (``(1, 2) (3, 4) 2`` -> 2; ``7`` -> 7), or None; never raises.
+
+    Only digits count (no number words); a decimal such as ``2.5`` is not a count, a trailing full stop is fine.
+    """
+    if not isinstance(text, str):
+        return None
+    found = _INTEGER.findall(_after_points(text))
+    for digits in reversed(found):
+        try:
+            return int(digits)
+        except ValueError:  # more digits than Python converts: not a count
+            continue
+    return None
+
+
+def parse_yes_no(text: str) -> str | None:
+    """The first standalone ``yes`` or ``no`` after the points, lower-cased, or None; never raises.
+
+    ``none no`` -> ``"no"`` (``none`` is not ``no``); ``(2, 5) yes`` -> ``"yes"``.
+    """
+    if not isinstance(text, str):
+        return None
+    m = _YES_NO.search(_after_points(text))
+    return m.group(1).lower() if m else None
