@@ -3,6 +3,7 @@
 ``import vlmbind as vb``; ``vb.load(name)`` gives a :class:`VLM`; see the README for the tour.
 """
 
+from . import stimuli
 from .errors import (
     InputError,
     InterventionError,
@@ -20,7 +21,7 @@ from .tokens import ImageGrid, TokenIndex
 __version__ = "0.1.0"
 
 __all__ = [
-    "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
+    "stimuli", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
     "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
     "Site", "resolve_sites", "ImageGrid", "TokenIndex",
     "VlmbindError", "UnsupportedModelError", "ModelLoadError", "SiteError", "InterventionError", "InputError",

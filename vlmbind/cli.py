@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     demo.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the drawn scene (default: 0)")
     demo.set_defaults(func=cmd_demo)
+
+    from .stimuli.commands import add_parser as add_stimuli_parser
+
+    add_stimuli_parser(sub, common)
     return parser
 
 

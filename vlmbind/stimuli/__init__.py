@@ -1,5 +1,11 @@
-"""Synthetic stimuli for the binding tasks, with full metadata and counterfactual pairs (see core.py's design note)."""
+"""Synthetic stimuli for the binding tasks, with full metadata and counterfactual pairs.
 
+``vb.stimuli.scene_pairs(n=32, condition="id_selection", seed=0)``, ``vb.stimuli.counting(64, objects=range(11, 16))``
+and the other generators return data sets whose examples carry every object's colour, shape, cell, centre and size
+(see ``core.py`` for the design). ``vlmbind stimuli TASK`` writes them to disk.
+"""
+
+from .colorshape import balanced_color_shape, code_arrays, covering_count, entropies, split_codes
 from .core import (
     COLOURS,
     LETTERS,
@@ -14,8 +20,27 @@ from .core import (
     object_tokens,
     render,
 )
+from .points import format_points, p2a_text, parse_count, parse_points, parse_yes_no
+from .rsa_set import rsa_set
+from .scenes import (
+    CONDITIONS,
+    AlignedPairs,
+    CounterfactualPair,
+    PairSet,
+    binding_query,
+    check_alignment,
+    scene_description,
+    scene_pairs,
+)
+from .search import COUNT_SPLITS, SEARCH_SPLITS, counting, visual_search
+from .user import user_images
 
 __all__ = [
-    "COLOURS", "LETTERS", "SHAPES", "Canvas", "Dataset", "Example", "PairAlignmentError", "SceneObject",
-    "StimulusError", "object_token_positions", "object_tokens", "render",
+    "COLOURS", "LETTERS", "SHAPES", "CONDITIONS", "COUNT_SPLITS", "SEARCH_SPLITS",
+    "Canvas", "Dataset", "Example", "SceneObject", "CounterfactualPair", "PairSet", "AlignedPairs",
+    "StimulusError", "PairAlignmentError",
+    "scene_description", "scene_pairs", "check_alignment", "binding_query", "visual_search", "counting", "rsa_set",
+    "balanced_color_shape", "code_arrays", "covering_count", "entropies", "split_codes", "user_images",
+    "format_points", "p2a_text", "parse_points", "parse_count", "parse_yes_no",
+    "object_token_positions", "object_tokens", "render",
 ]
