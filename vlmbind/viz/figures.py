@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,62 +24,10 @@ from plotly.colors import sample_colorscale
 from PIL import Image
 
 from ..errors import InputError
+from ..io import write_bytes_atomic, write_text_atomic  # noqa: F401  (re-exported by vlmbind.viz)
 
 SEQUENTIAL_SCALE = "Viridis"
 DIVERGING_SCALE = "RdBu_r"
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Atomic writes
-# ------------------------------------------------------------------------------------------------------------------
-def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file in the same directory, then ``os.replace``).
-
-    The parent directory is created if needed. On failure the temporary file is removed and any previous file at
-    ``path`` is left untouched.
-
-    Args:
-        data: the bytes to write.
-        path: the destination file.
-
-    Returns:
-        The destination as a :class:`~pathlib.Path`.
-
-    Raises:
-        InputError: ``path`` is an existing directory.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"cannot write {str(path)!r}: it is a directory; pass a file path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        # mkstemp creates 0600; give the file the permissions a plain open() would
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-    return path
-
-
-def _remove_quietly(path: str) -> None:
-    """Remove a leftover temporary file; a file that is already gone is fine."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
-    """Write UTF-8 ``text`` to ``path`` atomically (see :func:`write_bytes_atomic`)."""
-    return write_bytes_atomic(text.encode("utf-8"), path)
 
 
 def write_html_atomic(

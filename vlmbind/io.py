@@ -1,0 +1,83 @@
+"""Atomic file writing: a reader never sees a half-written file, and a failed write leaves the old file intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import InputError
+
+
+def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
+    """Write ``data`` to ``path`` atomically (temporary file in the same directory, then ``os.replace``).
+
+    The parent directory is created if needed. On failure the temporary file is removed and any previous file at
+    ``path`` is left untouched.
+
+    Args:
+        data: the bytes to write.
+        path: the destination file.
+
+    Returns:
+        The destination as a :class:`~pathlib.Path`.
+
+    Raises:
+        InputError: ``path`` is an existing directory.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"cannot write {str(path)!r}: it is a directory; pass a file path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        # mkstemp creates 0600; give the file the permissions a plain open() would
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return path
+
+
+def _remove_quietly(path: str) -> None:
+    """Remove a leftover temporary file; a file that is already gone is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write UTF-8 ``text`` to ``path`` atomically (see :func:`write_bytes_atomic`)."""
+    return write_bytes_atomic(text.encode("utf-8"), path)
+
+
+def write_json_atomic(value: Any, path: str | os.PathLike) -> Path:
+    """Write ``value`` as indented JSON to ``path`` atomically."""
+    return write_text_atomic(json.dumps(value, indent=2, default=_json_default) + "\n", path)
+
+
+def write_jsonl_atomic(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Write one JSON object per line to ``path`` atomically."""
+    return write_text_atomic("".join(json.dumps(r, default=_json_default) + "\n" for r in records), path)
+
+
+def _json_default(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
