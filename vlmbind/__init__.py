@@ -13,6 +13,7 @@ from .errors import (
     UnsupportedModelError,
     VlmbindError,
 )
+from .evaluate import EvalResult, evaluate
 from .hooks import AblateHeads, AddToHeads, PatchHeads, ZeroImageAttention
 from .models import VLM, Batch, RunOutput, load, registered_names, supported_families
 from .sites import Site, resolve_sites
@@ -21,7 +22,7 @@ from .tokens import ImageGrid, TokenIndex
 __version__ = "0.1.0"
 
 __all__ = [
-    "stimuli", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
+    "stimuli", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
     "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
     "Site", "resolve_sites", "ImageGrid", "TokenIndex",
     "VlmbindError", "UnsupportedModelError", "ModelLoadError", "SiteError", "InterventionError", "InputError",

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .stimuli.commands import add_parser as add_stimuli_parser
 
     add_stimuli_parser(sub, common)
+
+    from .evaluate import add_parser as add_eval_parser
+
+    add_eval_parser(sub, common)
     return parser
 
 
