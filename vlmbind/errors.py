@@ -41,6 +41,10 @@ class SpanNotFoundError(VlmbindError, LookupError):
     """A text span that does not occur in the prompt."""
 
 
+class TrainingError(VlmbindError, ValueError):
+    """An invalid training configuration, or a checkpoint that cannot be resumed from or initialised from."""
+
+
 def close_matches(value: str, choices: Iterable[str], n: int = 3) -> str:
     """A short ``did you mean ...?`` clause, or an empty string when nothing is close."""
     matches = difflib.get_close_matches(value, list(choices), n=n, cutoff=0.5)

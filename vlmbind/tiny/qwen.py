@@ -1,7 +1,16 @@
-"""Tiny Qwen2.5-VL and Qwen2-VL: 4 text layers (4 heads, 2 KV heads, d_head 32), 2 vision blocks, 2x2 merger."""
+"""Tiny Qwen2.5-VL and Qwen2-VL: 4 text layers (4 heads, 2 KV heads, d_head 32), 2 vision blocks, 2x2 merger.
+
+:func:`build_qwen_vl` is the one builder behind the tiny models and the trained organisms
+(:mod:`vlmbind.organisms.model`): the same tokenizer, processor and config layout at any size. The tiny models use its
+defaults plus a re-scaled text init (so random heads have visible effects); organisms pass their sizes and keep HF's
+default init.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import transformers
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
@@ -18,7 +27,49 @@ CHAT_TEMPLATE = (
 )
 
 
-def _build(family: str, seed: int, image_size: int = 224, **model_kwargs):
+def mrope_section(head_dim: int) -> list[int]:
+    """M-RoPE's (temporal, height, width) split of ``head_dim / 2`` rotary frequencies, in Qwen's 1:1.5:1.5 ratio
+    (``[16, 24, 24]`` for d_head 128, ``[4, 6, 6]`` for d_head 32)."""
+    half = head_dim // 2
+    hw = (half - half // 4) // 2
+    return [half - 2 * hw, hw, hw]
+
+
+def build_qwen_vl(
+    family: str,
+    seed: int,
+    image_size: int = 224,
+    *,
+    layers: int = 4,
+    hidden: int = 128,
+    intermediate: int | None = None,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+    vision_intermediate: int | None = None,
+    vision_heads: int = 4,
+    text_init_std: float | None = 0.08,
+    attn_implementation: str = "eager",
+) -> tuple[torch.nn.Module, Any]:
+    """A Qwen2.5-VL or Qwen2-VL with random weights, its byte-level BPE tokenizer and a fixed-size processor.
+
+    The processor's ``min_pixels = max_pixels = image_size**2``, so a square ``image_size`` image (a multiple of 28)
+    is not resized and becomes an ``image_size/28`` square grid of merged image tokens.
+
+    Args:
+        family: ``"qwen2_5_vl"`` or ``"qwen2_vl"``.
+        seed: seeds the weight init (``torch.manual_seed``) and the text re-scale.
+        image_size: side of the fixed image size in pixels.
+        layers, hidden, intermediate, heads, kv_heads: the text decoder (intermediate defaults to ``2 * hidden``).
+        vision_depth, vision_hidden, vision_intermediate, vision_heads: the vision tower (intermediate defaults to
+            ``2 * vision_hidden``); the last vision block attends globally, the others in windows (Qwen2.5-VL).
+        text_init_std: re-draw the text decoder's Linear weights from N(0, std) (tiny models); None keeps HF's init.
+        attn_implementation: ``"eager"`` (attention patterns available) or ``"sdpa"``.
+
+    Returns:
+        ``(model, processor)``, the model in eval mode.
+    """
     tok = build_tokenizer(
         SPECIALS,
         eos_token="<|endoftext|>",
@@ -35,18 +86,24 @@ def _build(family: str, seed: int, image_size: int = 224, **model_kwargs):
     image_processor = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels)
     video_processor = Qwen2VLVideoProcessor(min_pixels=pixels, max_pixels=pixels)
     text = dict(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0},
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "mrope_section": mrope_section(hidden // heads),
+                         "rope_theta": 10000.0},
         bos_token_id=None, eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
     )
     if family == "qwen2_5_vl":
-        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
-                      fullatt_block_indexes=[1], window_size=56)
-        config_cls, model_cls, proc_cls = (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
+        vision = dict(depth=vision_depth, hidden_size=vision_hidden,
+                      intermediate_size=vision_intermediate or 2 * vision_hidden, num_heads=vision_heads,
+                      out_hidden_size=hidden, fullatt_block_indexes=[vision_depth - 1], window_size=56)
+        config_cls, model_cls, proc_cls = (transformers.Qwen2_5_VLConfig,
+                                           transformers.Qwen2_5_VLForConditionalGeneration,
                                            transformers.Qwen2_5_VLProcessor)
     else:
-        vision = dict(depth=2, embed_dim=64, hidden_size=128, mlp_ratio=2, num_heads=4)
+        mlp_ratio = (vision_intermediate or 2 * vision_hidden) // vision_hidden
+        vision = dict(depth=vision_depth, embed_dim=vision_hidden, hidden_size=hidden, mlp_ratio=mlp_ratio,
+                      num_heads=vision_heads)
         config_cls, model_cls, proc_cls = (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration,
                                            transformers.Qwen2VLProcessor)
     config = config_cls(
@@ -57,11 +114,17 @@ def _build(family: str, seed: int, image_size: int = 224, **model_kwargs):
     )
     config.architectures = [model_cls.__name__]
     seeded(seed)
-    model = model_cls._from_config(config, attn_implementation=model_kwargs.pop("attn_implementation", "eager"))
-    rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
+    model = model_cls._from_config(config, attn_implementation=attn_implementation)
+    if text_init_std is not None:
+        rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
     processor = proc_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
                          chat_template=CHAT_TEMPLATE)
     return model.eval(), processor
+
+
+def _build(family: str, seed: int, image_size: int = 224, **model_kwargs: Any) -> tuple[torch.nn.Module, Any]:
+    return build_qwen_vl(family, seed, image_size,
+                         attn_implementation=model_kwargs.pop("attn_implementation", "eager"))
 
 
 @register_tiny("tiny-qwen2_5_vl")

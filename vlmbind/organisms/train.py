@@ -1,0 +1,592 @@
+"""The organisms trainer: AdamW on answer tokens over a seeded task mixture, with atomic, resumable checkpoints.
+
+Design: a run is a pure function of its :class:`TrainConfig`. The weights come from the seed (or from ``init_from``,
+another checkpoint, for curricula); each step's batch is a function of ``(seed, step, row)``
+(:class:`~vlmbind.organisms.data.TaskMixture`); the learning rate is a function of the step (linear warm-up, then
+cosine). So a checkpoint only has to hold what changes: the weights, AdamW's moments, the step, the torch RNG state and
+the loss history, and resuming from it continues the exact run an uninterrupted process would have made (tested
+bit-for-bit on CPU). Every checkpoint is a complete model directory that ``vlmbind.load`` and ``from_pretrained`` read
+(``model.safetensors``, ``config.json``, tokenizer and processor files), plus ``train_config.json``,
+``trainer_state.json`` and the optimizer as ``optimizer.safetensors`` (tensors, keyed by parameter name) and
+``optimizer.json`` (hyper-parameters). Nothing is pickled. A checkpoint is written into a temporary sibling directory
+and moved into place with ``os.replace``, so a crash never leaves a half-written ``checkpoint-*``; an interrupt
+(Ctrl-C) writes one at the last finished step before stopping.
+
+Run from the shell: ``python -m vlmbind.organisms --config run.json --out runs/p2a [--resume] [--threads 2]`` (or
+``python -m vlmbind.organisms.train ...``, which works the same but makes Python warn about the module already being
+imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..errors import TrainingError, close_matches
+from .data import REGIMES, TASKS, BatchBuilder, TaskMixture, TaskSpec, TrainBatch, answer_correct, answer_loss
+from .model import OrganismSize, build_organism, grid_side
+
+__all__ = ["TrainConfig", "TrainResult", "train", "list_checkpoints", "lr_at", "cosine_lr", "load_weights"]
+
+CHECKPOINT_PREFIX = "checkpoint-"
+LOSS_NORMS = ("example", "token")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that determines a training run (validated on construction).
+
+    Attributes:
+        regime: ``"direct"`` (answer only) or ``"p2a"`` (points, then the answer) for search and counting.
+        tasks: task -> weight (share of batch rows); tasks: ``scene``, ``query``, ``search``, ``count``; a weight of
+            0 leaves the task out.
+        task_options: task -> options (``objects`` as ``[lo, hi]``, ``variants``, ``present``, ``colours``,
+            ``shapes``; see :class:`~vlmbind.organisms.data.TaskSpec`).
+        steps: optimiser steps of the whole run (the schedule's length).
+        batch_size: examples per step.
+        lr: peak learning rate.
+        warmup: linear warm-up steps from 0 to ``lr``.
+        final_lr_ratio: the cosine decays from ``lr`` to ``lr * final_lr_ratio`` at the last step.
+        weight_decay: AdamW's decoupled weight decay on matrices (not on biases, norms).
+        grad_clip: clip the global gradient norm to this (None: no clipping).
+        loss_norm: ``"example"`` (every example weighs the same) or ``"token"`` (every answer token does).
+        seed: weights (when not ``init_from``) and data.
+        image_size: square image side in pixels, a multiple of 28 (168 -> a 6x6 token grid).
+        model: the architecture's size (a mapping is converted).
+        attn_implementation: ``"sdpa"`` (faster) or ``"eager"`` during training.
+        init_from: a checkpoint or model directory whose weights start the run (same size; any image size).
+        checkpoint_every: write a checkpoint every this many steps (and at the end).
+        keep_checkpoints: how many of the newest checkpoints to keep.
+        eval_every: evaluate on the fixed evaluation set every this many steps (and at the end); 0: never.
+        eval_size: evaluation examples per task and variant.
+    """
+
+    regime: str = "direct"
+    tasks: Mapping[str, float] = field(default_factory=lambda: {"scene": 1.0})
+    task_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup: int = 200
+    final_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    grad_clip: float | None = 1.0
+    loss_norm: str = "example"
+    seed: int = 0
+    image_size: int = 168
+    model: OrganismSize = field(default_factory=OrganismSize)
+    attn_implementation: str = "sdpa"
+    init_from: str | None = None
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    eval_every: int = 250
+    eval_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.regime not in REGIMES:
+            raise TrainingError(f"regime {self.regime!r} is not one of {REGIMES}."
+                                f"{close_matches(str(self.regime), REGIMES)}")
+        if not isinstance(self.tasks, Mapping) or not self.tasks:
+            raise TrainingError(f"tasks must map task names to weights, e.g. {{'scene': 1.0}}; got {self.tasks!r}")
+        for name, weight in self.tasks.items():
+            if name not in TASKS:
+                raise TrainingError(f"unknown task {name!r}.{close_matches(str(name), TASKS)} "
+                                    f"Tasks: {', '.join(TASKS)}")
+            if not _is_number(weight) or weight < 0:
+                raise TrainingError(f"task {name!r}: weight must be a finite number >= 0, got {weight!r}")
+        if not any(w > 0 for w in self.tasks.values()):
+            raise TrainingError(f"every task weight is 0 in {dict(self.tasks)}; give at least one task a weight > 0")
+        if not isinstance(self.task_options, Mapping):
+            raise TrainingError(f"task_options must map task names to option mappings, got {self.task_options!r}")
+        for name, options in self.task_options.items():
+            if name not in self.tasks:
+                raise TrainingError(f"task_options names {name!r}, which is not in tasks {list(self.tasks)}"
+                                    f".{close_matches(str(name), self.tasks)}")
+            if not isinstance(options, Mapping):
+                raise TrainingError(f"task_options[{name!r}] must be a mapping, got {options!r}")
+        # plain, JSON-shaped copies, in the canonical task order (the mixture's draws depend on the order)
+        object.__setattr__(self, "tasks", {t: float(self.tasks[t]) for t in TASKS if t in self.tasks})
+        object.__setattr__(self, "task_options", {t: json.loads(json.dumps(dict(self.task_options[t])))
+                                                  for t in TASKS if t in self.task_options})
+        for name in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints", "eval_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise TrainingError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("warmup", "eval_every", "seed"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise TrainingError(f"{name} must be an int >= 0, got {value!r}")
+        if not _is_number(self.lr) or self.lr <= 0:
+            raise TrainingError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if not _is_number(self.final_lr_ratio) or not 0 <= self.final_lr_ratio <= 1:
+            raise TrainingError(f"final_lr_ratio must be in [0, 1], got {self.final_lr_ratio!r}")
+        if not _is_number(self.weight_decay) or self.weight_decay < 0:
+            raise TrainingError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.grad_clip is not None and (not _is_number(self.grad_clip) or self.grad_clip <= 0):
+            raise TrainingError(f"grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
+        if self.loss_norm not in LOSS_NORMS:
+            raise TrainingError(f"loss_norm {self.loss_norm!r} is not one of {LOSS_NORMS}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise TrainingError(f"attn_implementation {self.attn_implementation!r} is not one of "
+                                f"{ATTN_IMPLEMENTATIONS}")
+        grid_side(self.image_size)
+        if isinstance(self.model, Mapping):
+            try:
+                object.__setattr__(self, "model", OrganismSize(**self.model))
+            except TypeError as exc:
+                names = [f.name for f in fields(OrganismSize)]
+                raise TrainingError(f"model size: {exc}; fields: {', '.join(names)}") from None
+        if not isinstance(self.model, OrganismSize):
+            raise TrainingError(f"model must be an OrganismSize or a mapping, got {type(self.model).__name__}")
+        if self.init_from is not None:
+            if not isinstance(self.init_from, (str, os.PathLike)):
+                raise TrainingError(f"init_from must be a directory path or None, got {self.init_from!r}")
+            object.__setattr__(self, "init_from", os.fspath(self.init_from))
+        self.mixture()  # the generators validate the task parameters against the canvas
+
+    # ---- derived ------------------------------------------------------------------------------------------
+    def task_specs(self) -> list[TaskSpec]:
+        return [TaskSpec.from_options(t, w, self.task_options.get(t)) for t, w in self.tasks.items() if w > 0]
+
+    def mixture(self) -> TaskMixture:
+        """The run's example source."""
+        return TaskMixture(self.task_specs(), regime=self.regime, image_size=self.image_size, seed=self.seed)
+
+    # ---- serialisation ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["model"] = self.model.to_dict()
+        d["tasks"] = dict(self.tasks)
+        d["task_options"] = {k: dict(v) for k, v in self.task_options.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainConfig:
+        """A config from :meth:`to_dict`'s output (or a hand-written JSON object).
+
+        Raises:
+            TrainingError: an unknown key (with close matches) or an invalid value.
+        """
+        names = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in names:
+                raise TrainingError(f"unknown TrainConfig field {key!r}.{close_matches(str(key), names)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> TrainConfig:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TrainingError(f"cannot read a TrainConfig from {os.fspath(path)!r}: {exc}") from exc
+        return cls.from_dict(data)
+
+
+@dataclass
+class TrainResult:
+    """What a call to :func:`train` did.
+
+    Attributes:
+        out_dir: the run directory.
+        checkpoint: the last checkpoint written (a loadable model directory).
+        step: the step reached.
+        losses: training loss of every step of the run so far (including resumed parts).
+        evals: ``[{"step": s, "tasks": {"task/variant": {"loss": l, "accuracy": a}}}, ...]``.
+        wall_time_s: training time of the whole run so far (all sessions).
+        steps_per_s: speed of this session.
+    """
+
+    out_dir: Path
+    checkpoint: Path
+    step: int
+    losses: list[float]
+    evals: list[dict[str, Any]]
+    wall_time_s: float
+    steps_per_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out_dir"], d["checkpoint"] = str(self.out_dir), str(self.checkpoint)
+        return d
+
+
+def cosine_lr(step: int, *, steps: int, lr: float, warmup: int, final_ratio: float = 0.0) -> float:
+    """Learning rate of update ``step`` (0-based): linear warm-up to ``lr`` over ``warmup`` updates, then a cosine
+    decay to ``lr * final_ratio`` at update ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """The run's learning rate at update ``step`` (0-based); see :func:`cosine_lr`."""
+    return cosine_lr(step, steps=config.steps, lr=config.lr, warmup=config.warmup, final_ratio=config.final_lr_ratio)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# checkpoints
+# --------------------------------------------------------------------------------------------------------------
+def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in ``out_dir``, oldest first (temporary directories are never listed)."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    found = []
+    for p in out.iterdir():
+        suffix = p.name[len(CHECKPOINT_PREFIX):]
+        if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and suffix.isdigit():
+            found.append((int(suffix), p))
+    return [p for _, p in sorted(found)]
+
+
+@contextlib.contextmanager
+def _quiet_hf() -> Iterator[None]:
+    """Silence transformers' own progress bars (weight writing / loading) under the trainer's bar."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
+    """Copy the weights of a saved organism (``from_pretrained`` layout) into ``model``.
+
+    Raises:
+        TrainingError: the directory has no loadable weights, or they do not fit ``model``'s architecture.
+    """
+    import transformers
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise TrainingError(f"{str(directory)!r} is not a saved model directory (no config.json); pass a "
+                            f"checkpoint-* directory or a directory written by save_pretrained")
+    cls = getattr(transformers, type(model).__name__)
+    try:
+        with _quiet_hf():
+            source = cls.from_pretrained(directory, attn_implementation="eager")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise TrainingError(f"cannot load weights from {str(directory)!r}: {str(exc).splitlines()[0]}") from exc
+    src, dst = source.state_dict(), model.state_dict()
+    missing = sorted(set(dst) - set(src))
+    shapes = [k for k in dst if k in src and src[k].shape != dst[k].shape]
+    if missing or shapes or set(src) - set(dst):
+        detail = f"missing {missing[:3]}" if missing else f"shape mismatch at {shapes[:3]}" if shapes else \
+            f"unexpected {sorted(set(src) - set(dst))[:3]}"
+        raise TrainingError(f"weights in {str(directory)!r} do not fit this organism's size ({detail}); "
+                            f"use the same model size as the run that wrote them")
+    model.load_state_dict(src, strict=True)
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """AdamW's state as (tensors keyed ``param/name``, JSON with the groups' hyper-parameters and param names)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": [names[id(p)] for p in group["params"]]})
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise TrainingError(f"optimizer state {key!r} is not a tensor; cannot save it as safetensors")
+                tensors[f"{names[id(p)]}/{key}"] = value.detach().contiguous()
+    return tensors, {"param_groups": groups}
+
+
+def _load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                          meta: dict[str, Any]) -> None:
+    index = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index[id(p)] = len(index)
+    by_name = {n: index[id(p)] for n, p in model.named_parameters() if id(p) in index}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        name, _, slot = key.rpartition("/")
+        if name not in by_name:
+            raise TrainingError(f"optimizer state for unknown parameter {name!r}; the checkpoint does not fit")
+        state.setdefault(by_name[name], {})[slot] = value
+    groups = []
+    for g in meta["param_groups"]:
+        hyper = {k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": [by_name[n] for n in g["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=1) + "\n")
+
+
+def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, processor: Any,
+                     optimizer: torch.optim.Optimizer, config: TrainConfig, state: dict[str, Any],
+                     keep: int) -> Path:
+    """Write ``checkpoint-{step}`` atomically (temporary sibling + ``os.replace``) and prune old ones."""
+    final = out_dir / f"{CHECKPOINT_PREFIX}{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=out_dir))
+    try:
+        with _quiet_hf():
+            model.save_pretrained(tmp)
+            processor.save_pretrained(tmp)
+        tensors, meta = _optimizer_state(model, optimizer)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        _write_json(tmp / "optimizer.json", meta)
+        _write_json(tmp / "train_config.json", config.to_dict())
+        _write_json(tmp / "trainer_state.json", state)
+        if final.exists():  # only when re-writing the same step: move the old one aside first
+            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=out_dir))
+            os.replace(final, trash / final.name)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in list_checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _read_state(checkpoint: Path) -> dict[str, Any]:
+    try:
+        return json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TrainingError(f"checkpoint {str(checkpoint)!r} has no readable trainer_state.json: {exc}") from exc
+
+
+def _config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return [f"{k}: {a.get(k)!r} (checkpoint) vs {b.get(k)!r} (now)" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------------------------
+def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.999), eps=1e-8,
+    )
+
+
+def _evaluate(model: torch.nn.Module, batches: dict[str, list[TrainBatch]], norm: str) -> dict[str, dict[str, float]]:
+    """Teacher-forced loss and exact-match accuracy (equal to greedy decoding's) per ``task/variant``."""
+    out = {}
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for key, chunks in batches.items():
+            losses, correct, n = [], 0, 0
+            for b in chunks:
+                logits = model(**b.inputs, use_cache=False).logits
+                losses.append(float(answer_loss(logits, b.labels, norm)) * len(b))
+                correct += int(answer_correct(logits, b.labels).sum())
+                n += len(b)
+            out[key] = {"loss": sum(losses) / n, "accuracy": correct / n}
+    model.train(was_training)
+    return out
+
+
+def train(
+    config: TrainConfig,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    until: int | None = None,
+    threads: int | None = None,
+) -> TrainResult:
+    """Train an organism (or continue one) and write checkpoints into ``out_dir``.
+
+    Args:
+        config: the run.
+        out_dir: the run directory; ``checkpoint-{step:06d}`` directories appear in it.
+        resume: continue from the newest checkpoint in ``out_dir`` (its config must equal ``config``).
+        progress: show a tqdm bar with the loss.
+        until: stop after this step (a checkpoint is written there), as if interrupted; None: run to
+            ``config.steps``.
+        threads: ``torch.set_num_threads`` for this process (None: leave it). On a shared 2-core machine one thread
+            is several times faster than two; results can differ in the last bits between thread counts.
+
+    Returns:
+        A :class:`TrainResult`.
+
+    Raises:
+        TrainingError: ``resume`` without a checkpoint, a fresh run into a directory that has checkpoints, a config
+            that differs from the checkpoint's, or ``init_from`` weights that do not fit.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TrainingError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if until is not None and (not _is_int(until) or until < 1):
+        raise TrainingError(f"until must be an int >= 1 or None, got {until!r}")
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    existing = list_checkpoints(out)
+    model, processor = build_organism(seed=config.seed, image_size=config.image_size,
+                                      attn_implementation=config.attn_implementation, **config.model.to_dict())
+    optimizer = _make_optimizer(model, config)
+    state: dict[str, Any] = {"step": 0, "losses": [], "evals": [], "wall_time_s": 0.0}
+    if resume:
+        if not existing:
+            raise TrainingError(f"resume=True but {str(out)!r} has no checkpoint; start the run without resume")
+        ckpt = existing[-1]
+        state = _read_state(ckpt)
+        diff = _config_diff(state.get("config", {}), config.to_dict())
+        if diff:
+            raise TrainingError(f"the config differs from the one checkpoint {ckpt.name} was trained with: "
+                                f"{'; '.join(diff)}. Resume with the same config, or start a new run with "
+                                f"init_from={str(ckpt)!r}")
+        load_weights(model, ckpt)
+        try:
+            tensors = load_file(str(ckpt / "optimizer.safetensors"))
+            meta = json.loads((ckpt / "optimizer.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TrainingError(f"checkpoint {str(ckpt)!r} has no readable optimizer state: {exc}") from exc
+        _load_optimizer_state(model, optimizer, tensors, meta)
+        torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+    else:
+        if existing:
+            raise TrainingError(f"{str(out)!r} already holds checkpoints ({existing[-1].name}); pass resume=True "
+                                f"to continue that run, or choose another out_dir")
+        if config.init_from is not None:
+            load_weights(model, config.init_from)
+    mixture = config.mixture()
+    builder = BatchBuilder(processor)
+    eval_batches: dict[str, list[TrainBatch]] = {}
+    if config.eval_every:
+        for key, examples in mixture.eval_set(config.eval_size).items():
+            eval_batches[key] = [builder(examples[i : i + config.batch_size])
+                                 for i in range(0, len(examples), config.batch_size)]
+
+    start = int(state["step"])
+    stop = config.steps if until is None else min(until, config.steps)
+    losses: list[float] = [float(v) for v in state["losses"]]
+    evals: list[dict[str, Any]] = list(state["evals"])
+    previous_time = float(state.get("wall_time_s", 0.0))
+    checkpoint = existing[-1] if resume else None
+    done = start
+
+    def snapshot(step: int, elapsed: float) -> dict[str, Any]:
+        return {"step": step, "config": config.to_dict(), "rng": {"torch": torch.get_rng_state().tolist()},
+                "losses": losses, "evals": evals, "wall_time_s": previous_time + elapsed,
+                "threads": torch.get_num_threads(), "mixture": mixture.to_dict(),
+                "versions": {"torch": torch.__version__, "transformers": _transformers_version()}}
+
+    model.train()
+    bar = tqdm(total=config.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
+               desc=f"organism {config.regime}")
+    t0 = time.perf_counter()
+    ema = None
+    try:
+        for step in range(start, stop):
+            lr = lr_at(config, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = builder(mixture.batch(step, config.batch_size))
+            logits = model(**batch.inputs, use_cache=False).logits
+            loss = answer_loss(logits, batch.labels, config.loss_norm)
+            loss.backward()
+            if config.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise TrainingError(f"the loss became {value} at step {step + 1}; lower lr ({config.lr}) or "
+                                    f"keep grad_clip on")
+            losses.append(value)
+            done = step + 1
+            ema = value if ema is None else 0.95 * ema + 0.05 * value
+            postfix = {"loss": f"{ema:.3f}", "lr": f"{lr:.1e}"}
+            if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
+                result = _evaluate(model, eval_batches, config.loss_norm)
+                evals.append({"step": done, "tasks": result})
+                postfix["acc"] = " ".join(f"{k}={v['accuracy']:.2f}" for k, v in result.items())
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+            if done % config.checkpoint_every == 0 or done == stop:
+                checkpoint = _save_checkpoint(out, done, model, processor, optimizer, config,
+                                              snapshot(done, time.perf_counter() - t0), config.keep_checkpoints)
+    except KeyboardInterrupt:
+        if done > start and (checkpoint is None or not checkpoint.name.endswith(f"{done:06d}")):
+            _save_checkpoint(out, done, model, processor, optimizer, config,
+                             snapshot(done, time.perf_counter() - t0), config.keep_checkpoints)
+        raise
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    if checkpoint is None:  # nothing to do (already at the end) and nothing written before
+        raise TrainingError(f"no steps left to run in {str(out)!r} (step {start} of {config.steps})")
+    return TrainResult(out_dir=out, checkpoint=checkpoint, step=done, losses=losses, evals=evals,
+                       wall_time_s=previous_time + elapsed, steps_per_s=(done - start) / elapsed if done > start
+                       else 0.0)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# --------------------------------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m vlmbind.organisms --config run.json --out DIR [--resume] [--until N] [--threads N] [--quiet]``."""
+    parser = argparse.ArgumentParser(prog="python -m vlmbind.organisms", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="a JSON TrainConfig (fields as in TrainConfig.to_dict)")
+    parser.add_argument("--out", required=True, help="the run directory (checkpoints are written here)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    parser.add_argument("--until", type=int, default=None, help="stop after this step")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a busy machine)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    from ..errors import VlmbindError
+
+    try:
+        config = TrainConfig.from_json(args.config)
+        result = train(config, args.out, resume=args.resume, progress=not args.quiet, until=args.until,
+                       threads=args.threads)
+    except VlmbindError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summary = {k: v for k, v in result.to_dict().items() if k not in ("losses", "evals")}
+    summary["final_loss"] = result.losses[-1] if result.losses else None
+    summary["last_eval"] = result.evals[-1] if result.evals else None
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
