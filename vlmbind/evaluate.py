@@ -163,6 +163,27 @@ def add_parser(sub: Any, common: Any) -> None:
     p.set_defaults(func=cmd_eval)
 
 
+def training_defaults(vlm: Any, task: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Fill stimulus options the user left out from how ``vlm`` was trained (organisms record it): the canvas
+    aligned with its token grid, its colour and shape pools, and its answer regime."""
+    training = getattr(vlm, "training", None)
+    if not training:
+        return kwargs
+    from .stimuli.core import Canvas
+
+    kwargs = dict(kwargs)
+    if "canvas" not in kwargs:
+        kwargs["canvas"] = Canvas(image_size=int(training["image_size"]), grid=int(training["grid"]))
+    options = training.get("task_options", {}).get(task, {})
+    if task in ("scene", "query", "count"):
+        for pool in ("colours", "shapes"):
+            if options.get(pool) and pool not in kwargs:
+                kwargs[pool] = tuple(options[pool])
+    if task in ("search", "count") and "regime" not in kwargs:
+        kwargs["regime"] = training["regime"]
+    return kwargs
+
+
 def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     import argparse
 
@@ -178,6 +199,7 @@ def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     )
     kwargs = _kwargs(args.task, stim_args)
     vlm = load(args.model)
+    kwargs = training_defaults(vlm, args.task, kwargs)
     dataset = generate(args.task, args.n, args.seed, kwargs)
     result = evaluate(vlm, dataset, batch_size=args.batch_size, progress=not args.json)
     out = Path(args.out or f"runs/eval/{Path(str(args.model)).name}-{args.task}")

@@ -12,6 +12,7 @@ with chosen sites captured and interventions applied, and removes every hook aft
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from .errors import InputError, ModelLoadError, UnsupportedModelError, close_mat
 from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
 from .sites import Site, resolve_sites
 from .tokens import TokenIndex, text_offsets
+
+
+TRAINING_FILE = "vlmbind_training.json"
 
 
 @dataclass
@@ -108,6 +112,8 @@ class VLM:
         self.name = name
         self.source = source
         self._active: list[Intervention] = []
+        # how the model was trained, for models vlmbind trained (task pools, image size), else None
+        self.training: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         a = self.adapter
@@ -350,8 +356,9 @@ class VLM:
 def registered_names() -> list[str]:
     """Names ``load`` accepts besides directories and hub ids."""
     from . import tiny
+    from .organisms.shipped import shipped_organisms
 
-    return [*tiny.TINY_NAMES]
+    return [*shipped_organisms(), *tiny.TINY_NAMES]
 
 
 def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
@@ -373,6 +380,16 @@ def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
         seed = int(hf_kwargs.pop("seed", 0))
         model, processor = tiny.build(name, seed=seed, **hf_kwargs)
         return VLM(model, processor, name=name, source=f"tiny (random weights, seed {seed})")
+    from .organisms.shipped import ORGANISM_NAMES, organism_dir
+
+    if name in ORGANISM_NAMES:
+        path = organism_dir(name)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{name} is not shipped with this installation (no {path}); train it with "
+                                 f"python -m vlmbind.organisms.recipes {name} --out DIR and load DIR")
+        vlm = _from_pretrained(str(path), **hf_kwargs)
+        vlm.name, vlm.source = name, f"shipped organism ({path.relative_to(path.parents[2])})"
+        return vlm
     if name.startswith("tiny-") or name.startswith("organism-"):
         raise UnsupportedModelError(
             f"unknown model name {name!r}.{close_matches(name, registered_names())} Registered names: "
@@ -411,7 +428,11 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise ModelLoadError(f"could not load {adapter_cls.display_name} weights or processor from {name!r}: "
                              f"{str(exc).splitlines()[0]}") from exc
-    return VLM(model, processor, name=name, source=str(Path(name).resolve()) if is_dir else f"hub:{name}")
+    vlm = VLM(model, processor, name=name, source=str(Path(name).resolve()) if is_dir else f"hub:{name}")
+    card = Path(name) / TRAINING_FILE
+    if is_dir and card.is_file():
+        vlm.training = json.loads(card.read_text())
+    return vlm
 
 
 __all__ = ["VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families", "UnsupportedModelError"]

@@ -3,18 +3,33 @@
 Design: :mod:`.model` builds the architecture (the real HF class, the tiny models' tokenizer and processor, a fixed
 image size whose 28 px cells match the stimuli grid); :mod:`.data` draws training examples from the stimuli
 generators as a pure function of ``(seed, step, row)`` and turns them into batches without the processor;
-:mod:`.train` runs AdamW on answer tokens with atomic, resumable safetensors checkpoints; :mod:`.lora` fine-tunes any
-supported family with LoRA adapters on the text attention projections (the PbP experiment on real checkpoints).
+:mod:`.train` runs AdamW on answer tokens with atomic, resumable safetensors checkpoints; :mod:`.recipes` holds the
+staged curricula of the shipped organisms; :mod:`.lora` fine-tunes any supported family with LoRA adapters on the
+text attention projections (the PbP experiment on real checkpoints). :mod:`.shipped` knows where the trained weights
+live inside the package. Submodules load on first use, so ``vb.load("organism-p2a")`` does not import peft.
 """
 
-from .data import REGIMES, TASKS, BatchBuilder, TaskMixture, TaskSpec, TrainBatch, TrainingExample, answer_correct, \
-    answer_loss, canvas_for
-from .lora import LoraResult, finetune_lora, load_lora
-from .model import CELL_PX, OrganismSize, build_organism, grid_side
-from .train import TrainConfig, TrainResult, list_checkpoints, load_weights, lr_at, train
+from __future__ import annotations
 
-__all__ = [
-    "REGIMES", "TASKS", "BatchBuilder", "TaskMixture", "TaskSpec", "TrainBatch", "TrainingExample", "answer_correct",
-    "answer_loss", "canvas_for", "LoraResult", "finetune_lora", "load_lora", "CELL_PX", "OrganismSize",
-    "build_organism", "grid_side", "TrainConfig", "TrainResult", "list_checkpoints", "load_weights", "lr_at", "train",
-]
+import importlib
+from typing import Any
+
+from .shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
+
+_LAZY = {
+    "REGIMES": "data", "TASKS": "data", "BatchBuilder": "data", "TaskMixture": "data", "TaskSpec": "data",
+    "TrainBatch": "data", "TrainingExample": "data", "answer_correct": "data", "answer_loss": "data",
+    "canvas_for": "data", "LoraResult": "lora", "finetune_lora": "lora", "load_lora": "lora", "CELL_PX": "model",
+    "OrganismSize": "model", "build_organism": "model", "grid_side": "model", "TrainConfig": "train",
+    "TrainResult": "train", "list_checkpoints": "train", "load_weights": "train", "lr_at": "train", "train": "train",
+    "run_recipe": "recipes", "stages": "recipes", "RECIPES": "recipes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ORGANISM_NAMES", "organism_dir", "shipped_organisms", *_LAZY]
