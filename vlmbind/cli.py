@@ -287,6 +287,20 @@ def _versions() -> dict[str, str]:
     }
 
 
+def _demo_scene(vlm: Any, seed: int) -> tuple[Image.Image, list[dict[str, Any]], str, str | None]:
+    """The demo's scene, prompt and expected answer: for a model vlmbind trained (an organism), a scene-description
+    stimulus on its own canvas and pools, so the model is asked what it learned; otherwise the fixed drawn scene."""
+    if not getattr(vlm, "training", None):
+        image, objects = _draw_scene(seed)
+        return image, objects, DEMO_PROMPT, None
+    from .evaluate import training_defaults
+    from .stimuli import scene_description
+
+    example = scene_description(1, seed, n_objects=3, **training_defaults(vlm, "scene", {}))[0]
+    objects = [{"colour": o.colour, "shape": o.shape, "box": [round(v) for v in o.box]} for o in example.objects]
+    return example.image, objects, example.prompt, example.answer
+
+
 def _png_bytes(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
@@ -303,9 +317,9 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {str(out)!r} is an existing file; pass a directory (it is created if missing)")
 
-    image, objects = _draw_scene(args.seed)
     vlm = load(args.model)
-    batch = vlm.prepare(image, DEMO_PROMPT)
+    image, objects, prompt, expected = _demo_scene(vlm, args.seed)
+    batch = vlm.prepare(image, prompt)
     index = batch.index[0]
     run = vlm.run(batch, sites=DEMO_SITES)
     last, image_positions = index.last_position, index.image_positions
@@ -346,7 +360,8 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "layers": vlm.n_layers,
         "heads": vlm.n_heads,
         "seed": args.seed,
-        "prompt": DEMO_PROMPT,
+        "prompt": prompt,
+        "expected_answer": expected,
         "scene": {"size": list(image.size), "objects": objects},
         "image_tokens": int(len(image_positions)),
         "last_position": last,
@@ -376,7 +391,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     preds = ", ".join(f"{p['token']!r} (id {p['id']}) {p['prob']:.4f}" for p in predictions)
     text = "\n".join([
         f"vlmbind demo: {vlm.name} ({vlm.source}), scene seed {args.seed}",
-        f"  prompt: {DEMO_PROMPT!r}",
+        f"  prompt: {prompt!r}" + (f" (expected: {expected!r})" if expected else ""),
         f"  top next tokens: {preds}",
         f"  head with the most last-token attention on the image: L{layer}.H{head} (mass {mass[layer, head]:.3f})",
         f"  wrote {len(written)} files to {out} in {elapsed:.1f} s; open {out / 'report.html'}",
