@@ -51,7 +51,7 @@ def stages(regime: str, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
         ("2-mix-112", {**common, "image_size": 112, "tasks": dict(_MIX), "task_options": _options((1, 12)),
                        "steps": 3000, "lr": 7e-4, "warmup": 100}),
         ("3-mix-168", {**common, "image_size": 168, "tasks": dict(_MIX), "task_options": _options((1, 12)),
-                       "steps": 5000, "lr": 5e-4, "warmup": 100, "final_lr_ratio": 0.05}),
+                       "steps": 4000, "lr": 5e-4, "warmup": 100, "final_lr_ratio": 0.05}),
     ]
 
 
