@@ -120,12 +120,12 @@ def test_help_exits_0(capsys):
 
 
 def test_unexpected_failure_exits_1_with_one_line(monkeypatch, tmp_path, capsys):
-    def broken(seed, size=224):
+    def broken(vlm, seed):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(cli, "_draw_scene", broken)
+    monkeypatch.setattr(cli, "_demo_scene", broken)
     monkeypatch.delenv("VLMBIND_DEBUG", raising=False)
-    assert cli.main(["demo", "--out", str(tmp_path / "o")]) == 1
+    assert cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(tmp_path / "o")]) == 1
     line = _one_error_line(capsys.readouterr().err)
     assert "RuntimeError: disk on fire" in line
 

@@ -69,8 +69,12 @@ def test_dataset_round_trip_and_atomic_save(tmp_path):
     assert np.array_equal(np.asarray(back[0].image), np.asarray(ds[0].image))
     assert json.loads((out / "dataset.json").read_text())["note"] == 1
     # a failing save leaves the previous data set intact and no temporary directory behind
-    bad = Dataset("demo", [Example("e0", "not an image", [], "p", "a", "demo")], {}, seed=0)
-    with pytest.raises(AttributeError):
+    class FullDisk:
+        def save(self, *args, **kwargs):
+            raise OSError("disk full")
+
+    bad = Dataset("demo", [Example("e0", FullDisk(), [], "p", "a", "demo")], {}, seed=0)
+    with pytest.raises(OSError, match="disk full"):
         bad.save(out)
     assert Dataset.load(out).prompts == ds.prompts
     assert [p.name for p in tmp_path.iterdir()] == ["ds"]

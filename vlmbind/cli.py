@@ -34,9 +34,8 @@ from PIL import Image, ImageDraw
 
 from .errors import InputError, VlmbindError
 
-# The trained organism "organism-p2a" becomes the default once it ships in the registry; until then the demo runs
-# the random-weight tiny Qwen2.5-VL, which exercises the same code paths.
-DEFAULT_MODEL = "tiny-qwen2_5_vl"
+# the shipped organism trained with Point-to-Answer answers (see vlmbind/organisms/weights/organism-p2a/README.md)
+DEFAULT_MODEL = "organism-p2a"
 DEFAULT_OUT = "runs/demo"
 DEMO_PROMPT = "In this image there is a red square, a blue circle and a"
 DEMO_SITES = "blocks.*.attn.hook_pattern"

@@ -388,7 +388,7 @@ def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
             raise ModelLoadError(f"{name} is not shipped with this installation (no {path}); train it with "
                                  f"python -m vlmbind.organisms.recipes {name} --out DIR and load DIR")
         vlm = _from_pretrained(str(path), **hf_kwargs)
-        vlm.name, vlm.source = name, f"shipped organism ({path.relative_to(path.parents[2])})"
+        vlm.name, vlm.source = name, f"shipped organism ({path.relative_to(path.parents[3])})"
         return vlm
     if name.startswith("tiny-") or name.startswith("organism-"):
         raise UnsupportedModelError(

@@ -38,6 +38,15 @@ ROWS = [
 GENERATORS = {"scene": S.scene_description, "query": S.binding_query, "search": S.visual_search, "count": S.counting}
 
 
+def points_exact(records: list[dict]) -> float:
+    """Share of answers whose points are exactly the expected points (a P2A answer can be right with wrong points:
+    this says whether the model really pointed)."""
+    def grid_points(text: str) -> list[tuple[int, int]]:
+        return [(round(x), round(y)) for x, y in S.parse_points(text)]
+
+    return sum(grid_points(r["output"]) == grid_points(r["expected"]) for r in records) / max(1, len(records))
+
+
 def run(models: list[str], n: int, seed: int) -> dict:
     results: dict = {"n": n, "seed": seed, "models": {}, "rows": [r[0] for r in ROWS]}
     for name in models:
@@ -48,8 +57,9 @@ def run(models: list[str], n: int, seed: int) -> dict:
             start = time.perf_counter()
             dataset = GENERATORS[task](n, seed, **kwargs)
             result = evaluate(vlm, dataset, batch_size=32)
-            per_row[label] = {"accuracy": result.accuracy, "n": result.n, "seconds": time.perf_counter() - start,
-                              "summary": dataset.summary}
+            points = points_exact(result.records) if task in ("search", "count") else None
+            per_row[label] = {"accuracy": result.accuracy, "points_exact": points, "n": result.n,
+                              "seconds": time.perf_counter() - start, "summary": dataset.summary}
             print(f"{name:18s} {label:55s} {100 * result.accuracy:6.1f}%", flush=True)
         results["models"][name] = {"source": vlm.source, "training": vlm.training, "rows": per_row}
     return results
@@ -60,7 +70,14 @@ def table(results: dict) -> str:
     head = "| task | " + " | ".join(names) + " | PbP P2A | PbP Direct |\n|---|" + "---|" * (len(names) + 2) + "\n"
     lines = []
     for label, task, _, ref in ROWS:
-        cells = [f"{100 * results['models'][m]['rows'][label]['accuracy']:.1f}" for m in names]
+        cells = []
+        for m in names:
+            row = results["models"][m]["rows"][label]
+            cell = f"{100 * row['accuracy']:.1f}"
+            regime = (results["models"][m].get("training") or {}).get("regime")
+            if regime == "p2a" and row.get("points_exact") is not None:
+                cell += f" (points {100 * row['points_exact']:.0f})"
+            cells.append(cell)
         extra = ""
         if task == "query":
             ceiling = results["models"][names[0]]["rows"][label]["summary"].get("counting_ceiling")

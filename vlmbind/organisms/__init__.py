@@ -6,7 +6,7 @@ generators as a pure function of ``(seed, step, row)`` and turns them into batch
 :mod:`.train` runs AdamW on answer tokens with atomic, resumable safetensors checkpoints; :mod:`.recipes` holds the
 staged curricula of the shipped organisms; :mod:`.lora` fine-tunes any supported family with LoRA adapters on the
 text attention projections (the PbP experiment on real checkpoints). :mod:`.shipped` knows where the trained weights
-live inside the package. Submodules load on first use, so ``vb.load("organism-p2a")`` does not import peft.
+live inside the package. LoRA (peft) loads on first use.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import importlib
 from typing import Any
 
 from .shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
+from .train import TrainConfig, TrainResult, train  # eager: the function `train` must win over the submodule name
 
 _LAZY = {
     "REGIMES": "data", "TASKS": "data", "BatchBuilder": "data", "TaskMixture": "data", "TaskSpec": "data",
     "TrainBatch": "data", "TrainingExample": "data", "answer_correct": "data", "answer_loss": "data",
     "canvas_for": "data", "LoraResult": "lora", "finetune_lora": "lora", "load_lora": "lora", "CELL_PX": "model",
-    "OrganismSize": "model", "build_organism": "model", "grid_side": "model", "TrainConfig": "train",
-    "TrainResult": "train", "list_checkpoints": "train", "load_weights": "train", "lr_at": "train", "train": "train",
+    "OrganismSize": "model", "build_organism": "model", "grid_side": "model", "list_checkpoints": "train",
+    "load_weights": "train", "lr_at": "train",
     "run_recipe": "recipes", "stages": "recipes", "RECIPES": "recipes",
 }
 
@@ -32,4 +33,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ORGANISM_NAMES", "organism_dir", "shipped_organisms", *_LAZY]
+__all__ = ["ORGANISM_NAMES", "organism_dir", "shipped_organisms", "TrainConfig", "TrainResult", "train", *_LAZY]

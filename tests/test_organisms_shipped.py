@@ -1,0 +1,83 @@
+"""The shipped organisms: they load by name through from_pretrained, carry their training record, and still solve
+scene description and the binding query task on a fixed sample. Also: the recipes are valid and shipping a run
+gives a loadable directory with identical logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import vlmbind as vb
+from vlmbind.evaluate import evaluate, training_defaults
+from vlmbind.organisms import ORGANISM_NAMES, shipped_organisms
+from vlmbind.organisms.recipes import RECIPES, stages
+from vlmbind.organisms.ship import ship
+from vlmbind.organisms.train import TrainConfig, train
+
+S = vb.stimuli
+
+
+def test_both_organisms_are_shipped():
+    assert shipped_organisms() == list(ORGANISM_NAMES)
+    assert set(ORGANISM_NAMES) <= set(vb.registered_names())
+
+
+@pytest.fixture(scope="module", params=ORGANISM_NAMES)
+def organism(request):
+    return vb.load(request.param)
+
+
+def test_loads_through_from_pretrained_with_its_record(organism):
+    assert organism.family == "qwen2_5_vl"
+    assert organism.source.startswith("shipped organism")
+    record = organism.training
+    assert record["regime"] == RECIPES[organism.name]
+    assert record["image_size"] == 168 and record["grid"] == 6
+    assert record["wall_time_s"] <= 60 * 60, "each organism must train within an hour on 2 cores"
+
+
+@pytest.mark.parametrize("task,kwargs", [("scene", {"entropy": "high"}), ("scene", {"entropy": "low"}),
+                                         ("query", {})])
+def test_solves_binding_tasks_on_a_fixed_sample(organism, task, kwargs):
+    generator = {"scene": S.scene_description, "query": S.binding_query}[task]
+    dataset = generator(48, 12345, **training_defaults(organism, task, kwargs))
+    result = evaluate(organism, dataset, batch_size=48)
+    assert result.accuracy >= 0.9, (organism.name, task, kwargs, result.accuracy)
+    if task == "query":
+        assert result.accuracy > dataset.summary["counting_ceiling"] + 0.2
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipes_are_valid_configs(name):
+    configs = [TrainConfig.from_dict(fields) for _, fields in stages(RECIPES[name])]
+    assert configs[-1].image_size == 168
+    assert all(c.regime == RECIPES[name] for c in configs)
+
+
+def test_ship_gives_a_loadable_directory(tmp_path):
+    from test_organisms_train import small_config
+
+    run = tmp_path / "run"
+    result = train(small_config(steps=2, checkpoint_every=2), run / "stage", progress=False)
+    (run / "recipe_summary.json").write_text(json.dumps({
+        "seed": 0, "final_checkpoint": str(result.checkpoint), "wall_time_s": result.wall_time_s,
+        "stages": [{"stage": "stage", "wall_time_s": result.wall_time_s}]}))
+    dest = ship("organism-direct", run, "# card\n", dest=tmp_path / "shipped")
+    assert not (dest / "optimizer.safetensors").exists()
+    shipped, original = vb.load(str(dest)), vb.load(str(result.checkpoint))
+    assert shipped.training["regime"] == "direct"
+    image = S.scene_description(1, 0, canvas=S.Canvas(image_size=56, grid=2))[0]
+    a, b = shipped.prepare(image.image, image.prompt), original.prepare(image.image, image.prompt)
+    torch.testing.assert_close(shipped.logits(a), original.logits(b), atol=0, rtol=0)
+
+
+def test_demo_asks_the_organism_what_it_learned(tmp_path, capsys):
+    from vlmbind.cli import main
+
+    assert main(["demo", "--model", "organism-direct", "--out", str(tmp_path), "--json", "--seed", "4"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["prompt"].startswith("in this image there is a")
+    top = summary["top_predictions"][0]["token"].strip()
+    assert top == summary["expected_answer"].split()[0], summary
