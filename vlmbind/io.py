@@ -63,15 +63,16 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
 
 def write_json_atomic(value: Any, path: str | os.PathLike) -> Path:
     """Write ``value`` as indented JSON to ``path`` atomically."""
-    return write_text_atomic(json.dumps(value, indent=2, default=_json_default) + "\n", path)
+    return write_text_atomic(json.dumps(value, indent=2, default=json_default) + "\n", path)
 
 
 def write_jsonl_atomic(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     """Write one JSON object per line to ``path`` atomically."""
-    return write_text_atomic("".join(json.dumps(r, default=_json_default) + "\n" for r in records), path)
+    return write_text_atomic("".join(json.dumps(r, default=json_default) + "\n" for r in records), path)
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
+    """JSON for numpy scalars and arrays (``json.dumps(..., default=json_default)``)."""
     import numpy as np
 
     if isinstance(value, np.integer):

@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from ..errors import InputError, VlmbindError, close_matches
+from ..io import json_default
 
 
 class StimulusError(InputError):
@@ -356,18 +357,8 @@ class Dataset:
         return cls(info.get("task", ""), examples, info.get("params", {}), info.get("seed", 0), summary)
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"cannot write {type(value).__name__} to JSON")
-
-
 def dumps(value: Any) -> str:
-    return json.dumps(value, default=_json_default, sort_keys=False)
+    return json.dumps(value, default=json_default, sort_keys=False)
 
 
 def save_records(out: str | os.PathLike, images: Sequence[tuple[str, Image.Image]], records: Sequence[dict],
@@ -390,7 +381,7 @@ def save_records(out: str | os.PathLike, images: Sequence[tuple[str, Image.Image
         for name, image in images:
             image.save(tmp / "images" / f"{name}.png", format="PNG")
         (tmp / "meta.jsonl").write_text("".join(dumps(r) + "\n" for r in records))
-        (tmp / "dataset.json").write_text(json.dumps(info, default=_json_default, indent=2) + "\n")
+        (tmp / "dataset.json").write_text(json.dumps(info, default=json_default, indent=2) + "\n")
         out.mkdir(exist_ok=True)
         if (out / "images").exists():
             shutil.rmtree(out / "images")
