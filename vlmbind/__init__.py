@@ -4,6 +4,7 @@
 """
 
 from . import stimuli
+from .analysis import HeadScores, locate
 from .errors import (
     InputError,
     InterventionError,
@@ -22,7 +23,7 @@ from .tokens import ImageGrid, TokenIndex
 __version__ = "0.1.0"
 
 __all__ = [
-    "stimuli", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
+    "stimuli", "locate", "HeadScores", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
     "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
     "Site", "resolve_sites", "ImageGrid", "TokenIndex",
     "VlmbindError", "UnsupportedModelError", "ModelLoadError", "SiteError", "InterventionError", "InputError",

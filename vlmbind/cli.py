@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluate import add_parser as add_eval_parser
 
     add_eval_parser(sub, common)
+
+    from .analysis.mediation import add_parser as add_locate_parser
+
+    add_locate_parser(sub, common)
     return parser
 
 

@@ -1,0 +1,117 @@
+"""Head-level mediation, naive reference: the score formula against an independent nnsight computation, identity
+pairs score zero, and results save as the contract says."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import get_tiny
+
+import vlmbind as vb
+from vlmbind.analysis import HeadScores, answer_token_ids, locate
+from vlmbind.stimuli.scenes import check_alignment
+
+S = vb.stimuli
+
+
+def _envoy(root, path: str):
+    for part in path.split("."):
+        root = root[int(part)] if part.isdigit() else getattr(root, part)
+    return root
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2_5_vl", "tiny-gemma3"])
+@pytest.mark.parametrize("condition", ["id_retrieval", "feature_retrieval"])
+def test_naive_scores_equal_an_nnsight_computation(name, condition):
+    vlm = get_tiny(name)
+    pairs = S.scene_pairs(2, condition, 0, n_objects=3)
+    scores = locate(vlm, pairs, layers=[1, 2])
+    assert np.all(scores.per_pair[:, [0, 3]] == 0)  # layers not asked for
+    nn_model = vlm.nnsight()
+    a_ = vlm.adapter
+    tok = a_.tokenizer
+    for i, pair in enumerate(pairs):
+        prefix, a, a_star = answer_token_ids(tok, pair.answer, pair.answer_counterfactual)
+        assert prefix == []  # high entropy: the colours differ
+        aligned = check_alignment(vlm, [pair])
+        pos, d = aligned.positions[0], a_.d_head
+        for layer, head in [(1, 0), (2, 3)]:
+            path = f"{a_.text_layers}.{layer}.{a_.attention}.{a_.o_proj}"
+            with torch.no_grad(), nn_model.trace(**aligned.counterfactual.inputs, use_cache=False):
+                z_cf = _envoy(nn_model, path).input.save()
+            with torch.no_grad(), nn_model.trace(**aligned.clean.inputs, use_cache=False):
+                clean_logits = nn_model.output.logits.save()
+            with torch.no_grad(), nn_model.trace(**aligned.clean.inputs, use_cache=False):
+                x = _envoy(nn_model, path).input
+                for p in pos.tolist():
+                    x[:, p, head * d:(head + 1) * d] = z_cf[:, p, head * d:(head + 1) * d]
+                patched = nn_model.output.logits.save()
+            ref = float((patched[0, -1, a_star] - patched[0, -1, a]) - (clean_logits[0, -1, a_star]
+                                                                         - clean_logits[0, -1, a]))
+            assert scores.per_pair[i, layer, head] == pytest.approx(ref, abs=1e-6)
+    assert np.abs(scores.per_pair).max() > 1e-5, "effects must be non-zero for the comparison to mean anything"
+
+
+def test_identity_pairs_score_zero():
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    pairs = [replace(p, counterfactual=replace(p.counterfactual, image=p.clean.image))
+             for p in S.scene_pairs(2, "id_selection", 1, n_objects=3)]
+    scores = locate(vlm, pairs)
+    assert np.all(scores.per_pair == 0)
+
+
+def test_shared_answer_prefix_is_appended():
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    tok = vlm.adapter.tokenizer
+    prefix, a, a_star = answer_token_ids(tok, "red square", "red circle")
+    assert tok.decode(prefix).strip() == "red" and a != a_star
+    with pytest.raises(vb.InputError, match="no differing token"):
+        answer_token_ids(tok, "red square", "red square")
+    pairs = [p for p in S.scene_pairs(40, "id_selection", 0, n_objects=(3, 4), entropy="low")
+             if p.first_difference == 1][:1]
+    assert pairs, "low-entropy pairs that share the colour exist"
+    scores = locate(vlm, pairs, layers=[3])
+    assert np.abs(scores.per_pair[0, 3]).max() > 0
+
+
+def test_results_table_and_files(tmp_path):
+    per_pair = np.arange(2 * 3 * 4, dtype=float).reshape(2, 3, 4)
+    hs = HeadScores("id_selection", "naive", "m", per_pair, pair_ids=["p0", "p1"])
+    frame = hs.to_frame()
+    assert list(frame.columns) == ["layer", "head", "score", "stderr", "n"] and len(frame) == 12
+    assert frame.loc[(frame["layer"] == 2) & (frame["head"] == 3), "score"].item() == (11 + 23) / 2
+    assert hs.top(2) == [(2, 3), (2, 2)]
+    assert hs.stderr[0, 0] == pytest.approx(np.std([0, 12], ddof=1) / np.sqrt(2))
+    hs.save(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["top_heads"][0] == "2.3"
+    assert (tmp_path / "scores.csv").read_text().startswith("layer,head,score,stderr,n")
+    assert (tmp_path / "heatmap.html").stat().st_size > 1000
+
+
+def test_bad_calls():
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    with pytest.raises(vb.InputError, match="unknown method"):
+        locate(vlm, S.scene_pairs(1, "id_selection", 0), method="fast")
+    with pytest.raises(vb.InputError, match="at least one"):
+        locate(vlm, [])
+    mixed = [*S.scene_pairs(1, "id_selection", 0), *S.scene_pairs(1, "id_retrieval", 0)]
+    with pytest.raises(vb.InputError, match="mix conditions"):
+        locate(vlm, mixed)
+
+
+def test_locate_command(tmp_path, capsys):
+    from vlmbind.cli import main
+
+    out = tmp_path / "loc"
+    assert main(["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "2",
+                 "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["n"] == 2 and summary["method"] == "naive" and len(summary["top_heads"]) == 10
+    frame = __import__("pandas").read_csv(out / "scores.csv")
+    assert len(frame) == 16 and set(frame["n"]) == {2}
+    assert main(["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "0",
+                 "--out", str(out)]) == 2

@@ -1,0 +1,226 @@
+"""Head-level causal mediation (VSM): patch one head's output from the counterfactual run into the clean run.
+
+Per head h of layer l, z_h (the slice of the ``o_proj`` input belonging to h, never the projection's output, which
+mixes heads) is taken from the counterfactual run at the pair's patch positions and written into the clean run.
+The score (methods.md section 4) is
+
+    s = (M(c*)[a*] - M(c*)[a]) - (M(c)[a*] - M(c)[a])
+
+the patched run's logit difference between the counterfactual answer a* and the clean answer a at the last position,
+minus the same difference in the unpatched clean run; scores are averaged over pairs (mean, standard error, count).
+Multi-token answers are scored at their first differing token: when a and a* share leading tokens (low-entropy
+pairs with the same colour, e.g. ``red square`` vs ``red circle``), the shared tokens are appended to both prompts
+and the scored position (and a last-token patch) moves to the new last token.
+
+``method="naive"`` is the reference: one full forward per (pair, layer, head). Faster exact methods must reproduce
+its numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import InputError
+from ..hooks import PatchHeads
+from ..io import write_json_atomic, write_text_atomic
+
+METHODS = ("naive",)
+
+
+def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str) -> tuple[list[int], int, int]:
+    """``(shared prefix ids, id of a, id of a*)`` at the first token where `` answer`` and `` answer_cf`` differ.
+
+    Raises:
+        InputError: the answers tokenise identically (nothing to score).
+    """
+    a = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
+    b = tokenizer(" " + answer_cf, add_special_tokens=False)["input_ids"]
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return list(a[:i]), int(x), int(y)
+    raise InputError(f"answers {answer!r} and {answer_cf!r} have no differing token: nothing to score")
+
+
+@dataclass
+class HeadScores:
+    """Per-head mediation scores.
+
+    Attributes:
+        condition: the pairs' condition.
+        method: how the scores were computed.
+        model: the model's name.
+        per_pair: ``N L H`` score of every pair for every head.
+        seconds: wall time of the computation.
+        pair_ids: the pairs, in order.
+    """
+
+    condition: str
+    method: str
+    model: str
+    per_pair: np.ndarray
+    seconds: float = 0.0
+    pair_ids: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return int(self.per_pair.shape[0])
+
+    @property
+    def scores(self) -> np.ndarray:
+        """``L H`` mean score."""
+        return self.per_pair.mean(0)
+
+    @property
+    def stderr(self) -> np.ndarray:
+        """``L H`` standard error of the mean (0 with one pair)."""
+        if self.n < 2:
+            return np.zeros(self.per_pair.shape[1:])
+        return self.per_pair.std(0, ddof=1) / math.sqrt(self.n)
+
+    def to_frame(self) -> pd.DataFrame:
+        layers, heads = self.scores.shape
+        return pd.DataFrame([
+            {"layer": layer, "head": head, "score": float(self.scores[layer, head]),
+             "stderr": float(self.stderr[layer, head]), "n": self.n}
+            for layer in range(layers) for head in range(heads)
+        ])
+
+    def top(self, k: int = 5) -> list[tuple[int, int]]:
+        """The ``k`` heads with the largest mean score, as ``(layer, head)``."""
+        order = np.argsort(-self.scores, axis=None, kind="stable")[:k]
+        return [tuple(int(v) for v in np.unravel_index(i, self.scores.shape)) for i in order]
+
+    def figure(self) -> Any:
+        from ..viz import head_heatmap
+
+        return head_heatmap(self.to_frame(), value="score", title=f"{self.condition} mediation ({self.method})",
+                            model=self.model, n=self.n)
+
+    def summary(self) -> dict[str, Any]:
+        return {"condition": self.condition, "method": self.method, "model": self.model, "n": self.n,
+                "seconds": self.seconds, "top_heads": [f"{l}.{h}" for l, h in self.top(10)],
+                "pair_ids": self.pair_ids}
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write ``scores.csv``, ``heatmap.html`` and ``summary.json`` atomically."""
+        from ..viz import write_html_atomic
+
+        out = Path(out)
+        write_text_atomic(self.to_frame().to_csv(index=False), out / "scores.csv")
+        write_html_atomic(self.figure(), out / "heatmap.html")
+        write_json_atomic(self.summary(), out / "summary.json")
+        return out
+
+
+def _extended(pair: Any, prefix_text: str) -> Any:
+    """The pair with the answers' shared leading text appended to both prompts (last-token patches follow)."""
+    if not prefix_text:
+        return pair
+    clean = replace(pair.clean, prompt=pair.clean.prompt + prefix_text)
+    cf = replace(pair.counterfactual, prompt=pair.counterfactual.prompt + prefix_text)
+    return replace(pair, clean=clean, counterfactual=cf)
+
+
+def _logit_diff(logits: torch.Tensor, last: int, a: int, a_star: int) -> float:
+    row = logits[0, last].float()
+    return float(row[a_star] - row[a])
+
+
+def locate(vlm: Any, pairs: Any, *, method: str = "naive", layers: list[int] | None = None,
+           progress: bool = False) -> HeadScores:
+    """Score every head (or those of ``layers``) on counterfactual pairs.
+
+    Args:
+        vlm: a loaded VLM.
+        pairs: a :class:`~vlmbind.stimuli.PairSet` or a list of pairs (one condition).
+        method: ``"naive"`` (one forward per pair and head).
+        layers: restrict to these layers (others score 0).
+        progress: show a progress bar.
+
+    Raises:
+        InputError: unknown method, no pairs, or pairs of several conditions.
+    """
+    from ..stimuli.scenes import check_alignment
+
+    if method not in METHODS:
+        raise InputError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+    pairs = list(pairs)
+    if not pairs:
+        raise InputError("locate needs at least one counterfactual pair")
+    conditions = {p.condition for p in pairs}
+    if len(conditions) != 1:
+        raise InputError(f"pairs mix conditions {sorted(conditions)}; locate one condition at a time")
+    n_layers, n_heads = vlm.n_layers, vlm.n_heads
+    layers = list(range(n_layers)) if layers is None else [int(l) for l in layers]
+    tokenizer = vlm.adapter.tokenizer
+    per_pair = np.zeros((len(pairs), n_layers, n_heads))
+    start = time.perf_counter()
+    bar = tqdm(total=len(pairs) * len(layers) * n_heads, desc=f"locate ({method})", disable=not progress)
+    for i, pair in enumerate(pairs):
+        prefix, a, a_star = answer_token_ids(tokenizer, pair.answer, pair.answer_counterfactual)
+        pair = _extended(pair, tokenizer.decode(prefix) if prefix else "")
+        aligned = check_alignment(vlm, [pair])
+        clean, cf, positions = aligned.clean, aligned.counterfactual, aligned.positions[0]
+        last = clean.index[0].last_position
+        clean_diff = _logit_diff(vlm.logits(clean), last, a, a_star)
+        sites = [f"blocks.{l}.attn.hook_z" for l in layers]
+        z_cf = vlm.capture(cf, sites)
+        for layer in layers:
+            z = z_cf[f"blocks.{layer}.attn.hook_z"]
+            for head in range(n_heads):
+                values = z[:, positions][:, :, [head]]
+                patch = PatchHeads(layer=layer, heads=[head], positions=positions, values=values)
+                per_pair[i, layer, head] = _logit_diff(vlm.logits(clean, [patch]), last, a, a_star) - clean_diff
+                bar.update(1)
+    bar.close()
+    return HeadScores(condition=next(iter(conditions)), method=method, model=vlm.name, per_pair=per_pair,
+                      seconds=time.perf_counter() - start, pair_ids=[p.id for p in pairs])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vlmbind locate
+# ----------------------------------------------------------------------------------------------------------------
+def add_parser(sub: Any, common: Any) -> None:
+    from ..stimuli.commands import parse_range
+
+    p = sub.add_parser("locate", parents=[common], help="head-level causal mediation on counterfactual scene pairs",
+                       description="Score every attention head by patching its output from counterfactual scenes.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--condition", required=True, choices=("id_retrieval", "id_selection", "feature_retrieval"))
+    p.add_argument("--n-pairs", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
+    p.add_argument("--entropy", choices=("high", "low"), default="high")
+    p.add_argument("--method", choices=METHODS, default="naive")
+    p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
+    p.set_defaults(func=cmd_locate)
+
+
+def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    from .. import load
+    from ..evaluate import training_defaults
+    from ..stimuli import scene_pairs
+
+    if args.n_pairs < 1:
+        raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
+    vlm = load(args.model)
+    kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
+    pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
+    scores = locate(vlm, pairs, method=args.method, progress=not args.json)
+    out = Path(args.out or f"runs/locate/{Path(str(args.model)).name}-{args.condition}")
+    scores.save(out)
+    summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
+    top = ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})" for l, h in scores.top(5))
+    text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}: {scores.seconds:.1f} s\n"
+            f"  top heads: {top}\n  wrote {out}/scores.csv, heatmap.html, summary.json")
+    return summary, text, 0
