@@ -1,0 +1,88 @@
+"""The ablation study picks the right heads for each arm, ablates them while evaluating, and validates its input."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import get_tiny
+
+import vlmbind as vb
+from vlmbind.analysis.ablation import ablation_study
+
+S = vb.stimuli
+CRITICAL = {(1, 2), (3, 0)}
+
+
+class HeadSensitiveVLM:
+    """Answers correctly unless a critical head is ablated: a stand-in whose ground truth we know."""
+
+    name, n_layers, n_heads = "fake", 4, 4
+
+    def __init__(self):
+        self.adapter = SimpleNamespace(tokenizer=get_tiny("tiny-qwen2_5_vl").adapter.tokenizer)
+        self.ablated: set = set()
+        self.modes: list = []
+
+    @contextlib.contextmanager
+    def ablate(self, heads, mode, renormalize=False, means=None):
+        self.ablated, self.modes = set(heads), [*self.modes, mode]
+        try:
+            yield self
+        finally:
+            self.ablated = set()
+
+    def prepare(self, images, prompts, chat=False):
+        return SimpleNamespace(n=len(prompts), images=images)
+
+    def generate(self, batch, max_new_tokens):
+        broken = bool(self.ablated & CRITICAL)
+        return [("zzz" if broken else self.answers[id(im)]) for im in batch.images], {}
+
+
+def _scores(order):
+    rows = [{"layer": l, "head": h, "score": float(len(order) - i)} for i, (l, h) in enumerate(order)]
+    return pd.DataFrame(rows)
+
+
+def test_arms_ablate_the_right_heads():
+    ds = S.binding_query(12, 0)
+    vlm = HeadSensitiveVLM()
+    vlm.answers = {id(e.image): e.answer for e in ds}
+    others = [(l, h) for l in range(4) for h in range(4) if (l, h) not in CRITICAL]
+    order = [(1, 2), (3, 0), *others]  # the critical heads score highest
+    result = ablation_study(vlm, ds, _scores(order), k=2, mode="zero", seeds=(0, 1, 2))
+    arms = {a["arm"]: a for a in result.arms if a["arm"] != "random"}
+    assert arms["top"]["heads"] == ["1.2", "3.0"] and arms["bottom"]["heads"] == [f"{l}.{h}" for l, h in others[-2:]]
+    assert result.accuracy("clean") == 1.0
+    assert result.accuracy("top") == 0.0
+    assert result.accuracy("bottom") == result.accuracy("clean")
+    for arm in (a for a in result.arms if a["arm"] == "random"):
+        hit = {tuple(int(x) for x in h.split(".")) for h in arm["heads"]} & CRITICAL
+        assert (arm["accuracy"] == 0.0) == bool(hit)
+    assert vlm.modes == ["zero"] * 5
+
+
+def test_bad_inputs():
+    vlm, ds = get_tiny("tiny-qwen2_5_vl"), S.binding_query(2, 0)
+    full = _scores([(l, h) for l in range(4) for h in range(4)])
+    with pytest.raises(vb.InputError, match="mode"):
+        ablation_study(vlm, ds, full, mode="half")
+    with pytest.raises(vb.InputError, match="each of the model's"):
+        ablation_study(vlm, ds, full.iloc[:5])
+    with pytest.raises(vb.InputError, match="k = 9"):
+        ablation_study(vlm, ds, full, k=9)
+
+
+def test_on_the_organism_top_heads_hurt_more_than_bottom_heads():
+    vlm = vb.load("organism-p2a")
+    trained = dict(canvas=S.Canvas(image_size=168, grid=6), colours=("red", "green", "blue", "yellow"),
+                   shapes=("square", "circle", "triangle", "star"))
+    scores = vb.locate(vlm, S.scene_pairs(8, "id_selection", 0, n_objects=3, **trained))
+    result = ablation_study(vlm, S.scene_description(64, 1, **trained), scores, k=5, seeds=(0, 1, 2))
+    assert result.accuracy("clean") == 1.0
+    assert result.accuracy("top") < result.accuracy("bottom") - 0.3
+    assert np.isfinite(result.accuracy("random"))

@@ -1,0 +1,120 @@
+"""Head ablation study: top-k heads by a score against random-k (several seeds) and bottom-k, by task accuracy.
+
+Ablation modes (``VLM.ablate``): ``image_attention`` zeroes the heads' attention to image tokens after the softmax
+(renormalised or not), ``zero`` zeroes their output z, ``mean`` replaces z by its mean over the evaluated data set
+(one mean per head over every non-padding position). Random-k draws k distinct heads uniformly from all heads with
+each seed; the same k and mode are used for every arm, so the comparison isolates which heads are ablated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..errors import InputError
+from ..evaluate import evaluate
+from ..io import write_json_atomic
+
+MODES = ("image_attention", "zero", "mean")
+
+
+@dataclass
+class AblationResult:
+    """Accuracy with no heads ablated and with each arm's heads ablated.
+
+    Attributes:
+        model, task, mode, k: what was run.
+        arms: ``[{"arm": "clean"|"top"|"random"|"bottom", "seed": s or None, "heads": ["l.h", ...], "accuracy": a,
+            "n": n}, ...]``.
+    """
+
+    model: str
+    task: str
+    mode: str
+    k: int
+    renormalize: bool
+    arms: list[dict[str, Any]] = field(default_factory=list)
+
+    def accuracy(self, arm: str) -> float:
+        """Accuracy of an arm (the mean over seeds for ``random``)."""
+        values = [a["accuracy"] for a in self.arms if a["arm"] == arm]
+        if not values:
+            raise KeyError(f"no arm {arm!r}")
+        return float(np.mean(values))
+
+    def to_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.arms)
+
+    def summary(self) -> dict[str, Any]:
+        return {"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
+                "renormalize": self.renormalize,
+                "accuracy": {arm: self.accuracy(arm) for arm in ("clean", "top", "random", "bottom")},
+                "arms": self.arms}
+
+    def save(self, out: str | os.PathLike) -> Path:
+        out = Path(out)
+        write_json_atomic(self.summary(), out / "results.json")
+        return out
+
+
+def _ranked(scores: Any) -> list[tuple[int, int]]:
+    """Heads from the highest to the lowest score, from HeadScores or a frame with layer, head, score columns."""
+    frame = scores.to_frame() if hasattr(scores, "to_frame") else scores
+    missing = {"layer", "head", "score"} - set(frame.columns)
+    if missing:
+        raise InputError(f"scores need columns layer, head, score; missing {sorted(missing)}")
+    frame = frame.sort_values(["score", "layer", "head"], ascending=[False, True, True], kind="stable")
+    return [(int(l), int(h)) for l, h in zip(frame["layer"], frame["head"])]
+
+
+def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str = "image_attention",
+                   renormalize: bool = False, seeds: tuple[int, ...] = (0, 1, 2), batch_size: int = 32) -> AblationResult:
+    """Accuracy on ``dataset`` with the top-k, random-k (per seed) and bottom-k heads of ``scores`` ablated.
+
+    Raises:
+        InputError: unknown mode, k out of range, or scores that do not cover the model's heads.
+    """
+    if mode not in MODES:
+        raise InputError(f"ablation mode {mode!r} is not one of {MODES}")
+    ranked = _ranked(scores)
+    n_heads = vlm.n_layers * vlm.n_heads
+    if len(set(ranked)) != n_heads or any(not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads) for l, h in ranked):
+        raise InputError(f"scores must give each of the model's {vlm.n_layers} x {vlm.n_heads} heads once")
+    if not 1 <= k <= n_heads // 2:
+        raise InputError(f"k = {k} must be between 1 and half the heads ({n_heads // 2}) so top and bottom differ")
+    means = _means(vlm, dataset, ranked) if mode == "mean" else None
+    result = AblationResult(vlm.name, dataset[0].task, mode, k, renormalize)
+
+    def run(arm: str, heads: list[tuple[int, int]], seed: int | None = None) -> None:
+        if heads:
+            layer_means = None
+            if means is not None:
+                layer_means = {}
+                for layer in sorted({l for l, _ in heads}):
+                    layer_means[layer] = means[layer][[h for l, h in heads if l == layer]]
+            with vlm.ablate(heads, mode=mode, renormalize=renormalize, means=layer_means):
+                acc = evaluate(vlm, dataset, batch_size=batch_size)
+        else:
+            acc = evaluate(vlm, dataset, batch_size=batch_size)
+        result.arms.append({"arm": arm, "seed": seed, "heads": [f"{l}.{h}" for l, h in heads],
+                            "accuracy": acc.accuracy, "n": acc.n})
+
+    run("clean", [])
+    run("top", ranked[:k])
+    for seed in seeds:
+        pick = np.random.default_rng(seed).choice(n_heads, size=k, replace=False)
+        run("random", [(int(i) // vlm.n_heads, int(i) % vlm.n_heads) for i in pick], seed)
+    run("bottom", ranked[-k:])
+    return result
+
+
+def _means(vlm: Any, dataset: Any, ranked: list[tuple[int, int]]) -> dict[int, Any]:
+    """Per layer, ``H D`` mean z of every head over the data set (capped at 64 examples)."""
+    examples = list(dataset)[:64]
+    batch = vlm.prepare([e.image for e in examples], [e.prompt for e in examples])
+    return {layer: vlm.head_means(batch, layer, list(range(vlm.n_heads))) for layer in range(vlm.n_layers)}
