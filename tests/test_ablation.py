@@ -86,3 +86,23 @@ def test_on_the_organism_top_heads_hurt_more_than_bottom_heads():
     assert result.accuracy("clean") == 1.0
     assert result.accuracy("top") < result.accuracy("bottom") - 0.3
     assert np.isfinite(result.accuracy("random"))
+
+
+def test_ablate_command(tmp_path, capsys):
+    import json
+
+    from vlmbind.cli import main
+
+    loc = tmp_path / "loc"
+    assert main(["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "1",
+                 "--out", str(loc)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "abl"
+    assert main(["ablate", "--model", "tiny-qwen2_5_vl", "--task", "query", "--scores", str(loc / "scores.csv"),
+                 "--top-k", "2", "--seeds", "2", "--n", "4", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [a["arm"] for a in summary["arms"]] == ["clean", "top", "random", "random", "bottom"]
+    assert json.loads((out / "results.json").read_text())["k"] == 2
+    assert main(["ablate", "--model", "tiny-qwen2_5_vl", "--task", "query", "--heads", "1.2,9.9", "--n", "2",
+                 "--out", str(out)]) == 2
+    assert "9.9" in capsys.readouterr().err

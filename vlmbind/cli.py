@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .analysis.mediation import add_parser as add_locate_parser
 
     add_locate_parser(sub, common)
+
+    from .analysis.ablation import add_parser as add_ablate_parser
+
+    add_ablate_parser(sub, common)
     return parser
 
 
