@@ -70,3 +70,12 @@ def silenced_vision_attention(vlm):
     finally:
         for h in handles:
             h.remove()
+
+
+def majority_colour(img: Image.Image, box) -> tuple[int, int, int]:
+    """The most frequent non-white colour inside a pixel box of an image (an object's drawn colour)."""
+    x0, y0, x1, y1 = (int(round(v)) for v in box)
+    px = np.asarray(img)[y0:y1, x0:x1].reshape(-1, 3)
+    px = px[(px != 255).any(1)]
+    values, counts = np.unique(px, axis=0, return_counts=True)
+    return tuple(int(v) for v in values[counts.argmax()])

@@ -15,14 +15,6 @@ from vlmbind.stimuli.core import (
 from vlmbind.stimuli.user import user_images
 
 
-def _majority_colour(img: Image.Image, box) -> tuple[int, int, int]:
-    x0, y0, x1, y1 = (int(round(v)) for v in box)
-    px = np.asarray(img)[y0:y1, x0:x1].reshape(-1, 3)
-    px = px[(px != 255).any(1)]
-    values, counts = np.unique(px, axis=0, return_counts=True)
-    return tuple(int(v) for v in values[counts.argmax()])
-
-
 @pytest.mark.parametrize("shape", SHAPES + LETTERS)
 def test_every_shape_draws_only_its_colour_inside_its_box(shape):
     canvas = Canvas(image_size=120, grid=3)

@@ -11,19 +11,12 @@ from hypothesis import strategies as st
 from PIL import Image
 from scipy import ndimage
 
+from conftest import majority_colour
 from vlmbind.stimuli.core import COLOURS, SHAPES, Canvas, Dataset, StimulusError, render
 from vlmbind.stimuli.points import format_points, p2a_text, parse_count, parse_points, parse_yes_no
 from vlmbind.stimuli.search import COUNT_SPLITS, SEARCH_SPLITS, counting, visual_search
 
 SMALL_SEARCH = Canvas(image_size=224, grid=8)  # 8x8 cells of 28 px: fast, and still fits 50 objects
-
-
-def _majority_colour(img: Image.Image, box) -> tuple[int, int, int]:
-    x0, y0, x1, y1 = (int(round(v)) for v in box)
-    px = np.asarray(img)[y0:y1, x0:x1].reshape(-1, 3)
-    px = px[(px != 255).any(1)]
-    values, counts = np.unique(px, axis=0, return_counts=True)
-    return tuple(int(v) for v in values[counts.argmax()])
 
 
 def _n_regions(img: Image.Image) -> int:
@@ -45,7 +38,7 @@ def _check_pixels(ds: Dataset) -> None:
                 if a is not b:  # bounding boxes are disjoint
                     assert a.box[2] <= b.box[0] or b.box[2] <= a.box[0] or a.box[3] <= b.box[1] or b.box[3] <= a.box[1]
         for o in e.objects:
-            assert _majority_colour(e.image, o.box) == COLOURS[o.colour]
+            assert majority_colour(e.image, o.box) == COLOURS[o.colour]
         assert np.array_equal(np.asarray(render(canvas, e.objects)), np.asarray(e.image))
 
 
@@ -75,7 +68,7 @@ def test_search_pixels_targets_and_answers(kind, regime):
         # the target's pixels really are at its grid point: the cell's colour is green
         for x, y in f["points"]:
             o = next(o for o in e.objects if (o.col, o.row) == (x, y))
-            assert _majority_colour(e.image, o.box) == COLOURS["green"]
+            assert majority_colour(e.image, o.box) == COLOURS["green"]
     assert {e.fields["present"] for e in ds} == {True, False}
 
 
@@ -143,7 +136,7 @@ def test_counting_pixels_points_and_diversity(diversity):
         assert e.answer == f"{format_points(pts)} {k}"
         if diversity == "low":
             assert len({(o.colour, o.shape) for o in e.objects}) == 1
-        assert e.fields["n_colours"] == len({_majority_colour(e.image, o.box) for o in e.objects})
+        assert e.fields["n_colours"] == len({majority_colour(e.image, o.box) for o in e.objects})
         n_colours.append(e.fields["n_colours"])
     assert all(1 <= k <= 20 for k in (e.fields["n_objects"] for e in ds))
     if diversity == "high":
