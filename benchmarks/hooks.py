@@ -31,18 +31,12 @@ def _scene() -> Image.Image:
     return img
 
 
-def _envoy(root, path: str):
-    for part in path.split("."):
-        root = root[int(part)] if part.isdigit() else getattr(root, part)
-    return root
-
-
 def measure(name: str, repeats: int) -> dict:
     vlm = vb.load(name)
     batch = vlm.prepare(_scene(), "In this image there is a red square, a blue circle and a")
     a = vlm.adapter
     nn_model = vlm.nnsight()
-    paths = [f"{a.text_layers}.{layer}.{a.attention}.{a.o_proj}" for layer in range(a.n_layers)]
+    paths = [a.o_proj_path(layer) for layer in range(a.n_layers)]
 
     def plain():
         with torch.no_grad():
@@ -54,7 +48,7 @@ def measure(name: str, repeats: int) -> dict:
     def nnsight_trace():
         with torch.no_grad(), nn_model.trace(**batch.inputs, use_cache=False):
             for p in paths:
-                _envoy(nn_model, p).input.save()
+                vlm.nnsight_module(nn_model, p).input.save()
 
     fns = {"plain": plain, "vlmbind_hook_z": hooked, "nnsight_hook_z": nnsight_trace}
     for fn in fns.values():  # warm-up

@@ -10,12 +10,6 @@ import vlmbind as vb
 from vlmbind.hooks import ATTENTION_IMPL
 
 
-def _envoy(root, path: str):
-    for part in path.split("."):
-        root = root[int(part)] if part.isdigit() else getattr(root, part)
-    return root
-
-
 @pytest.fixture
 def batch(tiny):
     return tiny.prepare([draw_scene(0), draw_scene(1)], [PROMPT, "the red object is a"])
@@ -52,12 +46,11 @@ def test_vlmbind_eager_equals_hf_eager_and_sdpa_patterns_work(tiny, batch):
 
 
 def test_z_equals_nnsight_o_proj_input(tiny, batch):
-    path = tiny.adapter.text_layers
     nn_model = tiny.nnsight()
     saved = []
     with torch.no_grad(), nn_model.trace(**batch.inputs, use_cache=False):
         for layer in range(tiny.n_layers):
-            o_proj = _envoy(nn_model, f"{path}.{layer}.{tiny.adapter.attention}.{tiny.adapter.o_proj}")
+            o_proj = tiny.nnsight_module(nn_model, tiny.adapter.o_proj_path(layer))
             saved.append(o_proj.input.save())
     out = tiny.run(batch, sites="blocks.*.attn.hook_z")
     b, p = batch.inputs["input_ids"].shape
@@ -76,10 +69,10 @@ def test_head_patch_equals_nnsight_patch(tiny):
     ours = tiny.logits(clean, [vb.PatchHeads(layer=layer, heads=[head], positions=positions, values=values)])
 
     nn_model = tiny.nnsight()
-    path = f"{tiny.adapter.text_layers}.{layer}.{tiny.adapter.attention}.{tiny.adapter.o_proj}"
+    path = tiny.adapter.o_proj_path(layer)
     seq = clean.seq_len
     with torch.no_grad(), nn_model.trace(**clean.inputs, use_cache=False):
-        x = _envoy(nn_model, path).input
+        x = tiny.nnsight_module(nn_model, path).input
         for k, pos in enumerate(positions):
             x[:, seq + pos, head * d : (head + 1) * d] = values[:, k, 0]
         logits = nn_model.output.logits.save()

@@ -18,12 +18,6 @@ from vlmbind.stimuli.scenes import check_alignment
 S = vb.stimuli
 
 
-def _envoy(root, path: str):
-    for part in path.split("."):
-        root = root[int(part)] if part.isdigit() else getattr(root, part)
-    return root
-
-
 @pytest.mark.parametrize("name", ["tiny-qwen2_5_vl", "tiny-gemma3"])
 @pytest.mark.parametrize("condition", ["id_retrieval", "feature_retrieval"])
 def test_naive_scores_equal_an_nnsight_computation(name, condition):
@@ -40,13 +34,13 @@ def test_naive_scores_equal_an_nnsight_computation(name, condition):
         aligned = check_alignment(vlm, [pair])
         pos, d = aligned.positions[0], a_.d_head
         for layer, head in [(1, 0), (2, 3)]:
-            path = f"{a_.text_layers}.{layer}.{a_.attention}.{a_.o_proj}"
+            path = a_.o_proj_path(layer)
             with torch.no_grad(), nn_model.trace(**aligned.counterfactual.inputs, use_cache=False):
-                z_cf = _envoy(nn_model, path).input.save()
+                z_cf = vlm.nnsight_module(nn_model, path).input.save()
             with torch.no_grad(), nn_model.trace(**aligned.clean.inputs, use_cache=False):
                 clean_logits = nn_model.output.logits.save()
             with torch.no_grad(), nn_model.trace(**aligned.clean.inputs, use_cache=False):
-                x = _envoy(nn_model, path).input
+                x = vlm.nnsight_module(nn_model, path).input
                 for p in pos.tolist():
                     x[:, p, head * d:(head + 1) * d] = z_cf[:, p, head * d:(head + 1) * d]
                 patched = nn_model.output.logits.save()

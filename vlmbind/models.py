@@ -344,6 +344,14 @@ class VLM:
 
         return NNsight(self.model)
 
+    @staticmethod
+    def nnsight_module(nn_model: Any, path: str) -> Any:
+        """The envoy at a dotted module path (e.g. ``vlm.adapter.o_proj_path(3)``) inside an nnsight wrapper."""
+        envoy = nn_model
+        for part in path.split("."):
+            envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+        return envoy
+
     def describe(self) -> dict[str, Any]:
         d = self.adapter.describe()
         d.update(name=self.name, source=self.source)

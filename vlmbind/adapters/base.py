@@ -139,6 +139,10 @@ class ModelAdapter:
     def mlp_module(self, layer: int) -> nn.Module:
         return get_module(self.layer(layer), self.mlp)
 
+    def o_proj_path(self, layer: int) -> str:
+        """Dotted path of layer ``layer``'s o_proj from the model root (for nnsight or ``get_submodule``)."""
+        return f"{self.text_layers}.{layer}.{self.attention}.{self.o_proj}"
+
     def attn_out_module(self, layer: int) -> nn.Module:
         return get_module(self.layer(layer), self.attn_out) if self.attn_out else self.attention_module(layer)
 
