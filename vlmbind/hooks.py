@@ -170,6 +170,46 @@ class PatchHeads(Intervention):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PatchHeadRows(Intervention):
+    """Row ``r`` of the batch patches head ``heads[r]`` (``-1``: leaves the row alone): many single-head patches of
+    one layer in one batched forward, each row its own experiment.
+
+    Attributes:
+        heads: one query head per batch row, or -1.
+        positions: ``n`` positions shared by the rows; negatives count from the end.
+        values: ``B n D`` the value each row writes into its head (rows with head -1 are ignored).
+    """
+
+    positions: Any
+    values: torch.Tensor
+
+    def check(self, adapter: ModelAdapter) -> None:
+        if not 0 <= self.layer < adapter.n_layers:
+            raise InterventionError(
+                f"PatchHeadRows: layer {self.layer} is out of range, the model has layers 0..{adapter.n_layers - 1}"
+            )
+        bad = [h for h in self.heads if not -1 <= h < adapter.n_heads]
+        if bad:
+            raise InterventionError(f"PatchHeadRows: heads {bad} are out of range 0..{adapter.n_heads - 1} (or -1)")
+
+    def edit_z(self, z: torch.Tensor, index: Sequence[TokenIndex] | None) -> torch.Tensor:
+        b, p, _, d = z.shape
+        if len(self.heads) != b:
+            raise InterventionError(f"PatchHeadRows: {len(self.heads)} row heads for a batch of {b} rows")
+        pos = _positions_tensor(self.positions, 1, p, "PatchHeadRows").to(z.device)[0]
+        heads = torch.tensor(self.heads, device=z.device)
+        rows = torch.nonzero(heads >= 0).squeeze(1)
+        values = torch.as_tensor(self.values).to(device=z.device, dtype=z.dtype)
+        if values.shape != (b, pos.numel(), d):
+            raise InterventionError(
+                f"PatchHeadRows: values must have shape (rows, positions, d_head) = ({b}, {pos.numel()}, {d}), "
+                f"got {tuple(values.shape)}"
+            )
+        z[rows[:, None], pos[None, :], heads[rows][:, None]] = values[rows]
+        return z
+
+
+@dataclass(frozen=True, kw_only=True)
 class AblateHeads(Intervention):
     """Zero- or mean-ablate heads' outputs z.
 

@@ -237,6 +237,12 @@ class ModelAdapter:
         """Extra keyword arguments the family's forward needs beyond the processor's outputs."""
         return {}
 
+    def position_ids(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Full-length position ids of a batch when the family's are not ``0..P-1`` per row (Qwen's 3-D M-RoPE),
+        else None (the model derives them from the cache position). Runs a forward on part of a sequence needs
+        them sliced from the full sequence, never recomputed from the part."""
+        return None
+
     # ---- description ----------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         return {

@@ -26,6 +26,15 @@ class _QwenVLAdapter(ModelAdapter):
     def n_vision_layers(self) -> int:
         return int(self.config.vision_config.depth)
 
+    def position_ids(self, inputs):
+        """``3 B P`` M-RoPE positions of the full sequence (``get_rope_index``), so that a suffix run never relies on
+        the model's cached ``rope_deltas``, which an unrelated call may have replaced."""
+        position_ids, _ = self.model.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw"),
+            attention_mask=inputs.get("attention_mask"),
+        )
+        return position_ids
+
     def image_grids(self, inputs, row, roles, image_ids, image_sizes):
         image_positions = np.flatnonzero(roles == "image")
         thw = inputs["image_grid_thw"].cpu().numpy()

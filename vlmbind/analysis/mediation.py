@@ -23,18 +23,18 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 from tqdm.auto import tqdm
 
 from ..errors import InputError
-from ..hooks import PatchHeads
+from .patching import METHOD_FUNCTIONS, PatchTask
 from ..io import write_json_atomic, write_text_atomic
 
-METHODS = ("naive",)
+METHODS = tuple(METHOD_FUNCTIONS)
 
 
 def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str) -> tuple[list[int], int, int]:
@@ -131,58 +131,60 @@ def _extended(pair: Any, prefix_text: str) -> Any:
     return replace(pair, clean=clean, counterfactual=cf)
 
 
-def _logit_diff(logits: torch.Tensor, last: int, a: int, a_star: int) -> float:
-    row = logits[0, last].float()
-    return float(row[a_star] - row[a])
+def scene_task(vlm: Any, pair: Any, layers: Sequence[int]) -> PatchTask:
+    """The :class:`PatchTask` of one scene pair: aligned clean prompt, its patch positions, the counterfactual's z of
+    ``layers`` there, and the first differing answer tokens (shared leading tokens appended to the prompt)."""
+    from ..stimuli.scenes import check_alignment
+
+    prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual)
+    pair = _extended(pair, vlm.adapter.tokenizer.decode(prefix) if prefix else "")
+    aligned = check_alignment(vlm, [pair])
+    positions = np.asarray(aligned.positions[0])
+    sites = [f"blocks.{l}.attn.hook_z" for l in layers]
+    z = vlm.capture(aligned.counterfactual, sites)
+    values = {l: z[f"blocks.{l}.attn.hook_z"][0, positions] for l in layers}
+    return PatchTask(aligned.clean, positions, values, aligned.clean.index[0].last_position, a, a_star)
 
 
-def locate(vlm: Any, pairs: Any, *, method: str = "naive", layers: list[int] | None = None,
-           progress: bool = False) -> HeadScores:
+def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | None = None,
+           progress: bool = False, **method_kwargs: Any) -> HeadScores:
     """Score every head (or those of ``layers``) on counterfactual pairs.
 
     Args:
         vlm: a loaded VLM.
-        pairs: a :class:`~vlmbind.stimuli.PairSet` or a list of pairs (one condition).
-        method: ``"naive"`` (one forward per pair and head).
+        pairs: a :class:`~vlmbind.stimuli.PairSet`, a list of pairs (one condition), or
+            :class:`~vlmbind.analysis.patching.PatchTask` objects with a ``condition`` given by ``method_kwargs``.
+        method: ``"exact"`` (fast, equal to naive), ``"naive"`` (one forward per pair and head) or
+            ``"attribution"`` (first-order estimate, one forward-backward per pair).
         layers: restrict to these layers (others score 0).
         progress: show a progress bar.
+        method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``).
 
     Raises:
         InputError: unknown method, no pairs, or pairs of several conditions.
     """
-    from ..stimuli.scenes import check_alignment
-
-    if method not in METHODS:
+    if method not in METHOD_FUNCTIONS:
         raise InputError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
     pairs = list(pairs)
     if not pairs:
         raise InputError("locate needs at least one counterfactual pair")
-    conditions = {p.condition for p in pairs}
+    conditions = {getattr(p, "condition", None) for p in pairs}
     if len(conditions) != 1:
-        raise InputError(f"pairs mix conditions {sorted(conditions)}; locate one condition at a time")
+        raise InputError(f"pairs mix conditions {sorted(map(str, conditions))}; locate one condition at a time")
     n_layers, n_heads = vlm.n_layers, vlm.n_heads
     layers = list(range(n_layers)) if layers is None else [int(l) for l in layers]
-    tokenizer = vlm.adapter.tokenizer
+    bad = [l for l in layers if not 0 <= l < n_layers]
+    if bad:
+        raise InputError(f"layers {bad} are out of range; the model has layers 0..{n_layers - 1}")
+    heads = [(l, h) for l in layers for h in range(n_heads)]
+    compute = METHOD_FUNCTIONS[method]
     per_pair = np.zeros((len(pairs), n_layers, n_heads))
     start = time.perf_counter()
-    bar = tqdm(total=len(pairs) * len(layers) * n_heads, desc=f"locate ({method})", disable=not progress)
-    for i, pair in enumerate(pairs):
-        prefix, a, a_star = answer_token_ids(tokenizer, pair.answer, pair.answer_counterfactual)
-        pair = _extended(pair, tokenizer.decode(prefix) if prefix else "")
-        aligned = check_alignment(vlm, [pair])
-        clean, cf, positions = aligned.clean, aligned.counterfactual, aligned.positions[0]
-        last = clean.index[0].last_position
-        clean_diff = _logit_diff(vlm.logits(clean), last, a, a_star)
-        sites = [f"blocks.{l}.attn.hook_z" for l in layers]
-        z_cf = vlm.capture(cf, sites)
-        for layer in layers:
-            z = z_cf[f"blocks.{layer}.attn.hook_z"]
-            for head in range(n_heads):
-                values = z[:, positions][:, :, [head]]
-                patch = PatchHeads(layer=layer, heads=[head], positions=positions, values=values)
-                per_pair[i, layer, head] = _logit_diff(vlm.logits(clean, [patch]), last, a, a_star) - clean_diff
-                bar.update(1)
-    bar.close()
+    for i, pair in enumerate(tqdm(pairs, desc=f"locate ({method})", disable=not progress)):
+        task = pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers)
+        clean, patched = compute(vlm, task, heads, **method_kwargs)
+        for (layer, head), value in zip(heads, patched):
+            per_pair[i, layer, head] = value - clean
     return HeadScores(condition=next(iter(conditions)), method=method, model=vlm.name, per_pair=per_pair,
                       seconds=time.perf_counter() - start, pair_ids=[p.id for p in pairs])
 
@@ -201,7 +203,7 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
     p.add_argument("--entropy", choices=("high", "low"), default="high")
-    p.add_argument("--method", choices=METHODS, default="naive")
+    p.add_argument("--method", choices=METHODS, default="exact")
     p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
     p.set_defaults(func=cmd_locate)
 

@@ -1,0 +1,316 @@
+"""Single-head activation patching, three ways: the naive reference, an exact fast path, and attribution patching.
+
+A :class:`PatchTask` is one clean prompt, the positions to patch, the counterfactual head outputs z for every layer
+at those positions, and the two answer tokens. Each method returns, per head, the patched run's logit difference
+``logit[a*] - logit[a]`` at the scored position, and the clean run's.
+
+Design of the exact path (:func:`exact_diffs`). Patching head h of layer l at positions ``p >= p0`` cannot change
+anything before ``p0`` nor anything below layer l, so:
+
+1. the clean prompt's prefix ``[0, p0)`` runs once, with the image, and its key/value cache is kept;
+2. the clean suffix ``[p0, P)`` runs once on that cache, capturing the residual stream entering every layer;
+3. the heads run as rows of one batch (chunked to a memory budget): each row patches its own head, the suffix
+   only, on a shallow batch expansion of the prefix cache (no copy until the first append), and the decoder layers
+   below the chunk's lowest patched layer are skipped, that layer being fed the clean residual captured in step 2.
+
+Everything runs through the model's own forward, so the family's masks (Gemma-3's sliding windows, bidirectional
+image blocks), GQA and rotary embeddings apply unchanged. Position ids that are not ``0..P-1`` (Qwen's 3-D M-RoPE)
+are computed once for the full sequence and sliced, never left to the model's cached ``rope_deltas``. The prefix
+must end after every image token and every bidirectional block; when a patch position lies at or before one, the
+prefix is empty and the rows run the whole sequence, one at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from ..hooks import HookSession, PatchHeadRows, PatchHeads
+
+DEFAULT_MEMORY_BUDGET = 2 * 1024**3
+
+
+@dataclass
+class PatchTask:
+    """One clean prompt to patch.
+
+    Attributes:
+        batch: the clean prompt, one row.
+        positions: ``n`` sorted positions of the clean row to patch.
+        values: layer -> ``n H D`` counterfactual head outputs at those positions.
+        score_position: where the logits are read.
+        a: the clean answer's token id.
+        a_star: the counterfactual answer's token id.
+    """
+
+    batch: Any
+    positions: np.ndarray
+    values: dict[int, torch.Tensor]
+    score_position: int
+    a: int
+    a_star: int
+
+    def __post_init__(self) -> None:
+        if len(self.batch) != 1:
+            raise InputError(f"a PatchTask holds one clean prompt, got a batch of {len(self.batch)}")
+        self.positions = np.asarray(self.positions, dtype=np.int64)
+        if self.positions.size == 0:
+            raise InputError("a PatchTask needs at least one position to patch")
+
+
+def _diff(logits: torch.Tensor, a: int, a_star: int) -> torch.Tensor:
+    """``...`` logit difference a* - a of ``... V`` logits, in float32."""
+    logits = logits.float()
+    return logits[..., a_star] - logits[..., a]
+
+
+def _values(task: PatchTask, layer: int, heads: Sequence[int]) -> torch.Tensor:
+    """``len(heads) n D`` the counterfactual values each listed head writes."""
+    return task.values[layer][:, list(heads)].permute(1, 0, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# naive: one full forward per head
+# ----------------------------------------------------------------------------------------------------------------
+def naive_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> tuple[float, np.ndarray]:
+    """The reference: one full forward of the clean prompt per head, that head patched.
+
+    Returns:
+        ``(clean difference, len(heads) patched differences)``.
+    """
+    clean = float(_diff(vlm.logits(task.batch)[0, task.score_position], task.a, task.a_star))
+    out = np.zeros(len(heads))
+    for i, (layer, head) in enumerate(heads):
+        patch = PatchHeads(layer=layer, heads=[head], positions=task.positions,
+                           values=task.values[layer][:, [head]][None])
+        out[i] = float(_diff(vlm.logits(task.batch, [patch])[0, task.score_position], task.a, task.a_star))
+    return clean, out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exact: prefix cache reuse, heads as batch rows, start at the patched layer
+# ----------------------------------------------------------------------------------------------------------------
+def prefix_end(vlm: Any, batch: Any, inputs: dict[str, Any], first_patch: int) -> int:
+    """Where the reusable prefix ends: the first patched position if it lies after every image token and every
+    token marked in a ``*token_type_ids`` input (bidirectional blocks), else 0 (nothing reusable)."""
+    index = batch.index[0]
+    barrier = int(index.image_positions.max()) if index.image_positions.size else -1
+    for key, value in inputs.items():
+        if key.endswith("token_type_ids") and isinstance(value, torch.Tensor):
+            marked = torch.nonzero(value[0]).flatten()
+            if marked.numel():
+                barrier = max(barrier, int(marked.max()))
+    return first_patch if first_patch > barrier else 0
+
+
+def _sequence_keys(inputs: dict[str, Any]) -> list[str]:
+    shape = inputs["input_ids"].shape
+    return [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.shape == shape and k != "attention_mask"]
+
+
+def _suffix_inputs(inputs: dict[str, Any], position_ids: torch.Tensor | None, start: int, rows: int,
+                   cache: Any, keep: int) -> dict[str, Any]:
+    """Model kwargs running positions ``[start, P)`` of the one-row ``inputs`` as ``rows`` identical rows on
+    ``cache`` (the prefix's)."""
+    seq = inputs["input_ids"].shape[1]
+    out: dict[str, Any] = {k: inputs[k][:, start:].expand(rows, -1) for k in _sequence_keys(inputs)}
+    out["attention_mask"] = inputs["attention_mask"].expand(rows, -1)
+    if position_ids is not None:
+        sliced = position_ids[..., start:]
+        out["position_ids"] = sliced.expand(*sliced.shape[:-2], rows, sliced.shape[-1])
+    out["cache_position"] = torch.arange(start, seq, device=inputs["input_ids"].device)
+    out["past_key_values"] = expand_cache(cache, rows)
+    out["use_cache"] = True
+    out["logits_to_keep"] = keep
+    return out
+
+
+def expand_cache(cache: Any, rows: int) -> Any:
+    """A copy of a one-row key/value cache seen as ``rows`` rows: shallow per-layer copies whose tensors are
+    ``expand``-ed views, so nothing is copied until a layer appends (the original cache is never modified;
+    sliding-window layers keep their true length)."""
+    new = copy.copy(cache)
+    new.layers = []
+    for layer in cache.layers:
+        layer = copy.copy(layer)
+        for name in ("keys", "values"):
+            value = getattr(layer, name, None)
+            if isinstance(value, torch.Tensor) and value.ndim == 4:
+                setattr(layer, name, value.expand(rows, -1, -1, -1))
+        new.layers.append(layer)
+    return new
+
+
+@contextlib.contextmanager
+def start_at_layer(adapter: Any, start: int, hidden: torch.Tensor) -> Iterator[None]:
+    """Skip decoder layers ``< start`` (identity) and feed layer ``start`` the residual ``hidden`` (``B S d``) instead
+    of what reaches it; everything is restored on exit, also after an error."""
+    def skip(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states
+
+    def inject(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    skipped = [adapter.layer(i) for i in range(start)]
+    handle = adapter.layer(start).register_forward_pre_hook(inject, with_kwargs=True)
+    try:
+        for layer in skipped:
+            layer.forward = skip
+        yield
+    finally:
+        for layer in skipped:
+            layer.__dict__.pop("forward", None)
+        handle.remove()
+
+
+def _rows_per_chunk(vlm: Any, prefix: int, max_rows: int, memory_budget: int) -> int:
+    """Rows per batched forward so that the materialised prefix cache stays under the budget."""
+    a = vlm.adapter
+    itemsize = next(vlm.model.parameters()).element_size()
+    per_row = 2 * a.n_layers * max(prefix, 1) * a.n_kv_heads * a.d_head * itemsize
+    return int(max(1, min(max_rows, memory_budget // per_row)))
+
+
+def exact_diffs(
+    vlm: Any,
+    task: PatchTask,
+    heads: Sequence[tuple[int, int]],
+    *,
+    max_rows: int = 64,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> tuple[float, np.ndarray]:
+    """The naive numbers, fast (see the module docstring).
+
+    Args:
+        vlm: a loaded VLM.
+        task: the clean prompt, patch positions, counterfactual values and answers.
+        heads: ``(layer, head)`` pairs to patch, one experiment each.
+        max_rows: most heads in one batched forward.
+        memory_budget: bytes the expanded prefix cache of one chunk may take.
+
+    Returns:
+        ``(clean difference, len(heads) patched differences)``.
+    """
+    adapter, model = vlm.adapter, vlm.model
+    inputs = vlm._model_inputs(task.batch)
+    seq = inputs["input_ids"].shape[1]
+    position_ids = adapter.position_ids(inputs)
+    start = prefix_end(vlm, task.batch, inputs, int(task.positions.min()))
+    if start == 0:
+        return _exact_without_prefix(vlm, task, heads)
+    keep = seq - task.score_position
+    if keep < 1:
+        raise InputError(f"score position {task.score_position} is outside the sequence of length {seq}")
+    order = sorted(range(len(heads)), key=lambda i: heads[i])
+    first_layer = min((heads[i][0] for i in order), default=0)
+    local = task.positions - start
+    out = np.zeros(len(heads))
+    with torch.no_grad():
+        prefix = {k: inputs[k][:, :start] for k in _sequence_keys(inputs)}
+        prefix_kwargs = {k: v for k, v in inputs.items() if k not in prefix}
+        prefix_kwargs["attention_mask"] = inputs["attention_mask"][:, :start]
+        if position_ids is not None:
+            prefix_kwargs["position_ids"] = position_ids[..., :start]
+        cache = model(**prefix, **prefix_kwargs, use_cache=True, logits_to_keep=1).past_key_values
+
+        sites = [f"blocks.{l}.hook_resid_pre" for l in range(first_layer, vlm.n_layers)]
+        session = HookSession(adapter, vlm.sites(sites))
+        with session:
+            logits = model(**_suffix_inputs(inputs, position_ids, start, 1, cache, keep)).logits
+        clean = float(_diff(logits[0, 0], task.a, task.a_star))
+        resid = {int(name.split(".")[1]): vals[0] for name, vals in session.captured.items()}
+
+        rows = _rows_per_chunk(vlm, start, max_rows, memory_budget)
+        for c in range(0, len(order), rows):
+            chunk = order[c : c + rows]
+            chunk_heads = [heads[i] for i in chunk]
+            low = min(layer for layer, _ in chunk_heads)
+            interventions = []
+            for layer in sorted({layer for layer, _ in chunk_heads}):
+                row_heads = [head if l == layer else -1 for l, head in chunk_heads]
+                values = torch.zeros(len(chunk), local.size, adapter.d_head, dtype=task.values[layer].dtype)
+                mine = [r for r, h in enumerate(row_heads) if h >= 0]
+                values[mine] = _values(task, layer, [row_heads[r] for r in mine])
+                interventions.append(PatchHeadRows(layer=layer, heads=row_heads, positions=local, values=values))
+            hidden = resid[low].expand(len(chunk), -1, -1)
+            with start_at_layer(adapter, low, hidden), HookSession(adapter, (), interventions):
+                logits = model(**_suffix_inputs(inputs, position_ids, start, len(chunk), cache, keep)).logits
+            out[chunk] = _diff(logits[:, 0], task.a, task.a_star).cpu().numpy()
+    return clean, out
+
+
+def _exact_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> tuple[float, np.ndarray]:
+    """Patches at or before an image block: no prefix to reuse; each head runs the whole prompt, from its layer."""
+    adapter = vlm.adapter
+    layers = sorted({layer for layer, _ in heads})
+    sites = [f"blocks.{l}.hook_resid_pre" for l in layers]
+    run = vlm.run(task.batch, sites=sites)
+    clean = float(_diff(run.logits[0, task.score_position], task.a, task.a_star))
+    out = np.zeros(len(heads))
+    for i, (layer, head) in enumerate(heads):
+        patch = PatchHeads(layer=layer, heads=[head], positions=task.positions,
+                           values=task.values[layer][:, [head]][None])
+        with start_at_layer(adapter, layer, run.cache[f"blocks.{layer}.hook_resid_pre"]):
+            logits = vlm.logits(task.batch, [patch])
+        out[i] = float(_diff(logits[0, task.score_position], task.a, task.a_star))
+    return clean, out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attribution: gradient x activation difference, one forward-backward for every head
+# ----------------------------------------------------------------------------------------------------------------
+def attribution_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> tuple[float, np.ndarray]:
+    """First-order estimate of every head's patched difference from one forward and one backward pass:
+    ``clean + sum_positions (z* - z) . d(logit[a*] - logit[a]) / dz``.
+
+    Returns:
+        ``(clean difference, len(heads) estimated patched differences)``.
+    """
+    adapter = vlm.adapter
+    layers = sorted({layer for layer, _ in heads})
+    pos = torch.as_tensor(task.positions)
+    inputs = vlm._model_inputs(task.batch)
+    deltas: dict[int, torch.Tensor] = {}
+    clean_z: dict[int, torch.Tensor] = {}
+
+    def hook_for(layer: int) -> Any:
+        def hook(module: Any, args: tuple) -> tuple:
+            x = args[0]
+            clean_z[layer] = x.detach()
+            delta = torch.zeros_like(x, requires_grad=True)
+            deltas[layer] = delta
+            return (x + delta, *args[1:])
+        return hook
+
+    handles = [adapter.o_proj_module(layer).register_forward_pre_hook(hook_for(layer)) for layer in layers]
+    try:
+        with torch.enable_grad():
+            logits = vlm.model(**inputs, use_cache=False).logits
+            diff = _diff(logits[0, task.score_position], task.a, task.a_star)
+            grads = torch.autograd.grad(diff, [deltas[layer] for layer in layers])
+    finally:
+        for handle in handles:
+            handle.remove()
+    h, d = adapter.n_heads, adapter.d_head
+    out = np.zeros(len(heads))
+    clean = float(diff.detach())
+    effect: dict[int, np.ndarray] = {}
+    for layer, grad in zip(layers, grads):
+        z = clean_z[layer][0, pos].reshape(len(pos), h, d).float()
+        g = grad[0, pos].reshape(len(pos), h, d).float()
+        effect[layer] = ((task.values[layer].to(z) - z) * g).sum((0, 2)).cpu().numpy()
+    for i, (layer, head) in enumerate(heads):
+        out[i] = clean + effect[layer][head]
+    return clean, out
+
+
+METHOD_FUNCTIONS = {"naive": naive_diffs, "exact": exact_diffs, "attribution": attribution_diffs}
