@@ -170,42 +170,38 @@ class PatchHeads(Intervention):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PatchHeadRows(Intervention):
-    """Row ``r`` of the batch patches head ``heads[r]`` (``-1``: leaves the row alone): many single-head patches of
-    one layer in one batched forward, each row its own experiment.
+class PatchHeadEntries(Intervention):
+    """Write single (row, position, head) entries of z: many independent single-head patches of one layer in one
+    forward, each in its own batch row or its own block of a packed sequence.
 
     Attributes:
-        heads: one query head per batch row, or -1.
-        positions: ``n`` positions shared by the rows; negatives count from the end.
-        values: ``B n D`` the value each row writes into its head (rows with head -1 are ignored).
+        heads: ``k`` query head of each entry.
+        rows: ``k`` batch row of each entry.
+        positions: ``k`` position of each entry (non-negative).
+        values: ``k D`` the value written at each entry.
     """
 
+    rows: Any
     positions: Any
     values: torch.Tensor
 
     def check(self, adapter: ModelAdapter) -> None:
-        if not 0 <= self.layer < adapter.n_layers:
+        super().check(adapter)
+        k = len(self.heads)
+        if len(self.rows) != k or len(self.positions) != k or tuple(self.values.shape[:1]) != (k,):
             raise InterventionError(
-                f"PatchHeadRows: layer {self.layer} is out of range, the model has layers 0..{adapter.n_layers - 1}"
+                f"PatchHeadEntries: heads ({k}), rows ({len(self.rows)}), positions ({len(self.positions)}) and "
+                f"values ({tuple(self.values.shape)}) must describe the same number of entries"
             )
-        bad = [h for h in self.heads if not -1 <= h < adapter.n_heads]
-        if bad:
-            raise InterventionError(f"PatchHeadRows: heads {bad} are out of range 0..{adapter.n_heads - 1} (or -1)")
 
     def edit_z(self, z: torch.Tensor, index: Sequence[TokenIndex] | None) -> torch.Tensor:
         b, p, _, d = z.shape
-        if len(self.heads) != b:
-            raise InterventionError(f"PatchHeadRows: {len(self.heads)} row heads for a batch of {b} rows")
-        pos = _positions_tensor(self.positions, 1, p, "PatchHeadRows").to(z.device)[0]
-        heads = torch.tensor(self.heads, device=z.device)
-        rows = torch.nonzero(heads >= 0).squeeze(1)
-        values = torch.as_tensor(self.values).to(device=z.device, dtype=z.dtype)
-        if values.shape != (b, pos.numel(), d):
-            raise InterventionError(
-                f"PatchHeadRows: values must have shape (rows, positions, d_head) = ({b}, {pos.numel()}, {d}), "
-                f"got {tuple(values.shape)}"
-            )
-        z[rows[:, None], pos[None, :], heads[rows][:, None]] = values[rows]
+        rows = torch.as_tensor(self.rows, dtype=torch.long, device=z.device)
+        pos = torch.as_tensor(self.positions, dtype=torch.long, device=z.device)
+        if rows.numel() and (rows.max() >= b or pos.max() >= p or pos.min() < 0):
+            raise InterventionError(f"PatchHeadEntries: entries fall outside a batch of {b} rows x {p} positions")
+        heads = torch.tensor(self.heads, dtype=torch.long, device=z.device)
+        z[rows, pos, heads] = self.values.to(device=z.device, dtype=z.dtype)
         return z
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..hooks import HookSession, PatchHeadRows, PatchHeads
+from ..hooks import ATTENTION_IMPL, HookSession, PatchHeadEntries, PatchHeads
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024**3
 
@@ -180,13 +180,87 @@ def _rows_per_chunk(vlm: Any, prefix: int, max_rows: int, memory_budget: int) ->
     return int(max(1, min(max_rows, memory_budget // per_row)))
 
 
+def _chunks(heads: Sequence[tuple[int, int]], per_chunk: int) -> list[list[int]]:
+    """Indices of ``heads`` in layer order, cut into chunks of at most ``per_chunk``."""
+    order = sorted(range(len(heads)), key=lambda i: heads[i])
+    return [order[c : c + per_chunk] for c in range(0, len(order), per_chunk)]
+
+
+def _entries(task: PatchTask, chunk_heads: list[tuple[int, int]], block_positions: list[np.ndarray],
+             rows: list[int]) -> list[PatchHeadEntries]:
+    """One :class:`PatchHeadEntries` per layer: experiment ``i`` writes its head at ``block_positions[i]`` of row
+    ``rows[i]``."""
+    out = []
+    n = task.positions.size
+    for layer in sorted({layer for layer, _ in chunk_heads}):
+        mine = [i for i, (l, _) in enumerate(chunk_heads) if l == layer]
+        out.append(PatchHeadEntries(
+            layer=layer,
+            heads=[chunk_heads[i][1] for i in mine for _ in range(n)],
+            rows=[rows[i] for i in mine for _ in range(n)],
+            positions=np.concatenate([block_positions[i] for i in mine]),
+            values=torch.cat([task.values[layer][:, chunk_heads[i][1]] for i in mine]),
+        ))
+    return out
+
+
+def packable(vlm: Any) -> bool:
+    """Whether the text model's attention takes a custom 4-D mask (sdpa and eager variants do)."""
+    return vlm.adapter.text_config._attn_implementation in ("sdpa", "eager", ATTENTION_IMPL)
+
+
+def _packed_masks(vlm: Any, cache: Any, start: int, suffix: int, blocks: int, device: Any) -> Any:
+    """The attention mask of ``blocks`` copies of the suffix packed in one row after the prefix cache: each copy
+    sees the prefix and, causally, itself, never another copy. One mask per layer type when some layers use a
+    sliding window (their cache keeps only the window's last keys)."""
+    cfg = vlm.adapter.text_config
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * vlm.n_layers)
+    window = getattr(cfg, "sliding_window", None)
+    q_pos = torch.arange(start, start + suffix, device=device).repeat(blocks)
+    q_block = torch.arange(blocks, device=device).repeat_interleave(suffix)
+    float_mask = cfg._attn_implementation != "sdpa"
+    dtype = next(vlm.model.parameters()).dtype
+    masks = {}
+    for kind in dict.fromkeys(types):
+        kept = int(cache.layers[types.index(kind)].keys.shape[-2])
+        kv_pos = torch.cat([torch.arange(start - kept, start, device=device), q_pos])
+        kv_block = torch.cat([torch.full((kept,), -1, device=device), q_block])
+        allowed = ((kv_block[None] == -1) | (kv_block[None] == q_block[:, None])) & (kv_pos[None] <= q_pos[:, None])
+        if kind == "sliding_attention" and window:
+            allowed &= (q_pos[:, None] - kv_pos[None]) < window
+        mask = allowed[None, None]
+        if float_mask:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+        masks[kind] = mask
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+def _packed_inputs(vlm: Any, inputs: dict[str, Any], position_ids: torch.Tensor | None, start: int, blocks: int,
+                   cache: Any) -> dict[str, Any]:
+    """Model kwargs running ``blocks`` copies of positions ``[start, P)`` packed in one row on the prefix cache."""
+    seq = inputs["input_ids"].shape[1]
+    suffix = seq - start
+    device = inputs["input_ids"].device
+    out: dict[str, Any] = {k: inputs[k][:, start:].repeat(1, blocks) for k in _sequence_keys(inputs)}
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=device)[None]
+    out["position_ids"] = position_ids[..., start:].repeat(*([1] * (position_ids.ndim - 1)), blocks)
+    out["attention_mask"] = _packed_masks(vlm, cache, start, suffix, blocks, device)
+    out["cache_position"] = torch.arange(start, start + suffix * blocks, device=device)
+    out["past_key_values"] = expand_cache(cache, 1)
+    out["use_cache"] = True
+    return out
+
+
 def exact_diffs(
     vlm: Any,
     task: PatchTask,
     heads: Sequence[tuple[int, int]],
     *,
+    max_tokens: int = 512,
     max_rows: int = 64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    layout: str = "auto",
 ) -> tuple[float, np.ndarray]:
     """The naive numbers, fast (see the module docstring).
 
@@ -194,12 +268,18 @@ def exact_diffs(
         vlm: a loaded VLM.
         task: the clean prompt, patch positions, counterfactual values and answers.
         heads: ``(layer, head)`` pairs to patch, one experiment each.
-        max_rows: most heads in one batched forward.
-        memory_budget: bytes the expanded prefix cache of one chunk may take.
+        max_tokens: ``packed`` layout: most suffix tokens (experiments x suffix length) in one forward.
+        max_rows: ``batched`` layout: most experiments in one forward.
+        memory_budget: ``batched`` layout: bytes the materialised prefix cache of one forward may take.
+        layout: ``packed`` (the experiments' suffixes side by side in one row, a block mask keeping them apart;
+            the prefix cache is shared, never copied), ``batched`` (one batch row per experiment; any attention
+            implementation) or ``auto`` (packed when the attention implementation takes a custom mask).
 
     Returns:
         ``(clean difference, len(heads) patched differences)``.
     """
+    if layout not in ("auto", "packed", "batched"):
+        raise InputError(f"layout must be auto, packed or batched, got {layout!r}")
     adapter, model = vlm.adapter, vlm.model
     inputs = vlm._model_inputs(task.batch)
     seq = inputs["input_ids"].shape[1]
@@ -208,11 +288,13 @@ def exact_diffs(
     if start == 0:
         return _exact_without_prefix(vlm, task, heads)
     keep = seq - task.score_position
-    if keep < 1:
-        raise InputError(f"score position {task.score_position} is outside the sequence of length {seq}")
-    order = sorted(range(len(heads)), key=lambda i: heads[i])
-    first_layer = min((heads[i][0] for i in order), default=0)
+    if not 1 <= keep <= seq - start:
+        raise InputError(f"score position {task.score_position} must lie at or after the first patched position")
+    suffix = seq - start
     local = task.positions - start
+    first_layer = min((layer for layer, _ in heads), default=0)
+    if layout == "auto":
+        layout = "packed" if packable(vlm) else "batched"
     out = np.zeros(len(heads))
     with torch.no_grad():
         prefix = {k: inputs[k][:, :start] for k in _sequence_keys(inputs)}
@@ -229,22 +311,30 @@ def exact_diffs(
         clean = float(_diff(logits[0, 0], task.a, task.a_star))
         resid = {int(name.split(".")[1]): vals[0] for name, vals in session.captured.items()}
 
-        rows = _rows_per_chunk(vlm, start, max_rows, memory_budget)
-        for c in range(0, len(order), rows):
-            chunk = order[c : c + rows]
+        if layout == "packed":
+            per_chunk = max(1, max_tokens // suffix)
+        else:
+            per_chunk = _rows_per_chunk(vlm, start, max_rows, memory_budget)
+        for chunk in _chunks(heads, per_chunk):
             chunk_heads = [heads[i] for i in chunk]
-            low = min(layer for layer, _ in chunk_heads)
-            interventions = []
-            for layer in sorted({layer for layer, _ in chunk_heads}):
-                row_heads = [head if l == layer else -1 for l, head in chunk_heads]
-                values = torch.zeros(len(chunk), local.size, adapter.d_head, dtype=task.values[layer].dtype)
-                mine = [r for r, h in enumerate(row_heads) if h >= 0]
-                values[mine] = _values(task, layer, [row_heads[r] for r in mine])
-                interventions.append(PatchHeadRows(layer=layer, heads=row_heads, positions=local, values=values))
-            hidden = resid[low].expand(len(chunk), -1, -1)
+            low = chunk_heads[0][0]
+            n = len(chunk)
+            if layout == "packed":
+                blocks = [local + k * suffix for k in range(n)]
+                interventions = _entries(task, chunk_heads, blocks, [0] * n)
+                hidden = resid[low].repeat(1, n, 1)
+                kwargs = _packed_inputs(vlm, inputs, position_ids, start, n, cache)
+            else:
+                interventions = _entries(task, chunk_heads, [local] * n, list(range(n)))
+                hidden = resid[low].expand(n, -1, -1)
+                kwargs = _suffix_inputs(inputs, position_ids, start, n, cache, keep)
             with start_at_layer(adapter, low, hidden), HookSession(adapter, (), interventions):
-                logits = model(**_suffix_inputs(inputs, position_ids, start, len(chunk), cache, keep)).logits
-            out[chunk] = _diff(logits[:, 0], task.a, task.a_star).cpu().numpy()
+                logits = model(**kwargs).logits
+            if layout == "packed":
+                scored = logits[0, (task.score_position - start) + suffix * torch.arange(n)]
+            else:
+                scored = logits[:, 0]
+            out[chunk] = _diff(scored, task.a, task.a_star).cpu().numpy()
     return clean, out
 
 
