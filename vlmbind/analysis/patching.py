@@ -7,11 +7,14 @@ at those positions, and the two answer tokens. Each method returns, per head, th
 Design of the exact path (:func:`exact_diffs`). Patching head h of layer l at positions ``p >= p0`` cannot change
 anything before ``p0`` nor anything below layer l, so:
 
-1. the clean prompt's prefix ``[0, p0)`` runs once, with the image, and its key/value cache is kept;
-2. the clean suffix ``[p0, P)`` runs once on that cache, capturing the residual stream entering every layer;
-3. the heads run as rows of one batch (chunked to a memory budget): each row patches its own head, the suffix
-   only, on a shallow batch expansion of the prefix cache (no copy until the first append), and the decoder layers
-   below the chunk's lowest patched layer are skipped, that layer being fed the clean residual captured in step 2.
+1. the clean prompt runs once, with the image: its logits, the residual stream entering every layer, and the
+   key/value cache of the prefix ``[0, p0)`` are kept;
+2. the heads run in chunks, each experiment recomputing the suffix ``[p0, P)`` only, on the prefix cache, with
+   its own head patched; the decoder layers below the chunk's lowest patched layer are skipped, that layer being
+   fed the clean residual captured in step 1. Layout ``packed`` (default) puts the experiments' suffixes side by
+   side in one row over the shared prefix cache, a block mask keeping each copy to the prefix and itself, so the
+   prefix's keys and values are never copied; layout ``batched`` gives each experiment a batch row on a shallow
+   batch expansion of the cache (any attention implementation; chunked to a memory budget).
 
 Everything runs through the model's own forward, so the family's masks (Gemma-3's sliding windows, bidirectional
 image blocks), GQA and rotary embeddings apply unchanged. Position ids that are not ``0..P-1`` (Qwen's 3-D M-RoPE)
@@ -30,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from ..errors import InputError
 from ..hooks import ATTENTION_IMPL, HookSession, PatchHeadEntries, PatchHeads
@@ -297,19 +301,18 @@ def exact_diffs(
         layout = "packed" if packable(vlm) else "batched"
     out = np.zeros(len(heads))
     with torch.no_grad():
-        prefix = {k: inputs[k][:, :start] for k in _sequence_keys(inputs)}
-        prefix_kwargs = {k: v for k, v in inputs.items() if k not in prefix}
-        prefix_kwargs["attention_mask"] = inputs["attention_mask"][:, :start]
-        if position_ids is not None:
-            prefix_kwargs["position_ids"] = position_ids[..., :start]
-        cache = model(**prefix, **prefix_kwargs, use_cache=True, logits_to_keep=1).past_key_values
-
+        # One clean forward gives the clean logits, the residual entering every layer, and every layer's keys and
+        # values. The cache is a plain one (no sliding-window layer drops keys; windows apply through the masks),
+        # so its first `start` positions are exactly the prefix's cache.
         sites = [f"blocks.{l}.hook_resid_pre" for l in range(first_layer, vlm.n_layers)]
         session = HookSession(adapter, vlm.sites(sites))
         with session:
-            logits = model(**_suffix_inputs(inputs, position_ids, start, 1, cache, keep)).logits
-        clean = float(_diff(logits[0, 0], task.a, task.a_star))
-        resid = {int(name.split(".")[1]): vals[0] for name, vals in session.captured.items()}
+            full = model(**inputs, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=keep)
+        clean = float(_diff(full.logits[0, 0], task.a, task.a_star))
+        resid = {int(name.split(".")[1]): vals[0][:, start:] for name, vals in session.captured.items()}
+        cache = full.past_key_values
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
 
         if layout == "packed":
             per_chunk = max(1, max_tokens // suffix)
