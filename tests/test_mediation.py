@@ -104,7 +104,7 @@ def test_locate_command(tmp_path, capsys):
     assert main(["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "2",
                  "--out", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["n"] == 2 and summary["method"] == "naive" and len(summary["top_heads"]) == 10
+    assert summary["n"] == 2 and summary["method"] == "exact" and len(summary["top_heads"]) == 10
     frame = __import__("pandas").read_csv(out / "scores.csv")
     assert len(frame) == 16 and set(frame["n"]) == {2}
     assert main(["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "0",

@@ -304,12 +304,19 @@ def exact_diffs(
         # One clean forward gives the clean logits, the residual entering every layer, and every layer's keys and
         # values. The cache is a plain one (no sliding-window layer drops keys; windows apply through the masks),
         # so its first `start` positions are exactly the prefix's cache.
+        layers = sorted({layer for layer, _ in heads})
         sites = [f"blocks.{l}.hook_resid_pre" for l in range(first_layer, vlm.n_layers)]
-        session = HookSession(adapter, vlm.sites(sites))
+        session = HookSession(adapter, vlm.sites(sites + [f"blocks.{l}.attn.hook_z" for l in layers]))
         with session:
             full = model(**inputs, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=keep)
         clean = float(_diff(full.logits[0, 0], task.a, task.a_star))
-        resid = {int(name.split(".")[1]): vals[0][:, start:] for name, vals in session.captured.items()}
+        captured = {name: vals[0] for name, vals in session.captured.items()}
+        resid = {l: captured[f"blocks.{l}.hook_resid_pre"][:, start:] for l in range(first_layer, vlm.n_layers)}
+        # patching a head with its own clean value is the identity: exactly the clean difference, nothing to run
+        clean_z = {l: captured[f"blocks.{l}.attn.hook_z"][0, task.positions] for l in layers}
+        todo = [i for i, (l, h) in enumerate(heads)
+                if not torch.equal(task.values[l][:, h].to(clean_z[l]), clean_z[l][:, h])]
+        out[:] = clean
         cache = full.past_key_values
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
@@ -318,7 +325,8 @@ def exact_diffs(
             per_chunk = max(1, max_tokens // suffix)
         else:
             per_chunk = _rows_per_chunk(vlm, start, max_rows, memory_budget)
-        for chunk in _chunks(heads, per_chunk):
+        for part in _chunks([heads[i] for i in todo], per_chunk):
+            chunk = [todo[i] for i in part]
             chunk_heads = [heads[i] for i in chunk]
             low = chunk_heads[0][0]
             n = len(chunk)
