@@ -142,3 +142,68 @@ def test_errors_leave_no_hooks_and_no_skipped_layers():
     np.testing.assert_allclose(fresh[1], naive_diffs(vlm, task, all_heads(vlm)[:3])[1], atol=1e-5)
     with pytest.raises(vb.InputError, match="layout"):
         exact_diffs(vlm, task, all_heads(vlm), layout="diagonal")
+
+
+# ---- attention_swap (PbP) on the organism's own traces ---------------------------------------------------------
+def test_attention_swap_pairs_are_the_models_own_contexts():
+    from vlmbind.analysis import point_swap_pairs
+    from vlmbind.stimuli.points import parse_points
+
+    vlm = vb.load("organism-p2a")
+    pairs = point_swap_pairs(vlm, 3, 0)
+    assert len(pairs) == 3
+    tok = vlm.adapter.tokenizer
+    for pair in pairs:
+        assert pair.step_b < pair.step_a and pair.a != pair.a_star
+        assert len(parse_points(pair.text)) >= 2
+        task = pair.task(vlm, range(vlm.n_layers))
+        # the clean context is the prompt plus the trace up to A's x token, and the model's next token there is A's
+        logits = vlm.logits(task.batch)[0, task.score_position]
+        assert int(logits.argmax()) == pair.a
+        assert tok.decode(pair.trace[: pair.step_a]) == tok.decode(task.batch.inputs["input_ids"][0, -pair.step_a:])
+    naive = vb.locate(vlm, pairs, method="naive")
+    exact = vb.locate(vlm, pairs, method="exact")
+    assert naive.condition == "attention_swap"
+    np.testing.assert_allclose(exact.per_pair, naive.per_pair, atol=max(1e-4 * np.ptp(naive.per_pair), 1e-5))
+    assert np.ptp(naive.per_pair) > 0.1
+
+
+def test_attention_swap_refuses_a_model_that_does_not_point():
+    from vlmbind.analysis import point_swap_pairs
+
+    with pytest.raises(vb.InputError, match="Point-to-Answer"):
+        point_swap_pairs(get_tiny("tiny-qwen2_5_vl"), 1, 0, max_new_tokens=8, max_tries=2)
+
+
+def test_attribution_is_reported_beside_exact_on_its_top_candidates(tmp_path):
+    vlm = vb.load("organism-p2a")
+    from vlmbind.evaluate import training_defaults
+
+    pairs = S.scene_pairs(3, "feature_retrieval", 2, **training_defaults(vlm, "scene", {"n_objects": 3}))
+    attribution = vb.locate(vlm, pairs, method="attribution", verify_top=4)
+    exact = vb.locate(vlm, pairs)
+    verified = attribution.verified_scores
+    assert np.sum(~np.isnan(verified)) == 4
+    for layer, head in attribution.top(4):
+        assert verified[layer, head] == pytest.approx(exact.scores[layer, head], abs=1e-5)
+    summary = attribution.summary()
+    assert len(summary["verified"]) == 4 and "verified_spearman" in summary
+    assert 0 <= attribution.recall(exact, 5) <= 1 and exact.recall(exact, 5) == 1
+    attribution.save(tmp_path)
+    assert "exact_score" in (tmp_path / "scores.csv").read_text().splitlines()[0]
+
+
+def test_locate_command_attention_swap_and_methods(tmp_path, capsys):
+    import json
+
+    from vlmbind.cli import main
+
+    out = tmp_path / "swap"
+    assert main(["locate", "--model", "organism-p2a", "--condition", "attention_swap", "--n-pairs", "2",
+                 "--method", "attribution", "--verify-top", "3", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["condition"] == "attention_swap" and summary["method"] == "attribution"
+    assert len(summary["verified"]) == 3
+    assert main(["locate", "--model", "organism-p2a", "--condition", "id_selection", "--n-pairs", "1",
+                 "--verify-top", "-1", "--out", str(tmp_path / "bad")]) == 2
+    assert not (tmp_path / "bad").exists()

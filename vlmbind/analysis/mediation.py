@@ -35,6 +35,7 @@ from .patching import METHOD_FUNCTIONS, PatchTask
 from ..io import write_json_atomic, write_text_atomic
 
 METHODS = tuple(METHOD_FUNCTIONS)
+CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval", "attention_swap")
 
 
 def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str) -> tuple[list[int], int, int]:
@@ -62,6 +63,8 @@ class HeadScores:
         per_pair: ``N L H`` score of every pair for every head.
         seconds: wall time of the computation.
         pair_ids: the pairs, in order.
+        verified: ``attribution`` only: ``N L H`` exact scores of the top candidates (NaN elsewhere).
+        skipped: examples that gave no pair (attention_swap traces without two usable points).
     """
 
     condition: str
@@ -70,6 +73,8 @@ class HeadScores:
     per_pair: np.ndarray
     seconds: float = 0.0
     pair_ids: list[str] = field(default_factory=list)
+    verified: np.ndarray | None = None
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -87,13 +92,23 @@ class HeadScores:
             return np.zeros(self.per_pair.shape[1:])
         return self.per_pair.std(0, ddof=1) / math.sqrt(self.n)
 
+    @property
+    def verified_scores(self) -> np.ndarray | None:
+        """``L H`` mean exact score of the verified heads (NaN for the others), or None."""
+        return None if self.verified is None else self.verified.mean(0)
+
     def to_frame(self) -> pd.DataFrame:
         layers, heads = self.scores.shape
-        return pd.DataFrame([
+        rows = [
             {"layer": layer, "head": head, "score": float(self.scores[layer, head]),
              "stderr": float(self.stderr[layer, head]), "n": self.n}
             for layer in range(layers) for head in range(heads)
-        ])
+        ]
+        if self.verified is not None:
+            exact = self.verified_scores
+            for row in rows:
+                row["exact_score"] = float(exact[row["layer"], row["head"]])
+        return pd.DataFrame(rows)
 
     def top(self, k: int = 5) -> list[tuple[int, int]]:
         """The ``k`` heads with the largest mean score, as ``(layer, head)``."""
@@ -107,9 +122,26 @@ class HeadScores:
                             model=self.model, n=self.n)
 
     def summary(self) -> dict[str, Any]:
-        return {"condition": self.condition, "method": self.method, "model": self.model, "n": self.n,
-                "seconds": self.seconds, "top_heads": [f"{l}.{h}" for l, h in self.top(10)],
-                "pair_ids": self.pair_ids}
+        out = {"condition": self.condition, "method": self.method, "model": self.model, "n": self.n,
+               "seconds": self.seconds, "top_heads": [f"{l}.{h}" for l, h in self.top(10)],
+               "pair_ids": self.pair_ids}
+        if self.skipped:
+            out["skipped_examples"] = self.skipped
+        if self.verified is not None:
+            exact = self.verified_scores
+            heads = [tuple(int(v) for v in idx) for idx in np.argwhere(~np.isnan(exact))]
+            out["verified"] = [{"head": f"{l}.{h}", "attribution": float(self.scores[l, h]),
+                                "exact": float(exact[l, h])} for l, h in heads]
+            if len(heads) > 2:
+                from scipy.stats import spearmanr
+
+                out["verified_spearman"] = float(spearmanr([self.scores[h] for h in heads],
+                                                           [exact[h] for h in heads]).statistic)
+        return out
+
+    def recall(self, reference: HeadScores, k: int = 10) -> float:
+        """Share of ``reference``'s top-``k`` heads that are also in this result's top-``k``."""
+        return len(set(self.top(k)) & set(reference.top(k))) / k
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``scores.csv``, ``heatmap.html`` and ``summary.json`` atomically."""
@@ -147,7 +179,7 @@ def scene_task(vlm: Any, pair: Any, layers: Sequence[int]) -> PatchTask:
 
 
 def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | None = None,
-           progress: bool = False, **method_kwargs: Any) -> HeadScores:
+           progress: bool = False, verify_top: int = 10, **method_kwargs: Any) -> HeadScores:
     """Score every head (or those of ``layers``) on counterfactual pairs.
 
     Args:
@@ -158,6 +190,8 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
             ``"attribution"`` (first-order estimate, one forward-backward per pair).
         layers: restrict to these layers (others score 0).
         progress: show a progress bar.
+        verify_top: ``attribution``: also run ``exact`` on this many top candidates (``verified``), so the estimate
+            is always reported beside its exact counterpart; 0 skips it.
         method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``).
 
     Raises:
@@ -165,7 +199,7 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     """
     if method not in METHOD_FUNCTIONS:
         raise InputError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
-    pairs = list(pairs)
+    pairs_in, pairs = pairs, list(pairs)
     if not pairs:
         raise InputError("locate needs at least one counterfactual pair")
     conditions = {getattr(p, "condition", None) for p in pairs}
@@ -180,13 +214,26 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     compute = METHOD_FUNCTIONS[method]
     per_pair = np.zeros((len(pairs), n_layers, n_heads))
     start = time.perf_counter()
+    tasks = []
     for i, pair in enumerate(tqdm(pairs, desc=f"locate ({method})", disable=not progress)):
         task = pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers)
         clean, patched = compute(vlm, task, heads, **method_kwargs)
         for (layer, head), value in zip(heads, patched):
             per_pair[i, layer, head] = value - clean
+        if method == "attribution" and verify_top > 0:
+            tasks.append(task)
+    verified = None
+    if tasks:
+        mean = per_pair.mean(0)
+        candidates = sorted(heads, key=lambda lh: -mean[lh])[:verify_top]
+        verified = np.full(per_pair.shape, np.nan)
+        for i, task in enumerate(tasks):
+            clean, patched = METHOD_FUNCTIONS["exact"](vlm, task, candidates)
+            for (layer, head), value in zip(candidates, patched):
+                verified[i, layer, head] = value - clean
     return HeadScores(condition=next(iter(conditions)), method=method, model=vlm.name, per_pair=per_pair,
-                      seconds=time.perf_counter() - start, pair_ids=[p.id for p in pairs])
+                      seconds=time.perf_counter() - start, pair_ids=[p.id for p in pairs], verified=verified,
+                      skipped=list(getattr(pairs_in, "skipped", [])))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,12 +245,17 @@ def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("locate", parents=[common], help="head-level causal mediation on counterfactual scene pairs",
                        description="Score every attention head by patching its output from counterfactual scenes.")
     p.add_argument("--model", required=True)
-    p.add_argument("--condition", required=True, choices=("id_retrieval", "id_selection", "feature_retrieval"))
+    p.add_argument("--condition", required=True, choices=CONDITIONS,
+                   help="scene pairs (VSM's three) or attention_swap (PbP: the model's own pointing traces)")
     p.add_argument("--n-pairs", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
     p.add_argument("--entropy", choices=("high", "low"), default="high")
-    p.add_argument("--method", choices=METHODS, default="exact")
+    p.add_argument("--method", choices=METHODS, default="exact",
+                   help="exact (fast, equal to naive), naive (one forward per head), attribution (estimate)")
+    p.add_argument("--verify-top", type=int, default=10, help="attribution: run exact on this many top candidates")
+    p.add_argument("--trace-task", choices=("count", "search"), default="count",
+                   help="attention_swap: displays the traces are generated on")
     p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
     p.set_defaults(func=cmd_locate)
 
@@ -215,10 +267,18 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
 
     if args.n_pairs < 1:
         raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
+    if args.verify_top < 0:
+        raise InputError(f"--verify-top must be 0 or more, got {args.verify_top}")
     vlm = load(args.model)
-    kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
-    pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
-    scores = locate(vlm, pairs, method=args.method, progress=not args.json)
+    if args.condition == "attention_swap":
+        from .traces import point_swap_pairs
+
+        extra = {"objects": args.objects} if args.objects else {}
+        pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task, **extra)
+    else:
+        kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
+        pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
+    scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top)
     out = Path(args.out or f"runs/locate/{Path(str(args.model)).name}-{args.condition}")
     scores.save(out)
     summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
