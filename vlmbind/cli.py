@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .analysis.ablation import add_parser as add_ablate_parser
 
     add_ablate_parser(sub, common)
+
+    from .analysis.edits import add_parser as add_edit_parser
+
+    add_edit_parser(sub, common)
     return parser
 
 

@@ -1,6 +1,20 @@
 """Analyses over a model and stimuli (causal) or over captured activations (representational)."""
 
 from .ablation import AblationResult, ablation_study
+from .edits import (
+    AddToHeadRows,
+    EditResult,
+    PositionIDs,
+    RepairResult,
+    edit_study,
+    entropy_repair,
+    estimate_position_ids,
+)
 from .mediation import HeadScores, answer_token_ids, locate
+from .traces import PointSwapPair, point_swap_pairs
 
-__all__ = ["AblationResult", "HeadScores", "ablation_study", "answer_token_ids", "locate"]
+__all__ = [
+    "AblationResult", "HeadScores", "ablation_study", "answer_token_ids", "locate", "PointSwapPair",
+    "point_swap_pairs",
+    "AddToHeadRows", "EditResult", "PositionIDs", "RepairResult", "edit_study", "entropy_repair", "estimate_position_ids",
+]

@@ -1,0 +1,910 @@
+"""Position-ID additive edits (VSM) and the entropy-repair experiment: ``edit_study``, ``entropy_repair`` and
+``vlmbind edit``.
+
+Design: a position ID ``d_c`` is, per chosen head, the mean output z of that head (the head's slice of the
+``o_proj`` input, site ``blocks.{l}.attn.hook_z``) at the last prompt token over estimation examples whose missing
+object sits at grid cell ``c`` (:func:`estimate_position_ids`; cells with fewer than ``min_count`` examples get no
+estimate, and how many examples that dropped is reported). The edit adds ``alpha * (d_t - d_o)`` to the heads' z at
+the prompt's last position only, ``o`` the missing object's cell and ``t`` a described object's cell; efficacy is
+the share of held-out examples whose answer becomes the object at ``t``. The control adds ``alpha * (d_c - d_o)``
+with ``c`` a random *empty* cell of the scene (one holding no object), so a reader sees whether switching to ``t``
+needs ``t``'s ID or follows from any perturbation of that size. Answers are decoded greedily by re-running full
+forwards (no key/value cache) on the growing sequence, so the edit sits at one absolute position, the prompt's last,
+in every step; the first two words are scored like :func:`vlmbind.evaluate.score`. The edit's vector differs per
+example, while :class:`~vlmbind.hooks.AddToHeads` takes one vector for the whole batch, so :class:`AddToHeadRows`
+(an ``AddToHeads`` whose vector may be ``B h D``, one per row) batches several examples per forward; it is tested
+against ``AddToHeads`` and against a plain ``o_proj`` pre-hook. Entropy repair (:func:`entropy_repair`) estimates
+IDs on high-entropy scenes (distinct features) and on low-entropy scenes (shared features), and adds
+``alpha * (d^high_o - d^low_o)`` on held-out low-entropy scenes: it injects the *correct* cell's ID, an oracle
+repair as in VSM, not a method that could run without knowing the answer's cell. Its control injects the
+high-entropy ID of a random empty cell instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import InputError, InterventionError
+from ..evaluate import score
+from ..hooks import AddToHeads, _positions_tensor
+from ..io import write_json_atomic
+from ..models import Batch, _as_heads
+
+Cell = tuple[int, int]
+
+# per-token processor outputs that must grow with the sequence when answer tokens are appended; text tokens are
+# 0 in the type ids (Gemma-3 token_type_ids, Qwen / Molmo2 mm_token_type_ids)
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+EDIT_ARMS = ("edit", "control")
+REPAIR_ARMS = ("repair", "control")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The per-row edit
+# ------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class AddToHeadRows(AddToHeads):
+    """:class:`~vlmbind.hooks.AddToHeads` whose vector may differ per batch row.
+
+    Attributes:
+        positions: ``n`` positions shared by the batch, or ``B n`` per row; negatives count from the end.
+        vector: ``B h D`` (row ``r`` adds ``alpha * vector[r]`` to the ``h`` heads), or ``D`` / ``h D`` as in
+            ``AddToHeads``.
+        alpha: scale; ``alpha = 0`` is the identity.
+    """
+
+    def edit_z(self, z: torch.Tensor, index: Any) -> torch.Tensor:
+        """Add the scaled per-row vectors to ``z`` (``B P H D``) at the rows' positions."""
+        vec = torch.as_tensor(self.vector)
+        if vec.ndim != 3:
+            return super().edit_z(z, index)
+        b, p, _, d = z.shape
+        if tuple(vec.shape) != (b, len(self.heads), d):
+            raise InterventionError(
+                f"AddToHeadRows: a per-row vector must have shape (batch, heads, d_head) = ({b}, {len(self.heads)}, "
+                f"{d}), got {tuple(vec.shape)}"
+            )
+        pos = _positions_tensor(self.positions, b, p, "AddToHeadRows").to(z.device)
+        heads = torch.tensor(self.heads, device=z.device)
+        vec = vec.to(device=z.device, dtype=z.dtype)
+        rows = torch.arange(b, device=z.device)[:, None, None]
+        idx = (rows, pos[:, :, None], heads[None, None, :])  # B n h
+        z[idx] = z[idx] + (self.alpha * vec)[:, None].expand(b, pos.shape[1], len(self.heads), d)
+        return z
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Input checks
+# ------------------------------------------------------------------------------------------------------------------
+def check_heads(vlm: Any, heads: Any) -> list[tuple[int, int]]:
+    """``[(layer, head), ...]`` from pairs or ``"12.3,14.0"``, checked against the model.
+
+    Raises:
+        InputError: a malformed head, a head the model lacks, a repeated head, or no heads.
+    """
+    parsed = _as_heads(heads)
+    if not parsed:
+        raise InputError("no heads given: pass LAYER.HEAD pairs, e.g. '2.1,3.0'")
+    bad = [f"{l}.{h}" for l, h in parsed if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
+    if bad:
+        raise InputError(f"heads {bad} do not exist: the model has layers 0..{vlm.n_layers - 1} and heads "
+                         f"0..{vlm.n_heads - 1}")
+    repeated = sorted({f"{l}.{h}" for l, h in parsed if parsed.count((l, h)) > 1})
+    if repeated:
+        raise InputError(f"heads {repeated} are given more than once; list each head once")
+    return parsed
+
+
+def check_alphas(alphas: Any) -> list[float]:
+    """Sorted distinct finite alphas from numbers or ``"0,1,2"``; alpha 0 is always included (the identity
+    check and the baseline every change is measured from).
+
+    Raises:
+        InputError: a value that is not a finite number, or no values.
+    """
+    if isinstance(alphas, str):
+        alphas = [a for a in alphas.split(",") if a.strip()]
+    elif isinstance(alphas, (int, float)):
+        alphas = [alphas]
+    values = []
+    for a in alphas:
+        try:
+            v = float(a)
+        except (TypeError, ValueError):
+            raise InputError(f"alpha {a!r} is not a number; pass e.g. --alpha 0,1,2,4") from None
+        if not math.isfinite(v):
+            raise InputError(f"alpha {a!r} is not finite; pass finite numbers, e.g. 0,1,2,4")
+        values.append(v)
+    if not values:
+        raise InputError("no alphas given: pass e.g. --alpha 0,1,2,4")
+    return sorted({0.0, *values})
+
+
+def _check_scene_examples(examples: Sequence[Any], what: str) -> None:
+    if not examples:
+        raise InputError(f"{what}: no examples; pass scene-description examples (vb.stimuli.scene_description)")
+    bad = [e.id for e in examples if e.task != "scene" or "target" not in e.fields]
+    if bad:
+        raise InputError(f"{what}: examples {bad[:3]} are not scene-description examples with a target object; "
+                         f"pass vb.stimuli.scene_description(...) examples")
+
+
+def _cell(obj: Any) -> Cell:
+    return int(obj.row), int(obj.col)
+
+
+def _target_cell(example: Any) -> Cell:
+    """The grid cell ``(row, col)`` of the example's missing (target) object."""
+    return _cell(example.objects[example.fields["target"]])
+
+
+def _chunks(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise InputError(f"{name} must be a positive int, got {v!r}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Position IDs
+# ------------------------------------------------------------------------------------------------------------------
+@dataclass
+class PositionIDs:
+    """Per-cell mean head outputs at the last prompt token.
+
+    Attributes:
+        heads: the heads, ``[(layer, head), ...]`` (the ``H`` axis).
+        cells: the cells with an estimate, ``[(row, col), ...]`` in raster order (the ``C`` axis).
+        vectors: ``C H D`` float64 mean z of each head over the examples whose missing object sits in the cell.
+        counts: examples averaged per cell, in ``cells`` order.
+        skipped_cells: cells seen fewer than ``min_count`` times -> their example count (no estimate).
+        min_count: the fewest examples a cell needs for an estimate.
+        z_norm: ``H`` mean L2 norm of each head's z at the last prompt token over all estimation examples (the
+            scale an edit's ``|d_t - d_o|`` compares with).
+        n_examples: estimation examples read.
+    """
+
+    heads: list[tuple[int, int]]
+    cells: list[Cell]
+    vectors: torch.Tensor
+    counts: list[int]
+    skipped_cells: dict[Cell, int]
+    min_count: int
+    z_norm: np.ndarray
+    n_examples: int
+
+    @property
+    def n_skipped_examples(self) -> int:
+        """Estimation examples dropped because their cell had fewer than ``min_count`` examples."""
+        return int(sum(self.skipped_cells.values()))
+
+    def has(self, cell: Cell) -> bool:
+        """Whether ``cell`` has an estimate."""
+        return tuple(cell) in self._index
+
+    def vector(self, cell: Cell) -> torch.Tensor:
+        """``H D`` position ID of ``cell``.
+
+        Raises:
+            InputError: the cell has no estimate.
+        """
+        cell = (int(cell[0]), int(cell[1]))
+        if cell not in self._index:
+            seen = self.skipped_cells.get(cell, 0)
+            raise InputError(f"cell {cell} has no position-ID estimate ({seen} estimation examples, fewer than "
+                             f"{self.min_count}); use more estimation examples")
+        return self.vectors[self._index[cell]]
+
+    def delta(self, t: Cell, o: Cell) -> torch.Tensor:
+        """``H D`` edit direction ``d_t - d_o`` (float64)."""
+        return self.vector(t) - self.vector(o)
+
+    @property
+    def _index(self) -> dict[Cell, int]:
+        return {c: i for i, c in enumerate(self.cells)}
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "heads": [f"{l}.{h}" for l, h in self.heads], "n_examples": self.n_examples, "min_count": self.min_count,
+            "cells": {f"{r},{c}": n for (r, c), n in zip(self.cells, self.counts)},
+            "skipped_cells": {f"{r},{c}": n for (r, c), n in sorted(self.skipped_cells.items())},
+            "skipped_examples": self.n_skipped_examples,
+            "z_norm": {f"{l}.{h}": float(v) for (l, h), v in zip(self.heads, self.z_norm)},
+        }
+
+
+def _last_z(vlm: Any, batch: Any, heads: list[tuple[int, int]]) -> torch.Tensor:
+    """``B H D`` z of each head at each row's last prompt position (float64, CPU)."""
+    sites = {l: f"blocks.{l}.attn.hook_z" for l in sorted({l for l, _ in heads})}
+    cache = vlm.capture(batch, list(sites.values()))
+    rows = torch.arange(len(batch))
+    last = torch.as_tensor(batch.last_positions, dtype=torch.long)
+    z = torch.stack([cache[sites[l]][rows, last.to(cache[sites[l]].device), h].cpu() for l, h in heads], 1)
+    return z.to(torch.float64)
+
+
+def estimate_position_ids(vlm: Any, examples: Sequence[Any], heads: Any, *, min_count: int = 3,
+                          batch_size: int = 32, progress: bool = False) -> PositionIDs:
+    """Position ID of every cell: the mean z of each head at the last prompt token over the examples whose missing
+    object sits in that cell.
+
+    Args:
+        vlm: a loaded VLM.
+        examples: scene-description examples (``fields["target"]`` names the missing object).
+        heads: ``[(layer, head), ...]`` or ``"12.3,14.0"``.
+        min_count: cells with fewer examples get no estimate (reported in ``skipped_cells``).
+        batch_size: examples per forward.
+        progress: show a progress bar.
+
+    Returns:
+        :class:`PositionIDs` with ``vectors`` of shape ``C H D``.
+
+    Raises:
+        InputError: bad heads, no or non-scene examples, or no cell with ``min_count`` examples.
+    """
+    heads = check_heads(vlm, heads)
+    examples = list(examples)
+    _check_scene_examples(examples, "estimate_position_ids")
+    _check_positive(min_count=min_count, batch_size=batch_size)
+    sums: dict[Cell, torch.Tensor] = {}
+    counts: Counter[Cell] = Counter()
+    norm_sum = torch.zeros(len(heads), dtype=torch.float64)
+    for chunk in tqdm(_chunks(examples, batch_size), desc="position IDs", disable=not progress):
+        batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk])
+        z = _last_z(vlm, batch, heads)
+        norm_sum += z.norm(dim=-1).sum(0)
+        for e, zr in zip(chunk, z):
+            cell = _target_cell(e)
+            sums[cell] = sums[cell] + zr if cell in sums else zr.clone()
+            counts[cell] += 1
+    kept = sorted(c for c in counts if counts[c] >= min_count)
+    if not kept:
+        raise InputError(f"no cell has {min_count} estimation examples (most: {max(counts.values())}); use more "
+                         f"estimation examples or a lower min_count")
+    return PositionIDs(
+        heads=heads, cells=kept, vectors=torch.stack([sums[c] / counts[c] for c in kept]),
+        counts=[counts[c] for c in kept], skipped_cells={c: n for c, n in counts.items() if n < min_count},
+        min_count=min_count, z_norm=(norm_sum / len(examples)).numpy(), n_examples=len(examples),
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Decoding
+# ------------------------------------------------------------------------------------------------------------------
+def _eos_ids(vlm: Any) -> list[int]:
+    eos = getattr(getattr(vlm.model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = vlm.adapter.tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _append_tokens(inputs: dict[str, Any], tokens: torch.Tensor) -> dict[str, Any]:
+    """The inputs with one token per row (``B``) appended to every per-token tensor."""
+    out = dict(inputs)
+    ids = inputs["input_ids"]
+    for key in SEQUENCE_KEYS:
+        value = inputs.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if key == "input_ids":
+            col = tokens.to(value.device, value.dtype)
+        elif key == "attention_mask":
+            col = torch.ones(len(tokens), dtype=value.dtype, device=value.device)
+        else:
+            col = torch.zeros(len(tokens), dtype=value.dtype, device=value.device)
+        if value.shape[:2] != ids.shape[:2]:
+            raise InputError(f"{key} has shape {tuple(value.shape)}, not (batch, sequence) like input_ids; cannot "
+                             f"append answer tokens")
+        out[key] = torch.cat([value, col[:, None]], 1)
+    return out
+
+
+def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_new_tokens: int = 3) -> list[str]:
+    """Greedy continuation of each row by full forwards (no key/value cache), interventions applied in every one.
+
+    Position-bound interventions keep their absolute positions as tokens are appended (the batch is left-padded,
+    so the prompt's positions do not move). A row that emits an end-of-sequence token stops there, as in
+    ``generate``.
+
+    Args:
+        vlm: a loaded VLM.
+        batch: a prepared batch (``vlm.prepare``).
+        interventions: applied in every forward.
+        max_new_tokens: tokens to generate.
+
+    Returns:
+        The decoded continuations (special tokens dropped), one per row.
+    """
+    eos = _eos_ids(vlm)
+    inputs = dict(batch.inputs)
+    done = torch.zeros(len(batch), dtype=torch.bool)
+    new: list[torch.Tensor] = []
+    for step in range(max_new_tokens):
+        step_batch = Batch(inputs=inputs, index=batch.index, prompts=batch.prompts, images=batch.images)
+        nxt = vlm.run(step_batch, interventions=interventions).logits[:, -1].argmax(-1).cpu()
+        if eos:
+            nxt = torch.where(done, torch.tensor(eos[0]), nxt)
+            done |= torch.isin(nxt, torch.tensor(eos))
+        new.append(nxt)
+        if done.all() or step == max_new_tokens - 1:
+            break
+        inputs = _append_tokens(inputs, nxt)
+    ids = torch.stack(new, 1) if new else torch.zeros(len(batch), 0, dtype=torch.long)
+    return vlm.adapter.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def _answer_budget(vlm: Any, examples: Sequence[Any]) -> int:
+    """Tokens enough to spell any object name of the scenes, plus one that shows the second word has ended."""
+    tok = vlm.adapter.tokenizer
+    names = {o.name for e in examples for o in e.objects}
+    return max(len(tok(" " + n, add_special_tokens=False)["input_ids"]) for n in names) + 1
+
+
+def edit_interventions(heads: list[tuple[int, int]], positions: Any, vectors: torch.Tensor,
+                       alpha: float) -> list[AddToHeadRows]:
+    """One :class:`AddToHeadRows` per layer adding ``alpha * vectors`` (``B H D``, ``H`` in ``heads`` order)."""
+    by_layer: dict[int, list[int]] = {}
+    for j, (layer, _) in enumerate(heads):
+        by_layer.setdefault(layer, []).append(j)
+    return [AddToHeadRows(layer=layer, heads=[heads[j][1] for j in js], positions=positions,
+                          vector=vectors[:, js], alpha=float(alpha)) for layer, js in sorted(by_layer.items())]
+
+
+def _outcome(example: Any, output: str, t_name: str | None) -> str:
+    """``switch`` (names the object at t), ``original`` (names the missing object) or ``other``."""
+    if t_name is not None and score(replace(example, answer=t_name), output)[0]:
+        return "switch"
+    return "original" if score(example, output)[0] else "other"
+
+
+def _parsed(output: str) -> str:
+    return " ".join(output.split()[:2])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Results
+# ------------------------------------------------------------------------------------------------------------------
+def _stimulus_kwargs(vlm: Any, n_objects: Any, entropy: str, stimulus: dict[str, Any] | None) -> dict[str, Any]:
+    from ..evaluate import training_defaults
+
+    return training_defaults(vlm, "scene", {"n_objects": n_objects, "entropy": entropy, **(stimulus or {})})
+
+
+def _alpha_label(alpha: float) -> str:
+    return f"{alpha:g}"
+
+
+@dataclass
+class RepairResult:
+    """Accuracy on low-entropy scenes with the correct cell's high-entropy ID injected, per alpha.
+
+    Attributes:
+        model: the model's name.
+        heads: the edited heads.
+        alphas: the alphas (0 included).
+        rows: ``{"alpha", "arm": "repair"|"control", "n", "accuracy", "change", "changed"}`` per alpha and arm;
+            ``change`` is the accuracy minus the accuracy at alpha 0, ``changed`` the share of outputs that differ
+            from the unedited ones.
+        records: one dict per (example, alpha, arm).
+        clean_accuracy: low-entropy accuracy of the unedited model on the evaluated examples.
+        high_accuracy: high-entropy accuracy of the unedited model on as many held-out high-entropy scenes
+            (reference: how much there is to repair).
+        alpha0_identical: alpha 0 gave the unedited outputs on every example and arm.
+        n_eval, n_used: evaluation examples drawn and evaluated (the rest are counted in ``skipped``).
+        skipped: reason -> evaluation examples skipped.
+        estimates: the high- and low-entropy :meth:`PositionIDs.summary`.
+        norms: per head, the mean ``|d^high_o - d^low_o|`` and the control's ``|d^high_w - d^low_o|``.
+        params, seed, seconds: stimuli, seed and wall time.
+    """
+
+    model: str
+    heads: list[tuple[int, int]]
+    alphas: list[float]
+    rows: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    clean_accuracy: float
+    high_accuracy: float
+    alpha0_identical: bool
+    n_estimate: int
+    n_eval: int
+    n_used: int
+    skipped: dict[str, int]
+    estimates: dict[str, Any]
+    norms: dict[str, Any]
+    params: dict[str, Any]
+    seed: int
+    seconds: float = 0.0
+
+    def accuracy(self, alpha: float, arm: str = "repair") -> float:
+        return _lookup(self.rows, alpha, arm, "accuracy")
+
+    def to_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "heads": [f"{l}.{h}" for l, h in self.heads], "alphas": self.alphas,
+            "injects": "d^high_o - d^low_o at the missing object's (correct) cell o: an oracle repair, as in VSM",
+            "control": "d^high_w - d^low_o, w a random empty cell (no object) of the scene with a high-entropy ID",
+            "clean_accuracy": self.clean_accuracy, "high_entropy_accuracy": self.high_accuracy,
+            "alpha0_identical": self.alpha0_identical, "n_estimate": self.n_estimate, "n_eval": self.n_eval,
+            "n_used": self.n_used, "skipped": self.skipped, "rows": self.rows, "estimates": self.estimates,
+            "norms": self.norms, "params": self.params, "seed": self.seed, "seconds": self.seconds,
+        }
+
+    def traces(self) -> list[Any]:
+        import plotly.graph_objects as go
+
+        out = []
+        for arm, dash in (("repair", "solid"), ("control", "dash")):
+            frame = [r for r in self.rows if r["arm"] == arm]
+            out.append(go.Scatter(
+                x=[r["alpha"] for r in frame], y=[r["accuracy"] for r in frame], mode="lines+markers",
+                name="low-entropy accuracy, correct ID" if arm == "repair" else "low-entropy accuracy, wrong-cell ID",
+                line={"dash": dash}, text=[repr(r["accuracy"]) for r in frame],
+                hovertemplate="alpha %{x}<br>accuracy %{text}<extra></extra>",
+            ))
+        out.append(go.Scatter(x=[min(self.alphas), max(self.alphas)], y=[self.high_accuracy] * 2, mode="lines",
+                              name="high-entropy accuracy (unedited)", line={"dash": "dot", "color": "gray"}))
+        return out
+
+    def figure(self) -> Any:
+        import plotly.graph_objects as go
+
+        fig = go.Figure(self.traces())
+        heads = ", ".join(f"{l}.{h}" for l, h in self.heads)
+        fig.update_layout(title=f"Entropy repair (oracle: correct cell's ID), heads {heads}<br><sup>{self.model}, "
+                                f"n={self.n_used}</sup>", xaxis_title="alpha", yaxis_title="accuracy",
+                          yaxis_range=[-0.02, 1.02], template="plotly_white")
+        return fig
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write ``results.json`` and ``curve.html`` atomically."""
+        return _save(out, self.summary(), self.figure())
+
+
+@dataclass
+class EditResult:
+    """Efficacy of the position-ID edit per alpha, with the empty-cell control.
+
+    Attributes:
+        model: the model's name.
+        heads: the edited heads.
+        alphas: the alphas (0 included).
+        rows: per alpha and arm (``edit``: ``d_t - d_o``; ``control``: ``d_c - d_o``, ``c`` an empty cell):
+            ``n``, ``efficacy`` (names the object at t), ``original`` (names the missing object), ``other``
+            (anything else), ``described`` (names any described object, t included) and ``changed`` (differs from
+            the unedited output).
+        records: one dict per (example, alpha, arm): ids, cells, output, parsed answer, outcome.
+        clean_accuracy: accuracy of the unedited model on the evaluated examples.
+        clean_names_t: share of unedited outputs that already name the object at t.
+        alpha0_identical: alpha 0 gave the unedited outputs on every example and arm.
+        n_estimate, n_eval, n_used: estimation examples, evaluation examples drawn, and evaluated.
+        skipped: reason -> evaluation examples skipped (a cell without an estimate).
+        estimate: :meth:`PositionIDs.summary` (cells, counts, skipped estimation examples, mean |z| per head).
+        norms: per head, the mean ``|d_t - d_o|`` (edit) and ``|d_c - d_o|`` (control) over the evaluated examples.
+        params, seed, seconds: stimuli, seed and wall time.
+        repair: an attached :class:`RepairResult` (saved in the same files), or None.
+    """
+
+    model: str
+    heads: list[tuple[int, int]]
+    alphas: list[float]
+    rows: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    clean_accuracy: float
+    clean_names_t: float
+    alpha0_identical: bool
+    n_estimate: int
+    n_eval: int
+    n_used: int
+    skipped: dict[str, int]
+    estimate: dict[str, Any]
+    norms: dict[str, Any]
+    params: dict[str, Any]
+    seed: int
+    seconds: float = 0.0
+    repair: RepairResult | None = None
+
+    def efficacy(self, alpha: float, arm: str = "edit") -> float:
+        return _lookup(self.rows, alpha, arm, "efficacy")
+
+    def to_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows)
+
+    def summary(self) -> dict[str, Any]:
+        out = {
+            "model": self.model, "heads": [f"{l}.{h}" for l, h in self.heads], "alphas": self.alphas,
+            "edit": "z_h += alpha * (d_t - d_o) at the last prompt position; t a described object's cell",
+            "control": "z_h += alpha * (d_c - d_o), c a random empty cell (no object) of the scene; efficacy still "
+                       "counts outputs naming the object at t",
+            "efficacy": {_alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "edit"},
+            "control_efficacy": {_alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "control"},
+            "clean_accuracy": self.clean_accuracy, "clean_names_t": self.clean_names_t,
+            "alpha0_identical": self.alpha0_identical, "n_estimate": self.n_estimate, "n_eval": self.n_eval,
+            "n_used": self.n_used, "skipped": self.skipped, "rows": self.rows, "estimate": self.estimate,
+            "norms": self.norms, "params": self.params, "seed": self.seed, "seconds": self.seconds,
+        }
+        if self.repair is not None:
+            out["repair"] = self.repair.summary()
+        return out
+
+    def traces(self) -> list[Any]:
+        import plotly.graph_objects as go
+
+        out = []
+        for arm, column, name, dash in (("edit", "efficacy", "efficacy (switch to t)", "solid"),
+                                        ("control", "efficacy", "control: empty-cell ID, names t", "dash"),
+                                        ("edit", "original", "edit: still names the missing object", "dot")):
+            frame = [r for r in self.rows if r["arm"] == arm]
+            out.append(go.Scatter(
+                x=[r["alpha"] for r in frame], y=[r[column] for r in frame], mode="lines+markers", name=name,
+                line={"dash": dash}, text=[repr(r[column]) for r in frame],
+                hovertemplate="alpha %{x}<br>share %{text}<extra></extra>",
+            ))
+        return out
+
+    def figure(self) -> Any:
+        """Efficacy against alpha with the control (plus the repair curve beside it when attached)."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        heads = ", ".join(f"{l}.{h}" for l, h in self.heads)
+        title = f"Position-ID edit at heads {heads}<br><sup>{self.model}, n={self.n_used}</sup>"
+        if self.repair is None:
+            fig = go.Figure(self.traces())
+            fig.update_xaxes(title_text="alpha")
+            fig.update_yaxes(title_text="share of examples", range=[-0.02, 1.02])
+        else:
+            fig = make_subplots(rows=1, cols=2, subplot_titles=(
+                "edit: switch to t", f"entropy repair (oracle), n={self.repair.n_used}"))
+            for trace in self.traces():
+                fig.add_trace(trace, row=1, col=1)
+            for trace in self.repair.traces():
+                fig.add_trace(trace, row=1, col=2)
+            fig.update_xaxes(title_text="alpha")
+            fig.update_yaxes(title_text="share of examples", range=[-0.02, 1.02], row=1, col=1)
+            fig.update_yaxes(title_text="accuracy", range=[-0.02, 1.02], row=1, col=2)
+        fig.update_layout(title=title, template="plotly_white")
+        return fig
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write ``results.json`` (with the repair section when attached) and ``curve.html`` atomically."""
+        return _save(out, self.summary(), self.figure())
+
+
+def _lookup(rows: list[dict[str, Any]], alpha: float, arm: str, column: str) -> float:
+    for r in rows:
+        if r["arm"] == arm and r["alpha"] == float(alpha):
+            return float(r[column])
+    raise KeyError(f"no row for alpha {alpha} and arm {arm!r}")
+
+
+def _save(out: str | os.PathLike, summary: dict[str, Any], figure: Any) -> Path:
+    from ..viz import write_html_atomic
+
+    out = Path(out)
+    write_json_atomic(summary, out / "results.json")
+    write_html_atomic(figure, out / "curve.html")
+    return out
+
+
+def _share(records: list[dict[str, Any]], key: str, value: Any = True) -> float:
+    return sum(r[key] == value for r in records) / max(1, len(records))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The edit study
+# ------------------------------------------------------------------------------------------------------------------
+def _estimated_empty(ids: PositionIDs, example: Any) -> list[Cell]:
+    occupied = {_cell(o) for o in example.objects}
+    return [c for c in ids.cells if c not in occupied]
+
+
+def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_eval: int = 64, seed: int = 0,
+               n_objects: int | tuple[int, int] = 3, entropy: str = "high", min_count: int = 3,
+               batch_size: int = 32, stimulus: dict[str, Any] | None = None, progress: bool = False) -> EditResult:
+    """VSM's position-ID edit: efficacy of ``z_h += alpha * (d_t - d_o)`` per alpha, with an empty-cell control.
+
+    Scenes come from ``scene_description(n_estimate + n_eval, seed)`` with the model's own training canvas and
+    pools (:func:`vlmbind.evaluate.training_defaults`): the first ``n_estimate`` estimate the IDs, the rest are
+    evaluated. Per evaluated example, ``t`` is a uniformly drawn described object's cell and ``c`` a uniformly drawn
+    empty cell, both among cells with an estimate (seeded by ``seed``); examples whose missing object's cell, or all
+    of whose candidate cells, lack an estimate are skipped and counted.
+
+    Args:
+        vlm: a loaded VLM.
+        heads: ``[(layer, head), ...]`` or ``"12.3,14.0"``.
+        alphas: the scales to sweep (0 is always added).
+        n_estimate: estimation examples.
+        n_eval: evaluation examples drawn.
+        seed: stimulus and choice seed.
+        n_objects: objects per scene (int or inclusive range).
+        entropy: ``"high"`` (distinct features) or ``"low"``.
+        min_count: the fewest estimation examples a cell needs for an estimate.
+        batch_size: examples per forward.
+        stimulus: extra ``scene_description`` options (``canvas``, ``colours``, ``shapes``) overriding the model's.
+        progress: show progress bars.
+
+    Returns:
+        :class:`EditResult`.
+
+    Raises:
+        InputError: bad heads, alphas or sizes, impossible stimuli, or no evaluation example left.
+    """
+    from ..stimuli import scene_description
+
+    start = time.perf_counter()
+    heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
+    _check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
+    data = scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, entropy, stimulus))
+    examples = list(data)
+    ids = estimate_position_ids(vlm, examples[:n_estimate], heads, min_count=min_count, batch_size=batch_size,
+                                progress=progress)
+    rng = np.random.default_rng(seed)
+    skipped = {"missing_object_cell_without_estimate": 0, "no_described_cell_with_estimate": 0,
+               "no_empty_cell_with_estimate": 0}
+    plan = []
+    for e in examples[n_estimate:]:
+        o = _target_cell(e)
+        targets = [k for k in e.fields["described"] if ids.has(_cell(e.objects[k]))]
+        empty = _estimated_empty(ids, e)
+        if not ids.has(o):
+            skipped["missing_object_cell_without_estimate"] += 1
+        elif not targets:
+            skipped["no_described_cell_with_estimate"] += 1
+        elif not empty:
+            skipped["no_empty_cell_with_estimate"] += 1
+        else:
+            k = targets[int(rng.integers(len(targets)))]
+            plan.append((e, o, k, empty[int(rng.integers(len(empty)))]))
+    if not plan:
+        raise InputError(f"no evaluation example has estimated cells ({skipped}); use more estimation examples")
+
+    records: list[dict[str, Any]] = []
+    clean_records: list[dict[str, Any]] = []
+    delta_norms = {arm: torch.zeros(len(heads), dtype=torch.float64) for arm in EDIT_ARMS}
+    for chunk in tqdm(_chunks(plan, batch_size), desc="edit", disable=not progress):
+        batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
+        budget = _answer_budget(vlm, [p[0] for p in chunk])
+        positions = batch.last_positions[:, None]
+        clean = greedy_decode(vlm, batch, (), budget)
+        vectors = {
+            "edit": torch.stack([ids.delta(_cell(e.objects[k]), o) for e, o, k, _ in chunk]),
+            "control": torch.stack([ids.delta(c, o) for e, o, _, c in chunk]),
+        }
+        for arm in EDIT_ARMS:
+            delta_norms[arm] += vectors[arm].norm(dim=-1).sum(0)
+        for (e, o, k, c), out in zip(chunk, clean):
+            t_name = e.objects[k].name
+            clean_records.append({"correct": score(e, out)[0], "names_t": _outcome(e, out, t_name) == "switch"})
+        for alpha in alphas:
+            for arm in EDIT_ARMS:
+                outs = greedy_decode(vlm, batch, edit_interventions(heads, positions, vectors[arm], alpha), budget)
+                for (e, o, k, c), out, base in zip(chunk, outs, clean):
+                    t_name = e.objects[k].name
+                    described = {e.objects[j].name for j in e.fields["described"]}
+                    records.append({
+                        "id": e.id, "alpha": alpha, "arm": arm, "o": list(o), "t": list(_cell(e.objects[k])),
+                        "c": list(c), "answer": e.answer, "t_name": t_name, "output": out, "parsed": _parsed(out),
+                        "outcome": _outcome(e, out, t_name), "described": _parsed(out) in described,
+                        "changed": out != base,
+                    })
+    rows = []
+    for alpha in alphas:
+        for arm in EDIT_ARMS:
+            group = [r for r in records if r["alpha"] == alpha and r["arm"] == arm]
+            rows.append({"alpha": alpha, "arm": arm, "n": len(group), "efficacy": _share(group, "outcome", "switch"),
+                         "original": _share(group, "outcome", "original"), "other": _share(group, "outcome", "other"),
+                         "described": _share(group, "described"), "changed": _share(group, "changed")})
+    n_used = len(plan)
+    norms = {f"{l}.{h}": {"z": float(ids.z_norm[j]), "edit_delta": float(delta_norms["edit"][j]) / n_used,
+                          "control_delta": float(delta_norms["control"][j]) / n_used}
+             for j, (l, h) in enumerate(heads)}
+    return EditResult(
+        model=vlm.name, heads=heads, alphas=alphas, rows=rows, records=records,
+        clean_accuracy=_share(clean_records, "correct"), clean_names_t=_share(clean_records, "names_t"),
+        alpha0_identical=not any(r["changed"] for r in records if r["alpha"] == 0.0), n_estimate=n_estimate,
+        n_eval=n_eval, n_used=n_used, skipped=skipped, estimate=ids.summary(), norms=norms, params=data.params,
+        seed=seed, seconds=time.perf_counter() - start,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Entropy repair
+# ------------------------------------------------------------------------------------------------------------------
+def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_eval: int = 64, seed: int = 0,
+                   n_objects: int | tuple[int, int] = 3, min_count: int = 3, batch_size: int = 32,
+                   stimulus: dict[str, Any] | None = None, progress: bool = False) -> RepairResult:
+    """VSM's entropy repair: inject the high-entropy position ID of the missing object's cell into low-entropy
+    scenes, ``z_h += alpha * (d^high_o - d^low_o)``, and report accuracy per alpha.
+
+    This is an oracle repair: it uses the correct answer's cell ``o``. The control injects
+    ``d^high_w - d^low_o`` with ``w`` a random empty cell of the scene (seeded). ``d^high`` comes from
+    ``n_estimate`` high-entropy scenes, ``d^low`` from the first ``n_estimate`` of ``n_estimate + n_eval``
+    low-entropy scenes, whose remaining ``n_eval`` are evaluated; ``high_accuracy`` is the unedited accuracy on
+    ``n_eval`` held-out high-entropy scenes.
+
+    Args:
+        vlm, heads, alphas, n_estimate, n_eval, seed, n_objects, min_count, batch_size, stimulus, progress: as in
+            :func:`edit_study`.
+
+    Returns:
+        :class:`RepairResult`.
+
+    Raises:
+        InputError: bad heads, alphas or sizes, impossible stimuli, or no evaluation example left.
+    """
+    from ..stimuli import scene_description
+
+    start = time.perf_counter()
+    heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
+    _check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
+    high = list(scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, "high", stimulus)))
+    low_data = scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, "low", stimulus))
+    low = list(low_data)
+    ids_high = estimate_position_ids(vlm, high[:n_estimate], heads, min_count=min_count, batch_size=batch_size,
+                                     progress=progress)
+    ids_low = estimate_position_ids(vlm, low[:n_estimate], heads, min_count=min_count, batch_size=batch_size,
+                                    progress=progress)
+    rng = np.random.default_rng(seed)
+    skipped = {"missing_object_cell_without_high_estimate": 0, "missing_object_cell_without_low_estimate": 0,
+               "no_empty_cell_with_high_estimate": 0}
+    plan = []
+    for e in low[n_estimate:]:
+        o = _target_cell(e)
+        empty = _estimated_empty(ids_high, e)
+        if not ids_high.has(o):
+            skipped["missing_object_cell_without_high_estimate"] += 1
+        elif not ids_low.has(o):
+            skipped["missing_object_cell_without_low_estimate"] += 1
+        elif not empty:
+            skipped["no_empty_cell_with_high_estimate"] += 1
+        else:
+            plan.append((e, o, empty[int(rng.integers(len(empty)))]))
+    if not plan:
+        raise InputError(f"no low-entropy evaluation example has estimated cells ({skipped}); use more estimation "
+                         f"examples")
+
+    high_correct = []
+    for chunk in _chunks(high[n_estimate:], batch_size):
+        batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk])
+        outs = greedy_decode(vlm, batch, (), _answer_budget(vlm, chunk))
+        high_correct += [score(e, out)[0] for e, out in zip(chunk, outs)]
+
+    records: list[dict[str, Any]] = []
+    clean_correct: list[bool] = []
+    delta_norms = {arm: torch.zeros(len(heads), dtype=torch.float64) for arm in REPAIR_ARMS}
+    for chunk in tqdm(_chunks(plan, batch_size), desc="repair", disable=not progress):
+        batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
+        budget = _answer_budget(vlm, [p[0] for p in chunk])
+        positions = batch.last_positions[:, None]
+        clean = greedy_decode(vlm, batch, (), budget)
+        clean_correct += [score(p[0], out)[0] for p, out in zip(chunk, clean)]
+        vectors = {
+            "repair": torch.stack([ids_high.vector(o) - ids_low.vector(o) for _, o, _ in chunk]),
+            "control": torch.stack([ids_high.vector(w) - ids_low.vector(o) for _, o, w in chunk]),
+        }
+        for arm in REPAIR_ARMS:
+            delta_norms[arm] += vectors[arm].norm(dim=-1).sum(0)
+        for alpha in alphas:
+            for arm in REPAIR_ARMS:
+                outs = greedy_decode(vlm, batch, edit_interventions(heads, positions, vectors[arm], alpha), budget)
+                for (e, o, w), out, base in zip(chunk, outs, clean):
+                    records.append({"id": e.id, "alpha": alpha, "arm": arm, "o": list(o), "w": list(w),
+                                    "answer": e.answer, "output": out, "parsed": _parsed(out),
+                                    "correct": bool(score(e, out)[0]), "changed": out != base})
+    rows = []
+    for arm in REPAIR_ARMS:
+        base = _share([r for r in records if r["alpha"] == 0.0 and r["arm"] == arm], "correct")
+        for alpha in alphas:
+            group = [r for r in records if r["alpha"] == alpha and r["arm"] == arm]
+            acc = _share(group, "correct")
+            rows.append({"alpha": alpha, "arm": arm, "n": len(group), "accuracy": acc, "change": acc - base,
+                         "changed": _share(group, "changed")})
+    rows.sort(key=lambda r: (r["alpha"], REPAIR_ARMS.index(r["arm"])))
+    n_used = len(plan)
+    norms = {f"{l}.{h}": {"z_low": float(ids_low.z_norm[j]), "repair_delta": float(delta_norms["repair"][j]) / n_used,
+                          "control_delta": float(delta_norms["control"][j]) / n_used}
+             for j, (l, h) in enumerate(heads)}
+    return RepairResult(
+        model=vlm.name, heads=heads, alphas=alphas, rows=rows, records=records,
+        clean_accuracy=sum(clean_correct) / len(clean_correct), high_accuracy=sum(high_correct) / len(high_correct),
+        alpha0_identical=not any(r["changed"] for r in records if r["alpha"] == 0.0), n_estimate=n_estimate,
+        n_eval=n_eval, n_used=n_used, skipped=skipped,
+        estimates={"high": ids_high.summary(), "low": ids_low.summary()}, norms=norms, params=low_data.params,
+        seed=seed, seconds=time.perf_counter() - start,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vlmbind edit
+# ----------------------------------------------------------------------------------------------------------------
+def add_parser(sub: Any, common: Any) -> None:
+    from ..stimuli.commands import parse_range
+
+    p = sub.add_parser("edit", parents=[common], help="position-ID additive edits (VSM) and entropy repair",
+                       description="Estimate position IDs at chosen heads, add alpha * (d_t - d_o) at the last "
+                                   "prompt token, and report how often the answer switches to the object at t "
+                                   "(with an empty-cell control); --repair adds the entropy-repair experiment.")
+    p.add_argument("--model", required=True)
+    heads = p.add_mutually_exclusive_group(required=True)
+    heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
+    heads.add_argument("--scores", help="a scores.csv from vlmbind locate (with --top-k)")
+    p.add_argument("--top-k", type=int, default=3, help="with --scores: edit the k best heads (default 3)")
+    p.add_argument("--alpha", default="0,0.5,1,2,4,8", help="comma-separated alphas (0 is always added)")
+    p.add_argument("--n-estimate", type=int, default=512, help="estimation examples (default 512)")
+    p.add_argument("--n-eval", type=int, default=64, help="evaluation examples (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
+    p.add_argument("--repair", action="store_true", help="also run entropy repair (high-entropy IDs into "
+                                                          "low-entropy scenes)")
+    p.add_argument("--out", default=None, help="output directory (default runs/edit/<model>)")
+    p.set_defaults(func=cmd_edit)
+
+
+def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, int]]:
+    from .ablation import _ranked
+
+    path = Path(path_text)
+    if not path.is_file():
+        raise InputError(f"--scores {path_text!r} does not exist; write one with vlmbind locate")
+    try:
+        frame = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise InputError(f"--scores {path_text!r} is not a readable CSV: {str(exc).splitlines()[0]}") from None
+    ranked = _ranked(frame)
+    if not 1 <= top_k <= len(ranked):
+        raise InputError(f"--top-k {top_k} must be between 1 and the {len(ranked)} heads in {path_text!r}")
+    return check_heads(vlm, ranked[:top_k])
+
+
+def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    from .. import load
+
+    alphas = check_alphas(args.alpha)
+    _check_positive(**{"--n-estimate": args.n_estimate, "--n-eval": args.n_eval})
+    if args.heads is not None:
+        _as_heads(args.heads)  # malformed heads fail before the model loads
+    vlm = load(args.model)
+    heads = _heads_from_scores(args.scores, args.top_k, vlm) if args.scores else check_heads(vlm, args.heads)
+    options = dict(n_estimate=args.n_estimate, n_eval=args.n_eval, seed=args.seed, n_objects=args.objects or 3,
+                   progress=not args.json)
+    result = edit_study(vlm, heads, alphas, **options)
+    if args.repair:
+        result.repair = entropy_repair(vlm, heads, alphas, **options)
+    out = Path(args.out or f"runs/edit/{Path(str(args.model)).name}")
+    result.save(out)
+    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
+    eff = ", ".join(f"{_alpha_label(a)}: {result.efficacy(a):.3f}/{result.efficacy(a, 'control'):.3f}"
+                    for a in alphas)
+    lines = [f"{vlm.name}, position-ID edit at heads {', '.join(f'{l}.{h}' for l, h in heads)} "
+             f"(n={result.n_used}, clean accuracy {result.clean_accuracy:.3f}, {result.seconds:.1f} s)",
+             f"  efficacy / empty-cell control per alpha: {eff}"]
+    if sum(result.skipped.values()):
+        lines.append(f"  skipped evaluation examples: {result.skipped}")
+    if result.repair is not None:
+        rep = result.repair
+        change = ", ".join(f"{_alpha_label(a)}: {rep.accuracy(a) - rep.accuracy(0.0):+.3f}/"
+                           f"{rep.accuracy(a, 'control') - rep.accuracy(0.0, 'control'):+.3f}" for a in alphas)
+        lines.append(f"  entropy repair (oracle, correct ID / wrong-cell ID), low-entropy accuracy "
+                     f"{rep.clean_accuracy:.3f} (high {rep.high_accuracy:.3f}), change per alpha: {change}")
+    lines.append(f"  wrote {out}/results.json and curve.html")
+    return summary, "\n".join(lines), 0
