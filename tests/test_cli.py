@@ -7,6 +7,7 @@ scene read back from ``scene.png``, with image positions found from the config's
 from __future__ import annotations
 
 import contextlib
+import html
 import io
 import json
 import re
@@ -25,7 +26,8 @@ from vlmbind import cli, tiny
 from vlmbind.errors import InputError
 from vlmbind.viz import attention_overlay, head_heatmap, write_html_atomic, write_text_atomic
 
-DEMO_FILES = ("attention_mass.csv", "heatmap.html", "overlay.html", "scene.png", "summary.json", "report.html")
+DEMO_FILES = ("causal", "attention_mass.csv", "heatmap.html", "overlay.html", "scene.png", "summary.json",
+              "report.html")
 SCRIPT_SRC = re.compile(r"<script[^>]*\bsrc\s*=", re.IGNORECASE)
 
 
@@ -149,7 +151,8 @@ def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(out), "--json"])
+        code = cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(out), "--json", "--pairs", "2",
+                         "--eval-n", "4"])
     return code, out, json.loads(buf.getvalue())
 
 
@@ -200,11 +203,30 @@ def test_demo_masses_equal_output_attentions(demo_run):
     assert printed["head"] == summary["head"]
 
 
-def test_demo_report_is_offline_with_both_figures(demo_run):
-    _, out, _ = demo_run
+def test_demo_causal_overview(demo_run):
+    _, out, printed = demo_run
+    causal = printed["causal"]
+    assert set(causal["located"]) == {"id_retrieval", "id_selection", "feature_retrieval"}
+    assert "attention_swap" in causal["skipped"]  # a random tiny model does not point
+    scores = pd.read_csv(out / "causal" / "locate" / "id_selection" / "scores.csv")
+    best = scores.sort_values("score", ascending=False, kind="stable").iloc[0]
+    assert causal["located"]["id_selection"]["top_heads"][0] == f"{int(best['layer'])}.{int(best['head'])}"
+    assert set(causal["ablation"]) == {"scene-feature_retrieval", "scene-id_selection", "count-id_selection"}
+    report = (out / "report.html").read_text()
+    for heading in ("Located heads", "Where the top heads look", "Ablation: top-k", "Commands that regenerate"):
+        assert heading in report, heading
+    # 16 estimation scenes leave most of the 3x3 cells without an estimate: the edit is skipped, and says why
+    assert "estimate" in causal["skipped"]["edit"] and "Skipped" in report
+    assert html.escape(causal["skipped"]["edit"]) in report
+
+
+def test_demo_report_is_offline_with_every_figure(demo_run):
+    _, out, printed = demo_run
     report = (out / "report.html").read_text()
     assert 'id="vlmbind-heatmap"' in report and 'id="vlmbind-overlay"' in report
-    assert report.count("Plotly.newPlot") == 2
+    # attention mass + overlay, one heatmap per located condition, the edit curve unless it was skipped
+    figures = 2 + len(printed["causal"]["located"]) + ("edit" in printed["causal"])
+    assert report.count("Plotly.newPlot") == figures
     assert len(re.findall(r"\* plotly\.js v\d", report)) == 1  # plotly.js embedded exactly once
     assert not SCRIPT_SRC.search(report)
     assert "data:image/png;base64," in report  # the overlay's image travels inside the page
@@ -220,7 +242,7 @@ def test_demo_report_is_offline_with_both_figures(demo_run):
 def test_demo_is_deterministic_and_prints_a_summary(demo_run, tmp_path, capsys):
     _, out, _ = demo_run
     again = tmp_path / "again"
-    assert cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(again)]) == 0
+    assert cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(again), "--pairs", "2", "--eval-n", "4"]) == 0
     text = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert f"L{summary['head']['layer']}.H{summary['head']['head']}" in text
@@ -228,7 +250,9 @@ def test_demo_is_deterministic_and_prints_a_summary(demo_run, tmp_path, capsys):
     for name in ("attention_mass.csv", "scene.png", "heatmap.html", "overlay.html"):
         assert (again / name).read_bytes() == (out / name).read_bytes(), name
     other = json.loads((again / "summary.json").read_text())
-    assert {k: v for k, v in other.items() if k != "command"} == {k: v for k, v in summary.items() if k != "command"}
+    for s in (other, summary):  # wall times differ between runs; everything else must not
+        s.pop("command"), s["causal"].pop("seconds")
+    assert other == summary
 
 
 def test_scene_is_deterministic_and_draws_what_it_reports():

@@ -207,3 +207,29 @@ def test_locate_command_attention_swap_and_methods(tmp_path, capsys):
     assert main(["locate", "--model", "organism-p2a", "--condition", "id_selection", "--n-pairs", "1",
                  "--verify-top", "-1", "--out", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+def test_object_attention_equals_output_attentions():
+    from vlmbind.analysis.overview import object_attention
+    from vlmbind.stimuli.core import object_token_positions
+
+    vlm = get_tiny("tiny-llava")
+    examples = list(S.scene_description(3, 4, n_objects=3))
+    heads = [(1, 2), (3, 0)]
+    frame = object_attention(vlm, examples, heads)
+    for layer, head in heads:
+        shares = []
+        for ex in examples:
+            batch = vlm.prepare(ex.image, ex.prompt)
+            with torch.no_grad():
+                attn = vlm.model(**batch.inputs, output_attentions=True, use_cache=False).attentions[layer][0, head, -1]
+            index = batch.index[0]
+            objects = object_token_positions(index, ex.objects)
+            mass = float(attn[torch.as_tensor(index.image_positions)].sum())
+            target = float(attn[torch.as_tensor(objects[ex.fields["target"]])].sum()) / mass
+            shares.append((mass, target))
+        row = frame[(frame["layer"] == layer) & (frame["head"] == head)].iloc[0]
+        assert row["image_mass"] == pytest.approx(np.mean([m for m, _ in shares]), abs=1e-5)
+        assert row["target_share"] == pytest.approx(np.mean([t for _, t in shares]), abs=1e-5)
+    with pytest.raises(vb.InputError, match="scene-description"):
+        object_attention(vlm, list(S.counting(1, 0)), heads)

@@ -73,6 +73,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass a count such as 16") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``vlmbind`` argument parser with its subcommands."""
     common = argparse.ArgumentParser(add_help=False)
@@ -98,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"registered name, model directory or hub id (default: {DEFAULT_MODEL})")
     demo.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     demo.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the drawn scene (default: 0)")
+    demo.add_argument("--pairs", type=_positive_int, default=16,
+                      help="counterfactual pairs per mediation condition (default: 16)")
+    demo.add_argument("--eval-n", type=_positive_int, default=64,
+                      help="examples per ablation arm and edit evaluation (default: 64)")
+    demo.add_argument("--no-causal", action="store_true",
+                      help="skip the causal overview (located heads, ablations, position-ID edit)")
     demo.set_defaults(func=cmd_demo)
 
     from .stimuli.commands import add_parser as add_stimuli_parser
@@ -384,6 +400,14 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "versions": _versions(),
     }
 
+    causal = None
+    if not args.no_causal:
+        from .analysis.overview import causal_overview
+
+        causal = causal_overview(vlm, n_pairs=args.pairs, n_eval=args.eval_n, n_estimate=4 * args.eval_n,
+                                 seed=args.seed)
+        summary["causal"] = causal.summary()
+
     out.mkdir(parents=True, exist_ok=True)
     files = {
         "attention_mass.csv": lambda p: write_text_atomic(frame.to_csv(index=False), p),
@@ -391,20 +415,35 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "overlay.html": lambda p: write_html_atomic(overlay, p),
         "scene.png": lambda p: write_bytes_atomic(_png_bytes(image), p),
         "summary.json": lambda p: write_text_atomic(json.dumps(summary, indent=2) + "\n", p),
-        "report.html": lambda p: write_text_atomic(_report_html(summary, frame, heatmap, overlay), p),
+        "report.html": lambda p: write_text_atomic(
+            _report_html(summary, frame, heatmap, overlay, causal.html() if causal else ""), p),
     }
+    written = []
+    if causal is not None:
+        causal.save(out / "causal")
+        written.append("causal")
     for name, write in files.items():
         write(out / name)
-    written = list(files)
+    written += list(files)
     elapsed = time.perf_counter() - start
 
     result = {**summary, "out": str(out), "files": written, "elapsed_s": round(elapsed, 3)}
     preds = ", ".join(f"{p['token']!r} (id {p['id']}) {p['prob']:.4f}" for p in predictions)
+    lines = []
+    if causal is not None:
+        for condition, scores in causal.scores.items():
+            lines.append(f"  {condition}: top heads " + ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})"
+                                                                   for l, h in scores.top(3)))
+        for name, study in causal.ablations.items():
+            acc = study.summary()["accuracy"]
+            lines.append(f"  ablate top-{study.k} ({name}): accuracy clean {acc['clean']:.2f}, top {acc['top']:.2f}, "
+                         f"random {acc['random']:.2f}, bottom {acc['bottom']:.2f}")
     text = "\n".join([
         f"vlmbind demo: {vlm.name} ({vlm.source}), scene seed {args.seed}",
         f"  prompt: {prompt!r}" + (f" (expected: {expected!r})" if expected else ""),
         f"  top next tokens: {preds}",
         f"  head with the most last-token attention on the image: L{layer}.H{head} (mass {mass[layer, head]:.3f})",
+        *lines,
         f"  wrote {len(written)} files to {out} in {elapsed:.1f} s; open {out / 'report.html'}",
     ])
     return result, text, 0
@@ -423,8 +462,9 @@ code { background: #f3f3f3; padding: 0 3px; }
 """
 
 
-def _report_html(summary: dict[str, Any], frame: pd.DataFrame, heatmap: Any, overlay: Any) -> str:
-    """One offline page: provenance, the two figures (plotly.js embedded once) and the tables."""
+def _report_html(summary: dict[str, Any], frame: pd.DataFrame, heatmap: Any, overlay: Any, causal: str = "") -> str:
+    """One offline page: provenance, the two figures (plotly.js embedded once), the tables, and the causal overview's
+    sections when given."""
     from .viz import frame_to_html_table
 
     esc = html.escape
@@ -476,6 +516,7 @@ the image positions). The overlay shows the head with the largest mass, <b>L{cho
 <h2>Attention mass (layer x head)</h2>
 <p>The same values as <code>attention_mass.csv</code> (full precision there).</p>
 {frame_to_html_table(pivot)}
+{causal}
 </body>
 </html>
 """
