@@ -69,6 +69,29 @@ class PatchTask:
             raise InputError("a PatchTask needs at least one position to patch")
 
 
+def check_task(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> None:
+    """Raise :class:`InputError` unless ``task`` and ``heads`` fit ``vlm``: heads in range, positions inside the
+    prompt, a score position inside it, and ``n H D`` values for every patched layer."""
+    seq = task.batch.seq_len
+    n_heads, d_head = vlm.n_heads, vlm.adapter.d_head
+    bad = [(l, h) for l, h in heads if not (0 <= l < vlm.n_layers and 0 <= h < n_heads)]
+    if bad:
+        raise InputError(f"heads {bad[:5]} are outside the model's {vlm.n_layers} layers x {n_heads} heads")
+    if task.positions.min() < 0 or task.positions.max() >= seq or not 0 <= task.score_position < seq:
+        raise InputError(f"patch positions {task.positions.tolist()} and score position {task.score_position} must "
+                         f"lie inside the prompt of {seq} tokens")
+    vocab = vlm.model.get_output_embeddings().weight.shape[0]
+    if not (0 <= task.a < vocab and 0 <= task.a_star < vocab):
+        raise InputError(f"answer token ids {task.a}, {task.a_star} are outside the vocabulary of {vocab}")
+    want = (task.positions.size, n_heads, d_head)
+    for layer in sorted({l for l, _ in heads}):
+        value = task.values.get(layer)
+        if value is None or tuple(value.shape) != want:
+            got = None if value is None else tuple(value.shape)
+            raise InputError(f"counterfactual values of layer {layer} must have shape (positions, heads, d_head) = "
+                             f"{want}, got {got}")
+
+
 def _diff(logits: torch.Tensor, a: int, a_star: int) -> torch.Tensor:
     """``...`` logit difference a* - a of ``... V`` logits, in float32."""
     logits = logits.float()
@@ -89,6 +112,7 @@ def naive_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> 
     Returns:
         ``(clean difference, len(heads) patched differences)``.
     """
+    check_task(vlm, task, heads)
     clean = float(_diff(vlm.logits(task.batch)[0, task.score_position], task.a, task.a_star))
     out = np.zeros(len(heads))
     for i, (layer, head) in enumerate(heads):
@@ -284,6 +308,7 @@ def exact_diffs(
     """
     if layout not in ("auto", "packed", "batched"):
         raise InputError(f"layout must be auto, packed or batched, got {layout!r}")
+    check_task(vlm, task, heads)
     adapter, model = vlm.adapter, vlm.model
     inputs = vlm._model_inputs(task.batch)
     seq = inputs["input_ids"].shape[1]
@@ -376,6 +401,7 @@ def attribution_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]
     Returns:
         ``(clean difference, len(heads) estimated patched differences)``.
     """
+    check_task(vlm, task, heads)
     adapter = vlm.adapter
     layers = sorted({layer for layer, _ in heads})
     pos = torch.as_tensor(task.positions)
