@@ -1,7 +1,7 @@
 """All-heads mediation sweeps: naive, exact, attribution and a plain nnsight loop, timed in one run.
 
 Cases: the shipped organism (``organism-p2a``, 4 x 4 heads, its training scenes) and a small Qwen2.5-VL (8 layers x 8
-heads, hidden 256, 256 image tokens from a 448 px image, random weights with the text layers re-scaled so head
+heads, hidden 256, 256 image tokens from a 448 px image, random weights with the text layers re-drawn at std 0.2 so head
 effects are O(0.1-1) logits), each for a last-token condition (id_selection) and a mid-prompt span (id_retrieval).
 Every method runs end to end on the same pairs, from the pairs to the scores (aligning, the counterfactual run, the
 clean run, the sweep); the nnsight loop captures the counterfactual z in one trace and then runs one trace per head,
@@ -40,7 +40,7 @@ def small_qwen() -> vb.VLM:
     from vlmbind.tiny.qwen import build_qwen_vl
 
     model, processor = build_qwen_vl("qwen2_5_vl", 0, 448, layers=8, hidden=256, heads=8, kv_heads=4,
-                                     text_init_std=0.06, attn_implementation="sdpa")
+                                     text_init_std=0.2, attn_implementation="sdpa")
     return VLM(model, processor, "small-qwen2_5_vl-8x8", "benchmarks/locate.py")
 
 
