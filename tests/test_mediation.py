@@ -1,5 +1,5 @@
-"""Head-level mediation, naive reference: the score formula against an independent nnsight computation, identity
-pairs score zero, and results save as the contract says."""
+"""Head-level mediation: the score formula (naive and exact) against an independent nnsight computation, identity
+pairs score exactly zero, and results save as the contract says."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from vlmbind.stimuli.scenes import check_alignment
 S = vb.stimuli
 
 
+@pytest.mark.parametrize("method", ["naive", "exact"])
 @pytest.mark.parametrize("name", ["tiny-qwen2_5_vl", "tiny-gemma3"])
 @pytest.mark.parametrize("condition", ["id_retrieval", "feature_retrieval"])
-def test_naive_scores_equal_an_nnsight_computation(name, condition):
+def test_scores_equal_an_nnsight_computation(name, condition, method):
     vlm = get_tiny(name)
     pairs = S.scene_pairs(2, condition, 0, n_objects=3)
-    scores = locate(vlm, pairs, layers=[1, 2])
+    scores = locate(vlm, pairs, layers=[1, 2], method=method)
     assert np.all(scores.per_pair[:, [0, 3]] == 0)  # layers not asked for
     nn_model = vlm.nnsight()
     a_ = vlm.adapter
@@ -50,11 +51,12 @@ def test_naive_scores_equal_an_nnsight_computation(name, condition):
     assert np.abs(scores.per_pair).max() > 1e-5, "effects must be non-zero for the comparison to mean anything"
 
 
-def test_identity_pairs_score_zero():
+@pytest.mark.parametrize("method", ["naive", "exact", "attribution"])
+def test_identity_pairs_score_zero(method):
     vlm = get_tiny("tiny-qwen2_5_vl")
     pairs = [replace(p, counterfactual=replace(p.counterfactual, image=p.clean.image))
              for p in S.scene_pairs(2, "id_selection", 1, n_objects=3)]
-    scores = locate(vlm, pairs)
+    scores = locate(vlm, pairs, method=method)
     assert np.all(scores.per_pair == 0)
 
 
