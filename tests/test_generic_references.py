@@ -105,3 +105,19 @@ def test_residual_stream_decomposes(tiny, batch):
         total = out[f"blocks.{layer}.hook_resid_pre"] + out[f"blocks.{layer}.hook_attn_out"] + out[
             f"blocks.{layer}.hook_mlp_out"]
         torch.testing.assert_close(total, out[f"blocks.{layer}.hook_resid_post"], atol=1e-5, rtol=1e-5)
+
+
+def test_projector_rows_are_what_the_language_model_receives(tiny, batch):
+    """``projector.hook_out`` holds the features the language model receives at its image tokens, in sequence order
+    (Qwen2.5-VL: after the tower undoes its window permutation; Molmo2 adds them to the image tokens' embeddings),
+    except where the adapter says the model regroups them afterwards (LLaVA-OneVision's tiles)."""
+    out = tiny.run(batch, sites=["projector.hook_out", "blocks.0.hook_resid_pre"])
+    rows = out["projector.hook_out"].reshape(len(batch), -1, tiny.adapter.d_model)
+    received = out["blocks.0.hook_resid_pre"]
+    if tiny.family == "molmo2":
+        received = received - tiny.model.get_input_embeddings()(batch.inputs["input_ids"])
+    matches = []
+    for i, index in enumerate(batch.index):
+        got = received[i, torch.as_tensor(index.image_positions)]
+        matches.append(got.shape == rows[i].shape and torch.allclose(got, rows[i], atol=1e-5))
+    assert all(matches) == tiny.adapter.projector_in_sequence_order, tiny.family

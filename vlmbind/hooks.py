@@ -461,7 +461,8 @@ class HookSession:
             elif site.component == "vision":
                 self._handles.append(a.vision_block(site.layer).register_forward_hook(self._post_capture(name)))
             elif site.component == "projector":
-                self._handles.append(a.projector_module().register_forward_hook(self._post_capture(name)))
+                self._handles.append(a.projector_module().register_forward_hook(
+                    self._post_capture(name, a.projector_output)))
 
     def _z_hook(self, layer: int, edits: list[Intervention], site: Site | None) -> Callable:
         n_heads, index = self.adapter.n_heads, self.index
@@ -486,9 +487,9 @@ class HookSession:
 
         return hook
 
-    def _post_capture(self, name: str) -> Callable:
+    def _post_capture(self, name: str, attribute: str | None = None) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self._store(name, _first_tensor(output))
+            self._store(name, getattr(output, attribute) if attribute else _first_tensor(output))
 
         return hook
 

@@ -82,6 +82,10 @@ class ModelAdapter:
     # attention module inside a vision block (tests silence it to make the tower local, for the TokenIndex check)
     vision_attention: ClassVar[str] = "self_attn"
     projector: ClassVar[str] = "model.multi_modal_projector"
+    # the attribute of the projector module's output holding the features (None: the output itself / its first
+    # tensor), and whether its rows are the language model's image tokens in sequence order
+    projector_output: ClassVar[str | None] = None
+    projector_in_sequence_order: ClassVar[bool] = True
     image_placeholder: ClassVar[str]
     # positions the image features replace (special tokens around / between them are role "special")
     image_token_attr: ClassVar[str] = "image_token_id"

@@ -230,6 +230,8 @@ class LlavaOnevisionAdapter(_LlavaBase):
     display_name = "LLaVA-OneVision"
     model_types = ("llava_onevision",)
     model_class_name = "LlavaOnevisionForConditionalGeneration"
+    # the projector's rows are per tile; the model unpads and regroups them (and adds newline rows) afterwards
+    projector_in_sequence_order = False
 
     def _tile_size(self) -> int:
         """Side of one any-res tile in pixels (the image processor's own choice, ``_preprocess``)."""

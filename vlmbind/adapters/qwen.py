@@ -64,6 +64,10 @@ class Qwen25VLAdapter(_QwenVLAdapter):
     model_types = ("qwen2_5_vl",)
     model_class_name = "Qwen2_5_VLForConditionalGeneration"
     transformer_lens_bridge = True
+    # the merger runs on window-permuted patches; the tower un-permutes its output, so read the tower's
+    # pooler_output (what the language model receives, in raster order), not the merger's
+    projector = "model.visual"
+    projector_output = "pooler_output"
 
 
 @register_adapter
