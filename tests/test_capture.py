@@ -1,0 +1,135 @@
+"""Capture: what is stored equals a direct run, shards bound memory, an interrupted run resumes to identical files,
+object pooling equals a hand computation, and bad calls are named errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import get_tiny
+
+import vlmbind as vb
+import vlmbind.capture as cap
+from vlmbind.capture import ActivationSet, capture
+from vlmbind.stimuli.core import object_token_positions
+from vlmbind.tiny import TINY_NAMES
+
+S = vb.stimuli
+SITES = ["blocks.1.hook_resid_post", "projector.hook_out", "vision.blocks.0.hook_resid_post"]
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_stored_rows_equal_a_direct_run(name, tmp_path):
+    vlm = get_tiny(name)
+    data = list(S.scene_description(3, 0, n_objects=3))
+    acts = capture(vlm, data, SITES, out=tmp_path / "a", batch_size=2, shard_size=2)
+    assert len(acts) == 3 and acts.complete and sorted(acts.sites) == sorted(SITES)
+    for i, ex in enumerate(data):
+        batch = vlm.prepare(ex.image, ex.prompt)
+        ref = vlm.run(batch, sites=SITES).cache
+        index = batch.index[0]
+        torch.testing.assert_close(acts.tensor("blocks.1.hook_resid_post", i),
+                                   ref["blocks.1.hook_resid_post"][0, index.image_positions], atol=1e-5, rtol=0)
+        for site in SITES[1:]:
+            torch.testing.assert_close(acts.tensor(site, i), ref[site].reshape(-1, ref[site].shape[-1]),
+                                       atol=1e-5, rtol=0)
+        covered = object_token_positions(index, ex.objects)
+        owner = acts.token_objects(i)
+        for k, positions in enumerate(covered):
+            stored = np.asarray(acts.examples[i]["tokens"]["position"])[owner == k]
+            assert set(stored.tolist()) <= set(positions.tolist()) and len(stored) > 0
+    frame, x = acts.objects("blocks.1.hook_resid_post")
+    first = acts.tensor("blocks.1.hook_resid_post", 0)[torch.as_tensor(acts.token_objects(0) == 0)].mean(0)
+    np.testing.assert_allclose(x[0], first.numpy(), atol=1e-6)
+    assert (frame["colour"].iloc[0], frame["shape"].iloc[0]) == (data[0].objects[0].colour, data[0].objects[0].shape)
+    if not vlm.adapter.projector_in_sequence_order:
+        with pytest.raises(vb.InputError, match="not the language model's image tokens"):
+            acts.objects("projector.hook_out")
+
+
+def test_in_memory_and_on_disk_agree_and_modes(tmp_path):
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    data = S.scene_description(4, 1, n_objects=3)
+    memory = capture(vlm, data, "blocks.*.hook_resid_post", tokens="last")
+    disk = capture(vlm, data, "blocks.*.hook_resid_post", tokens="last", out=tmp_path / "d", shard_size=3)
+    reloaded = ActivationSet.load(tmp_path / "d")
+    for site in memory.sites:
+        np.testing.assert_array_equal(memory.pooled(site), reloaded.pooled(site))
+        np.testing.assert_array_equal(disk.pooled(site, "last"), reloaded.pooled(site, "last"))
+    batch = vlm.prepare([e.image for e in data], [e.prompt for e in data])
+    ref = vlm.run(batch, sites="blocks.2.hook_resid_post").cache["blocks.2.hook_resid_post"][:, -1]
+    np.testing.assert_allclose(memory.pooled("blocks.2.hook_resid_post"), ref.numpy(), atol=1e-5)
+    every = capture(vlm, list(data)[:1], "blocks.0.hook_resid_post", tokens="all")
+    assert every.tensor("blocks.0.hook_resid_post", 0).shape[0] == batch.index[0].last_position + 1
+    tokens, mask = capture(vlm, data, "blocks.0.hook_resid_post").stacked("blocks.0.hook_resid_post")
+    assert tokens.shape[:2] == mask.shape and mask.all()
+
+
+def test_memory_holds_one_shard_whatever_the_size(tmp_path, monkeypatch):
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    written = []
+    real = cap.save_safetensors
+    monkeypatch.setattr(cap, "save_safetensors", lambda tensors: written.append(len(tensors)) or real(tensors))
+    for n in (4, 12):
+        written.clear()
+        acts = capture(vlm, S.scene_description(n, 2, n_objects=3), SITES, out=tmp_path / f"n{n}", shard_size=4,
+                       batch_size=2)
+        # every write holds one shard's examples (4 x 3 sites), never the whole set
+        assert written == [4 * len(SITES)] * (n // 4)
+        assert acts._memory is None and len(acts) == n
+
+
+def test_interrupted_capture_resumes_to_identical_files(tmp_path, monkeypatch):
+    vlm = get_tiny("tiny-gemma3")
+    data = S.scene_description(6, 3, n_objects=3)
+    capture(vlm, data, SITES, out=tmp_path / "ref", shard_size=2)
+    real = cap.write_json_atomic
+    calls = {"manifests": 0}
+
+    def crash_after_first_shard(value, path):
+        real(value, path)
+        if str(path).endswith(cap.MANIFEST):
+            calls["manifests"] += 1
+            if calls["manifests"] == 1:
+                raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(cap, "write_json_atomic", crash_after_first_shard)
+    with pytest.raises(KeyboardInterrupt):
+        capture(vlm, data, SITES, out=tmp_path / "run", shard_size=2)
+    monkeypatch.setattr(cap, "write_json_atomic", real)
+    partial = ActivationSet.load(tmp_path / "run")
+    assert len(partial) == 2 and not partial.complete
+    with pytest.raises(vb.InputError, match="resume"):
+        capture(vlm, data, SITES, out=tmp_path / "run", shard_size=2)
+    with pytest.raises(vb.InputError, match="sites"):
+        capture(vlm, data, SITES[:1], out=tmp_path / "run", shard_size=2, resume=True)
+    done = capture(vlm, data, SITES, out=tmp_path / "run", shard_size=2, resume=True)
+    assert done.complete
+    for f in sorted((tmp_path / "ref").iterdir()):
+        assert (tmp_path / "run" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_bad_calls(tmp_path):
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    data = S.scene_description(2, 0)
+    with pytest.raises(vb.InputError, match="tokens"):
+        capture(vlm, data, SITES, tokens="objects")
+    with pytest.raises(vb.SiteError):
+        capture(vlm, data, "blocks.1.hook_resid_mid")
+    with pytest.raises(vb.InputError, match="at least one example"):
+        capture(vlm, [], SITES)
+    with pytest.raises(vb.InputError, match="not an example"):
+        capture(vlm, ["a string"], SITES)
+    acts = capture(vlm, data, SITES[:1])
+    with pytest.raises(vb.InputError, match="was not captured"):
+        acts.tensor("blocks.2.hook_resid_post", 0)
+    with pytest.raises(vb.InputError, match="out of range"):
+        acts.tensor(SITES[0], 5)
+    with pytest.raises(vb.InputError, match="not a vlmbind activation set"):
+        ActivationSet.load(tmp_path)
+    (tmp_path / cap.MANIFEST).write_text(json.dumps({"format": "other"}))
+    with pytest.raises(vb.InputError, match="format"):
+        ActivationSet.load(tmp_path)

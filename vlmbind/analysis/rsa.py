@@ -1,0 +1,305 @@
+"""Representational similarity analysis and PCA of object representations (PbP, VSM; methods.md section 2).
+
+Per site: each object's representation is the mean of the image tokens it covers (language-model and projector sites,
+:meth:`~vlmbind.capture.ActivationSet.objects`); for vision-tower sites, whose token order is the tower's own, the
+mean over all of the example's tower tokens, which on the single-object set (one object on a white background) is a
+representation of that object. The empirical similarity matrix (Pearson correlation across objects by default, or
+cosine) is compared on its lower triangle with the model matrices:
+
+* conjunctive: 1 if same colour and same shape, else 0;
+* compositional: 0.5 [same colour] + 0.5 [same shape];
+* position: 1 - distance / max distance between the objects' grid cells;
+
+by Pearson r and Spearman rho, with a permutation p-value for r (Mantel: the objects of the model matrix are
+permuted, rows and columns together; p = (1 + #{r_perm >= r}) / (1 + permutations)).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from ..errors import InputError
+from ..io import write_json_atomic, write_text_atomic
+
+MODEL_MATRICES = ("conjunctive", "compositional", "position")
+SIMILARITIES = ("pearson", "cosine")
+
+
+def model_matrices(objects: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The three ``n n`` model matrices for objects with ``colour``, ``shape``, ``row`` and ``col`` columns."""
+    colour = objects["colour"].to_numpy()
+    shape = objects["shape"].to_numpy()
+    same_colour = (colour[:, None] == colour[None]).astype(float)
+    same_shape = (shape[:, None] == shape[None]).astype(float)
+    cells = objects[["row", "col"]].to_numpy(dtype=float)
+    distance = np.sqrt(((cells[:, None] - cells[None]) ** 2).sum(-1))
+    top = distance.max()
+    return {
+        "conjunctive": same_colour * same_shape,
+        "compositional": 0.5 * same_colour + 0.5 * same_shape,
+        "position": 1.0 - distance / top if top > 0 else np.ones_like(distance),
+    }
+
+
+def similarity_matrix(x: np.ndarray, kind: str = "pearson") -> np.ndarray:
+    """``n n`` similarity of the rows of ``x``: Pearson correlation (rows centred and scaled) or cosine."""
+    if kind not in SIMILARITIES:
+        raise InputError(f"similarity must be one of {SIMILARITIES}, got {kind!r}")
+    x = np.asarray(x, dtype=np.float64)
+    if kind == "pearson":
+        x = x - x.mean(1, keepdims=True)
+    norm = np.linalg.norm(x, axis=1, keepdims=True)
+    x = x / np.where(norm > 0, norm, 1.0)
+    return x @ x.T
+
+
+def compare(similarity: np.ndarray, model: np.ndarray, permutations: int = 1000,
+            rng: np.random.Generator | None = None) -> dict[str, float]:
+    """Pearson r and Spearman rho between two matrices' lower triangles, and the permutation p-value of r."""
+    n = similarity.shape[0]
+    rows, cols = np.tril_indices(n, -1)
+    a, b = similarity[rows, cols], model[rows, cols]
+    if np.ptp(b) == 0 or np.ptp(a) == 0:
+        return {"r": float("nan"), "spearman": float("nan"), "p": float("nan")}
+    r = float(stats.pearsonr(a, b).statistic)
+    rho = float(stats.spearmanr(a, b).statistic)
+    p = float("nan")
+    if permutations > 0:
+        rng = rng or np.random.default_rng(0)
+        a_z = (a - a.mean()) / a.std()
+        exceed = 0
+        for _ in range(permutations):
+            perm = rng.permutation(n)
+            bp = model[perm][:, perm][rows, cols]
+            sd = bp.std()
+            if sd > 0 and float(np.mean(a_z * (bp - bp.mean()) / sd)) >= r - 1e-12:
+                exceed += 1
+        p = (1 + exceed) / (1 + permutations)
+    return {"r": r, "spearman": rho, "p": p}
+
+
+def _site_parts(site: str) -> tuple[str, int | None]:
+    m = re.match(r"^(vision\.)?blocks\.(\d+)\.", site)
+    if m:
+        return ("vision" if m.group(1) else "lm"), int(m.group(2))
+    return "projector", None
+
+
+def _objects_of(acts: Any, site: str) -> tuple[pd.DataFrame, np.ndarray]:
+    component, _ = _site_parts(site)
+    if component != "vision":
+        return acts.objects(site)
+    rows, vectors = [], []
+    for i, (meta, tensor) in enumerate(zip(acts.examples, acts.iter_site(site))):
+        objects = meta.get("objects", [])
+        if len(objects) != 1:
+            raise InputError(f"{site}: vision-tower RSA pools whole images, so every example must hold one object "
+                             f"(example {i} holds {len(objects)}); use the single-object RSA set")
+        o = objects[0]
+        rows.append({"example": i, "object": 0, "colour": o["colour"], "shape": o["shape"], "row": o["row"],
+                     "col": o["col"]})
+        vectors.append(tensor.float().mean(0).numpy())
+    return pd.DataFrame(rows), np.stack(vectors)
+
+
+@dataclass
+class RSAResult:
+    """RSA per site: a tidy frame (site, component, layer, model_matrix, r, spearman, p, n_objects)."""
+
+    model: str
+    similarity: str
+    permutations: int
+    frame: pd.DataFrame
+
+    def figure(self) -> Any:
+        """r by layer, one panel per component (vision tower, projector, language model), one line per model matrix."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        components = [c for c in ("vision", "projector", "lm") if c in set(self.frame["component"])]
+        titles = {"vision": "vision tower", "projector": "projector", "lm": "language model"}
+        fig = make_subplots(rows=1, cols=len(components), subplot_titles=[titles[c] for c in components],
+                            shared_yaxes=True)
+        colours = {"conjunctive": "#d62728", "compositional": "#1f77b4", "position": "#7f7f7f"}
+        for k, component in enumerate(components, start=1):
+            part = self.frame[self.frame["component"] == component]
+            for matrix in MODEL_MATRICES:
+                rows = part[part["model_matrix"] == matrix].sort_values("layer", na_position="first")
+                x = rows["layer"].fillna(0).astype(int).tolist() if component != "projector" else ["out"] * len(rows)
+                fig.add_trace(go.Scatter(
+                    x=x, y=rows["r"], mode="lines+markers", name=matrix, legendgroup=matrix, showlegend=k == 1,
+                    line={"color": colours[matrix]},
+                    customdata=np.stack([rows["p"], rows["spearman"]], -1) if len(rows) else None,
+                    hovertemplate="layer %{x}<br>r %{y:.4f}<br>p %{customdata[0]:.4g}<br>"
+                                  "Spearman %{customdata[1]:.4f}<extra>" + matrix + "</extra>"), row=1, col=k)
+            fig.update_xaxes(title_text="layer", row=1, col=k)
+        n = int(self.frame["n_objects"].max()) if len(self.frame) else 0
+        fig.update_yaxes(title_text="Pearson r with the model matrix", row=1, col=1)
+        fig.update_layout(title=f"RSA ({self.similarity} similarity)<br><sup>{self.model}, n={n} objects</sup>",
+                          template="plotly_white")
+        return fig
+
+    def summary(self) -> dict[str, Any]:
+        return {"model": self.model, "similarity": self.similarity, "permutations": self.permutations,
+                "rows": self.frame.to_dict(orient="records")}
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write ``rsa.csv``, ``rsa.html`` and ``rsa.json`` atomically."""
+        from ..viz import write_html_atomic
+
+        out = Path(out)
+        write_text_atomic(self.frame.to_csv(index=False), out / "rsa.csv")
+        write_html_atomic(self.figure(), out / "rsa.html")
+        write_json_atomic(self.summary(), out / "rsa.json")
+        return out
+
+
+def rsa(acts: Any, sites: list[str] | None = None, *, similarity: str = "pearson", permutations: int = 1000,
+        seed: int = 0) -> RSAResult:
+    """RSA of every (or the listed) captured site against the three model matrices.
+
+    Raises:
+        InputError: an unknown similarity, a negative permutation count, or sites that cannot give object vectors.
+    """
+    if similarity not in SIMILARITIES:
+        raise InputError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
+    if not isinstance(permutations, int) or permutations < 0:
+        raise InputError(f"permutations must be an int >= 0, got {permutations!r}")
+    sites = acts.sites if sites is None else list(sites)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for site in sites:
+        objects, x = _objects_of(acts, site)
+        if len(objects) < 3:
+            raise InputError(f"{site}: RSA needs at least 3 objects, got {len(objects)}")
+        sim = similarity_matrix(x, similarity)
+        component, layer = _site_parts(site)
+        for name, matrix in model_matrices(objects).items():
+            rows.append({"site": site, "component": component, "layer": layer, "model_matrix": name,
+                         **compare(sim, matrix, permutations, rng), "n_objects": len(objects)})
+    return RSAResult(acts.manifest.get("model", ""), similarity, permutations, pd.DataFrame(rows))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PCA
+# ----------------------------------------------------------------------------------------------------------------
+def pca(acts: Any, site: str, n_components: int = 2) -> pd.DataFrame:
+    """Object representations at ``site`` projected on their first principal components (scikit-learn), with each
+    object's colour, shape, cell and the explained variance ratio of each component (``evr1``, ...)."""
+    from sklearn.decomposition import PCA
+
+    objects, x = _objects_of(acts, site)
+    k = min(n_components, x.shape[0], x.shape[1])
+    fit = PCA(n_components=k).fit(x)
+    projected = fit.transform(x)
+    frame = objects.copy()
+    for j in range(k):
+        frame[f"pc{j + 1}"] = projected[:, j]
+        frame[f"evr{j + 1}"] = float(fit.explained_variance_ratio_[j])
+    frame["cell"] = [f"({r}, {c})" for r, c in zip(frame["row"], frame["col"])]
+    frame["site"] = site
+    return frame
+
+
+def pca_figure(frames: list[pd.DataFrame], colour_by: str = "cell", title: str = "PCA of object representations") -> Any:
+    """One panel per site (PC1 vs PC2), points coloured by ``cell`` (position), ``colour`` or ``shape``."""
+    import plotly.express as px
+    from plotly.subplots import make_subplots
+
+    if colour_by not in ("cell", "colour", "shape"):
+        raise InputError(f"colour_by must be cell, colour or shape, got {colour_by!r}")
+    fig = make_subplots(rows=1, cols=len(frames), subplot_titles=[
+        f"{f['site'].iloc[0]} ({100 * (f['evr1'].iloc[0] + f.get('evr2', pd.Series([0])).iloc[0]):.0f}% var)"
+        for f in frames])
+    seen = set()
+    for k, frame in enumerate(frames, start=1):
+        sub = px.scatter(frame, x="pc1", y="pc2", color=colour_by, hover_data=["colour", "shape", "cell"])
+        for trace in sub.data:
+            trace.showlegend = trace.name not in seen
+            seen.add(trace.name)
+            trace.legendgroup = trace.name
+            fig.add_trace(trace, row=1, col=k)
+        fig.update_xaxes(title_text="PC1", row=1, col=k)
+        fig.update_yaxes(title_text="PC2", row=1, col=k)
+    fig.update_layout(title=f"{title}, coloured by {colour_by}", template="plotly_white")
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vlmbind rsa
+# ----------------------------------------------------------------------------------------------------------------
+DEFAULT_SITES = "vision.blocks.*.hook_resid_post,projector.hook_out,blocks.*.hook_resid_post"
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("rsa", parents=[common], help="RSA and PCA of object representations on the single-object set",
+                       description="Capture the single-object RSA set, then compare each site's object similarity "
+                                   "matrix with the conjunctive, compositional and position model matrices.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--sites", default=DEFAULT_SITES, help=f"comma-separated sites or patterns (default {DEFAULT_SITES})")
+    p.add_argument("--positions", type=int, default=4, help="cells per colour-shape conjunction (default 4)")
+    p.add_argument("--similarity", choices=SIMILARITIES, default="pearson")
+    p.add_argument("--permutations", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted capture in OUT/activations")
+    p.add_argument("--out", default=None, help="output directory (default runs/rsa/<model>)")
+    p.set_defaults(func=cmd_rsa)
+
+
+def rsa_stimuli(vlm: Any, n_positions: int, seed: int) -> Any:
+    """The single-object RSA set on the model's own canvas and pools when it records them (organisms), else PbP's."""
+    from ..stimuli import rsa_set
+
+    training = getattr(vlm, "training", None)
+    if not training:
+        return rsa_set(seed, positions_per_conjunction=n_positions)
+    from ..stimuli.core import Canvas
+
+    options = training.get("task_options", {}).get("scene", {})
+    kwargs: dict[str, Any] = {"canvas": Canvas(image_size=int(training["image_size"]), grid=int(training["grid"]))}
+    if options.get("colours"):
+        kwargs["colours"] = tuple(options["colours"])
+    if options.get("shapes"):
+        kwargs["shapes"] = tuple(options["shapes"])
+    return rsa_set(seed, positions_per_conjunction=n_positions, **kwargs)
+
+
+def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    from .. import load
+    from ..capture import capture
+
+    if args.positions < 1:
+        raise InputError(f"--positions must be at least 1, got {args.positions}")
+    if args.permutations < 0:
+        raise InputError(f"--permutations must be 0 or more, got {args.permutations}")
+    vlm = load(args.model)
+    sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    vlm.sites(sites)  # a misspelt site fails here, before anything is written
+    data = rsa_stimuli(vlm, args.positions, args.seed)
+    out = Path(args.out or f"runs/rsa/{Path(str(args.model)).name}")
+    acts = capture(vlm, data, sites, out=out / "activations", resume=args.resume, progress=not args.json)
+    result = rsa(acts, similarity=args.similarity, permutations=args.permutations, seed=args.seed)
+    result.save(out)
+    from ..viz import write_html_atomic
+
+    lm = [s for s in acts.sites if s.startswith("blocks.")]
+    frames = [pca(acts, s) for s in lm]
+    if frames:
+        for colour_by in ("cell", "colour"):
+            write_html_atomic(pca_figure(frames, colour_by), out / f"pca_by_{colour_by}.html")
+    frame = result.frame
+    best = frame.loc[frame.groupby("site")["r"].idxmax().dropna()]
+    summary = {**result.summary(), "out": str(out), "command": " ".join(command), "n_objects": len(data)}
+    lines = [f"{vlm.name}: RSA on {len(data)} single-object images ({args.similarity}, {args.permutations} permutations)"]
+    for _, row in best.iterrows():
+        lines.append(f"  {row['site']}: best {row['model_matrix']} r={row['r']:.3f} (p={row['p']:.3g})")
+    lines.append(f"  wrote {out}/rsa.csv, rsa.html, pca_by_cell.html, pca_by_colour.html")
+    return summary, "\n".join(lines), 0

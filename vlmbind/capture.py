@@ -1,0 +1,363 @@
+"""Capture activations once, analyse them many times: :func:`capture` streams chosen sites to safetensors shards and
+returns an :class:`ActivationSet` that holds no model.
+
+Design: a run goes through the data in shards of ``shard_size`` examples; each shard is captured batch by batch,
+kept only until it is written (``shard-NNNNN.safetensors`` plus ``shard-NNNNN.json`` with its examples' metadata and
+token tables, each written atomically), and then the manifest (``manifest.json``, the list of finished shards) is
+rewritten atomically. Memory therefore holds at most one shard, whatever the data set's size, and an interrupted run
+resumes from the manifest (``resume=True``): a shard is either listed, complete, or ignored and captured again.
+Reading is lazy: a site's tensor for one example is read from its shard with ``safe_open`` when asked for.
+
+What is stored per example and site (``tokens``):
+
+* ``"image"``: language-model and projector sites keep the image-token rows (in sequence order), vision-tower sites
+  every token of the tower's output for that example;
+* ``"all"``: every sequence position (vision and projector sites as for ``"image"``);
+* ``"last"``: the last prompt position only (language-model sites).
+
+Per example the token table records, for language-model image tokens, the sequence position, grid, row, column and
+the object each token covers (``-1``: none; from the example's objects, :func:`~vlmbind.stimuli.core.object_token_positions`),
+so analyses can pool per object (:meth:`ActivationSet.objects`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as save_safetensors
+from tqdm.auto import tqdm
+
+from .errors import InputError
+from .io import json_default, write_bytes_atomic, write_json_atomic
+
+TOKEN_MODES = ("image", "all", "last")
+MANIFEST = "manifest.json"
+FORMAT = "vlmbind-activations-1"
+
+
+def _shard_name(i: int) -> str:
+    return f"shard-{i:05d}"
+
+
+def _examples(data: Any) -> tuple[list[Any], list[dict[str, Any]]]:
+    """``(examples, metadata)`` from a Dataset / list of Examples (metadata from each example's record)."""
+    examples = list(data)
+    if not examples:
+        raise InputError("capture needs at least one example")
+    meta = []
+    for i, ex in enumerate(examples):
+        if not hasattr(ex, "image") or not hasattr(ex, "prompt"):
+            raise InputError(f"item {i} is a {type(ex).__name__}, not an example with an image and a prompt; pass a "
+                             "vlmbind.stimuli Dataset or a list of Examples")
+        record = ex.to_record() if hasattr(ex, "to_record") else {"prompt": ex.prompt}
+        meta.append(json.loads(json.dumps(record, default=json_default)))
+    return examples, meta
+
+
+def _token_table(index: Any, example: Any, tokens: str) -> dict[str, list]:
+    """Positions kept for language-model sites and, for each, grid, row, col and covered object (-1: none)."""
+    from .stimuli.core import object_token_positions
+
+    if tokens == "last":
+        positions = np.array([index.last_position])
+    elif tokens == "all":
+        positions = np.flatnonzero(index.roles != "pad")
+    else:
+        positions = np.asarray(index.image_positions)
+    objects = np.full(len(positions), -1)
+    if getattr(example, "objects", None):
+        where = {int(p): k for k, p in enumerate(positions)}
+        for k, covered in enumerate(object_token_positions(index, example.objects)):
+            for p in covered:
+                if int(p) in where and objects[where[int(p)]] == -1:
+                    objects[where[int(p)]] = k
+    grid, row, col = [], [], []
+    for p in positions:
+        cell = index.cell(int(p)) if index.roles[int(p)] == "image" else None
+        grid.append(cell[0] if cell else "")
+        row.append(int(cell[2]) if cell else -1)
+        col.append(int(cell[3]) if cell else -1)
+    return {"position": [int(p) for p in positions], "grid": grid, "row": row, "col": col,
+            "object": [int(o) for o in objects]}
+
+
+def _split_rows(value: torch.Tensor, batch: Any) -> list[torch.Tensor]:
+    """One ``tokens d`` tensor per example from a vision or projector capture of a whole batch."""
+    b = len(batch)
+    if value.shape[0] == b and value.ndim >= 3:
+        return [v.reshape(-1, value.shape[-1]) for v in value]
+    sizes = {img.size for row in batch.images for img in row}
+    if value.shape[0] % b or len(sizes) != 1:
+        raise InputError("vision and projector captures split per example only for same-size images; capture "
+                         "with batch_size=1 when image sizes differ")
+    return [v.reshape(-1, value.shape[-1]) for v in value.reshape(b, -1, value.shape[-1])]
+
+
+@dataclass
+class ActivationSet:
+    """Captured activations on disk (or in memory), read lazily.
+
+    Attributes:
+        root: the directory (None for an in-memory set).
+        manifest: sites, token mode, model, example count and finished shards.
+    """
+
+    root: Path | None
+    manifest: dict[str, Any]
+    _memory: dict[str, torch.Tensor] | None = None
+    _meta: list[dict[str, Any]] | None = None
+
+    # ---- loading --------------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, root: str | os.PathLike) -> ActivationSet:
+        """Open a captured directory (complete shards only).
+
+        Raises:
+            InputError: no manifest, or a manifest of another format.
+        """
+        root = Path(root)
+        path = root / MANIFEST
+        if not path.is_file():
+            raise InputError(f"{root} holds no {MANIFEST}: not a vlmbind activation set (run vb.capture first)")
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise InputError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        return cls(root, manifest)
+
+    # ---- shape of the set -----------------------------------------------------------------------------------------
+    @property
+    def sites(self) -> list[str]:
+        return list(self.manifest["sites"])
+
+    @property
+    def tokens_mode(self) -> str:
+        return str(self.manifest["tokens"])
+
+    @property
+    def complete(self) -> bool:
+        return len(self.manifest["shards"]) == self.manifest["n_shards"]
+
+    def __len__(self) -> int:
+        return sum(s["n"] for s in self.manifest["shards"])
+
+    def _shard_of(self, i: int) -> tuple[dict[str, Any], int]:
+        if not 0 <= i < len(self):
+            raise InputError(f"example {i} is out of range: the set holds {len(self)} examples")
+        for shard in self.manifest["shards"]:
+            if shard["start"] <= i < shard["start"] + shard["n"]:
+                return shard, i
+        raise InputError(f"example {i} is in no finished shard")
+
+    @property
+    def examples(self) -> list[dict[str, Any]]:
+        """Each example's metadata (id, task, prompt, answer, objects, fields) and token table, in order."""
+        if self._meta is None:
+            meta: list[dict[str, Any]] = []
+            for shard in self.manifest["shards"]:
+                meta += json.loads((self.root / f"{shard['name']}.json").read_text())["examples"]
+            self._meta = meta
+        return self._meta
+
+    def tensor(self, site: str, i: int) -> torch.Tensor:
+        """``tokens d`` activations of example ``i`` at ``site``.
+
+        Raises:
+            InputError: an unknown site (with close matches) or example.
+        """
+        if site not in self.sites:
+            from .errors import close_matches
+
+            raise InputError(f"site {site!r} was not captured; captured: {', '.join(self.sites)}."
+                             f"{close_matches(site, self.sites)}")
+        key = f"{site}|{i}"
+        if self._memory is not None:
+            if key not in self._memory:
+                raise InputError(f"example {i} is out of range: the set holds {len(self)} examples")
+            return self._memory[key]
+        shard, _ = self._shard_of(i)
+        with safe_open(str(self.root / f"{shard['name']}.safetensors"), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def iter_site(self, site: str) -> Iterator[torch.Tensor]:
+        """Every example's ``tokens d`` tensor at ``site``, in order, one shard open at a time."""
+        if self._memory is not None:
+            for i in range(len(self)):
+                yield self.tensor(site, i)
+            return
+        for shard in self.manifest["shards"]:
+            with safe_open(str(self.root / f"{shard['name']}.safetensors"), framework="pt") as f:
+                for i in range(shard["start"], shard["start"] + shard["n"]):
+                    yield f.get_tensor(f"{site}|{i}")
+
+    def pooled(self, site: str, how: str = "mean") -> np.ndarray:
+        """``N d`` one vector per example: the mean over its stored tokens, or the last one."""
+        if how not in ("mean", "last"):
+            raise InputError(f"pooling must be 'mean' or 'last', got {how!r}")
+        rows = [(t.float().mean(0) if how == "mean" else t[-1].float()).numpy() for t in self.iter_site(site)]
+        return np.stack(rows)
+
+    def stacked(self, site: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(N T d tokens, N T mask)``: every example's stored tokens, zero-padded to the longest."""
+        rows = [t.float().numpy() for t in self.iter_site(site)]
+        longest = max(len(r) for r in rows)
+        out = np.zeros((len(rows), longest, rows[0].shape[-1]), dtype=np.float32)
+        mask = np.zeros((len(rows), longest), dtype=bool)
+        for i, r in enumerate(rows):
+            out[i, : len(r)], mask[i, : len(r)] = r, True
+        return out, mask
+
+    def token_objects(self, i: int) -> np.ndarray:
+        """The object each stored language-model token of example ``i`` covers (-1: none)."""
+        return np.asarray(self.examples[i]["tokens"]["object"])
+
+    def objects(self, site: str) -> tuple[Any, np.ndarray]:
+        """Object representations: the mean of the tokens each object covers.
+
+        Returns:
+            ``(frame, X)``: one row per (example, object) with example index, object index, colour, shape, row, col;
+            ``X`` the ``n_objects d`` means. Objects covering no stored token are left out.
+
+        Raises:
+            InputError: a site whose rows are not the language model's image tokens in order.
+        """
+        import pandas as pd
+
+        if not self._token_aligned(site):
+            raise InputError(f"{site}: its rows are not the language model's image tokens in order, so they cannot be "
+                             "pooled per object (use an LM site, or the projector of a family that keeps the order)")
+        rows, vectors = [], []
+        for i, (meta, tensor) in enumerate(zip(self.examples, self.iter_site(site))):
+            owner = np.asarray(meta["tokens"]["object"])
+            if len(owner) != tensor.shape[0]:
+                raise InputError(f"{site}: example {i} has {tensor.shape[0]} rows for {len(owner)} tokens")
+            for k, obj in enumerate(meta.get("objects", [])):
+                mine = owner == k
+                if mine.any():
+                    vectors.append(tensor[torch.as_tensor(mine)].float().mean(0).numpy())
+                    rows.append({"example": i, "object": k, "colour": obj.get("colour"), "shape": obj.get("shape"),
+                                 "row": obj.get("row"), "col": obj.get("col")})
+        if not vectors:
+            raise InputError(f"{site}: no example has objects covering stored tokens")
+        return pd.DataFrame(rows), np.stack(vectors)
+
+    def _token_aligned(self, site: str) -> bool:
+        if site.startswith("blocks."):
+            return True
+        return site.startswith("projector.") and bool(self.manifest.get("projector_in_sequence_order"))
+
+
+def capture(
+    vlm: Any,
+    data: Any,
+    sites: str | Sequence[str],
+    *,
+    out: str | os.PathLike | None = None,
+    tokens: str = "image",
+    batch_size: int = 8,
+    shard_size: int = 64,
+    resume: bool = False,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> ActivationSet:
+    """Run ``data`` through ``vlm`` and keep ``sites`` (wildcards allowed; LM, vision tower and projector).
+
+    Args:
+        vlm: a loaded VLM.
+        data: a :class:`~vlmbind.stimuli.Dataset` or list of Examples (metadata is kept).
+        sites: site names or patterns, e.g. ``"blocks.*.hook_resid_post"``.
+        out: directory to stream shards to; None keeps everything in memory (small sets only).
+        tokens: ``image``, ``all`` or ``last`` (see the module docstring).
+        batch_size: examples per forward.
+        shard_size: examples per shard (memory holds at most one shard).
+        resume: continue an interrupted run in ``out`` (same sites, tokens, model and data size).
+        dtype: storage dtype.
+        progress: show a progress bar.
+
+    Raises:
+        InputError: bad arguments, an ``out`` holding another run (without ``resume``), or a resume that does not
+            match.
+    """
+    if tokens not in TOKEN_MODES:
+        raise InputError(f"tokens must be one of {TOKEN_MODES}, got {tokens!r}")
+    for name, value in (("batch_size", batch_size), ("shard_size", shard_size)):
+        if not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive int, got {value!r}")
+    resolved = [s.name for s in vlm.sites(sites)]
+    if not resolved:
+        raise InputError(f"no site matches {sites!r}")
+    examples, meta = _examples(data)
+    n_shards = (len(examples) + shard_size - 1) // shard_size
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "model": vlm.name, "family": vlm.family, "sites": resolved, "tokens": tokens,
+        "n": len(examples), "shard_size": shard_size, "n_shards": n_shards, "shards": [], "dtype": str(dtype),
+        "projector_in_sequence_order": bool(vlm.adapter.projector_in_sequence_order),
+    }
+    memory: dict[str, torch.Tensor] | None = None
+    root = None
+    if out is None:
+        memory = {}
+    else:
+        root = Path(out)
+        if (root / MANIFEST).is_file():
+            old = json.loads((root / MANIFEST).read_text())
+            if not resume:
+                raise InputError(f"{root} already holds a capture; pass resume=True (--resume) to continue it, or "
+                                 "choose another directory")
+            keys = ("format", "model", "sites", "tokens", "n", "shard_size")
+            diff = [k for k in keys if old.get(k) != manifest[k]]
+            if diff:
+                raise InputError(f"cannot resume {root}: {', '.join(diff)} differ from the run on disk")
+            manifest["shards"] = old["shards"]
+        elif root.exists() and not root.is_dir():
+            raise InputError(f"{root} is a file; pass a directory")
+    done = {s["name"] for s in manifest["shards"]}
+    lm_sites = [s for s in resolved if s.startswith("blocks.")]
+    bar = tqdm(total=len(examples), desc="capture", disable=not progress)
+    for shard in range(n_shards):
+        start = shard * shard_size
+        stop = min(start + shard_size, len(examples))
+        if _shard_name(shard) in done:
+            bar.update(stop - start)
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        shard_meta = []
+        for b0 in range(start, stop, batch_size):
+            chunk = examples[b0 : min(b0 + batch_size, stop)]
+            batch = vlm.prepare([ex.image for ex in chunk], [ex.prompt for ex in chunk])
+            cache = vlm.run(batch, sites=resolved).cache
+            for r, ex in enumerate(chunk):
+                table = _token_table(batch.index[r], ex, tokens)
+                shard_meta.append({**meta[b0 + r], "index": b0 + r, "tokens": table})
+                for site in lm_sites:
+                    tensors[f"{site}|{b0 + r}"] = cache[site][r, table["position"]].to(dtype).contiguous()
+            for site in resolved:
+                if site in lm_sites:
+                    continue
+                for r, rows in enumerate(_split_rows(cache[site], batch)):
+                    tensors[f"{site}|{b0 + r}"] = rows.to(dtype).contiguous()
+            bar.update(len(chunk))
+        if memory is not None:
+            memory.update(tensors)
+        else:
+            name = _shard_name(shard)
+            write_bytes_atomic(save_safetensors(tensors), root / f"{name}.safetensors")
+            write_json_atomic({"examples": shard_meta}, root / f"{name}.json")
+            manifest["shards"].append({"name": name, "start": start, "n": stop - start})
+            write_json_atomic(manifest, root / MANIFEST)
+        if memory is not None:
+            manifest["shards"].append({"name": _shard_name(shard), "start": start, "n": stop - start,
+                                       "examples": shard_meta})
+    bar.close()
+    if memory is not None:
+        result = ActivationSet(None, manifest, memory)
+        result._meta = [m for s in manifest["shards"] for m in s.pop("examples")]
+        return result
+    return ActivationSet(root, manifest)
