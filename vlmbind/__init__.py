@@ -4,7 +4,8 @@
 """
 
 from . import stimuli
-from .analysis import HeadScores, locate
+from .analysis import HeadScores, ablation_study, edit_study, locate
+from .capture import ActivationSet, capture
 from .errors import (
     InputError,
     InterventionError,
@@ -23,7 +24,7 @@ from .tokens import ImageGrid, TokenIndex
 __version__ = "0.1.0"
 
 __all__ = [
-    "stimuli", "locate", "HeadScores", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
+    "stimuli", "locate", "HeadScores", "ablation_study", "edit_study", "capture", "ActivationSet", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
     "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
     "Site", "resolve_sites", "ImageGrid", "TokenIndex",
     "VlmbindError", "UnsupportedModelError", "ModelLoadError", "SiteError", "InterventionError", "InputError",
