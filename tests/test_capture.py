@@ -11,8 +11,8 @@ import torch
 from conftest import get_tiny
 
 import vlmbind as vb
-import vlmbind.capture as cap
-from vlmbind.capture import ActivationSet, capture
+import vlmbind.activations as cap
+from vlmbind.activations import ActivationSet, capture
 from vlmbind.stimuli.core import object_token_positions
 from vlmbind.tiny import TINY_NAMES
 

@@ -5,7 +5,7 @@
 
 from . import stimuli
 from .analysis import HeadScores, ablation_study, edit_study, locate
-from .capture import ActivationSet, capture
+from .activations import ActivationSet, capture
 from .errors import (
     InputError,
     InterventionError,

@@ -366,14 +366,18 @@ def registered_names() -> list[str]:
     from . import tiny
     from .organisms.shipped import shipped_organisms
 
-    return [*shipped_organisms(), *tiny.TINY_NAMES]
+    from .encoders import ENCODER_NAMES
+
+    return [*shipped_organisms(), *tiny.TINY_NAMES, *ENCODER_NAMES]
 
 
 def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
     """Load a model by registered name, local directory or hub id.
 
     Args:
-        name_or_path: ``tiny-<family>``, a directory saved with ``save_pretrained``, or a hub id.
+        name_or_path: ``tiny-<family>``, a directory saved with ``save_pretrained``, or a hub id. Standalone vision
+            encoders (CLIP, SigLIP, DINOv2 vision models; ``tiny-clip``, ``tiny-siglip``, ``tiny-dinov2``) load as a
+            :class:`~vlmbind.encoders.VisionEncoder`.
         **hf_kwargs: passed to ``from_pretrained`` (``torch_dtype``, ``device_map``, ``attn_implementation``, ...).
             ``attn_implementation`` defaults to ``"eager"``; attention patterns are available with any choice.
 
@@ -383,7 +387,11 @@ def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
     """
     from . import tiny
 
+    from .encoders import ENCODER_NAMES, build_tiny_encoder
+
     name = os.fspath(name_or_path)
+    if name in ENCODER_NAMES:
+        return build_tiny_encoder(name, seed=int(hf_kwargs.pop("seed", 0)))
     if name in tiny.TINY_NAMES:
         seed = int(hf_kwargs.pop("seed", 0))
         model, processor = tiny.build(name, seed=seed, **hf_kwargs)
@@ -425,6 +433,10 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
             f"could not read a model config from {where} {name!r}: {str(exc).splitlines()[0]}. "
             f"Check the path, or that the hub id is downloaded (this machine may have no network)."
         ) from exc
+    from .encoders import ENCODERS, load_encoder
+
+    if config.model_type in ENCODERS:
+        return load_encoder(name, config, **hf_kwargs)
     adapter_cls = adapter_class_for_config(config)
     model_cls = getattr(transformers, adapter_cls.model_class_name)
     hf_kwargs.setdefault("attn_implementation", "eager")

@@ -1,7 +1,7 @@
 """Representational similarity analysis and PCA of object representations (PbP, VSM; methods.md section 2).
 
 Per site: each object's representation is the mean of the image tokens it covers (language-model and projector sites,
-:meth:`~vlmbind.capture.ActivationSet.objects`); for vision-tower sites, whose token order is the tower's own, the
+:meth:`~vlmbind.activations.ActivationSet.objects`); for vision-tower sites, whose token order is the tower's own, the
 mean over all of the example's tower tokens, which on the single-object set (one object on a white background) is a
 representation of that object. The empirical similarity matrix (Pearson correlation across objects by default, or
 cosine) is compared on its lower triangle with the model matrices:
@@ -274,7 +274,7 @@ def rsa_stimuli(vlm: Any, n_positions: int, seed: int) -> Any:
 
 def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     from .. import load
-    from ..capture import capture
+    from ..activations import capture
 
     if args.positions < 1:
         raise InputError(f"--positions must be at least 1, got {args.positions}")

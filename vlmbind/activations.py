@@ -63,8 +63,12 @@ def _examples(data: Any) -> tuple[list[Any], list[dict[str, Any]]]:
 
 
 def _token_table(index: Any, example: Any, tokens: str) -> dict[str, list]:
-    """Positions kept for language-model sites and, for each, grid, row, col and covered object (-1: none)."""
+    """Positions kept for language-model sites and, for each, grid, row, col and covered object (-1: none); for a
+    standalone vision encoder, every token of its output."""
     from .stimuli.core import object_token_positions
+
+    if hasattr(index, "token_table"):
+        return index.token_table(getattr(example, "objects", None))
 
     if tokens == "last":
         positions = np.array([index.last_position])
@@ -232,7 +236,8 @@ class ActivationSet:
 
         if not self._token_aligned(site):
             raise InputError(f"{site}: its rows are not the language model's image tokens in order, so they cannot be "
-                             "pooled per object (use an LM site, or the projector of a family that keeps the order)")
+                             "pooled per object (use an LM site, the projector of a family that keeps the order, or "
+                             "a standalone vision encoder's layers)")
         rows, vectors = [], []
         for i, (meta, tensor) in enumerate(zip(self.examples, self.iter_site(site))):
             owner = np.asarray(meta["tokens"]["object"])
@@ -249,9 +254,7 @@ class ActivationSet:
         return pd.DataFrame(rows), np.stack(vectors)
 
     def _token_aligned(self, site: str) -> bool:
-        if site.startswith("blocks."):
-            return True
-        return site.startswith("projector.") and bool(self.manifest.get("projector_in_sequence_order"))
+        return site in self.manifest.get("aligned_sites", [])
 
 
 def capture(
@@ -287,6 +290,9 @@ def capture(
     """
     if tokens not in TOKEN_MODES:
         raise InputError(f"tokens must be one of {TOKEN_MODES}, got {tokens!r}")
+    encoder = vlm.n_layers == 0
+    if encoder and tokens == "last":
+        raise InputError("a vision encoder has no last prompt token; use tokens='image' (every token of its output)")
     for name, value in (("batch_size", batch_size), ("shard_size", shard_size)):
         if not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive int, got {value!r}")
@@ -299,6 +305,9 @@ def capture(
         "format": FORMAT, "model": vlm.name, "family": vlm.family, "sites": resolved, "tokens": tokens,
         "n": len(examples), "shard_size": shard_size, "n_shards": n_shards, "shards": [], "dtype": str(dtype),
         "projector_in_sequence_order": bool(vlm.adapter.projector_in_sequence_order),
+        # sites whose rows line up with each example's token table (so they can be pooled per object)
+        "aligned_sites": [s for s in resolved if encoder or s.startswith("blocks.")
+                          or (s.startswith("projector.") and vlm.adapter.projector_in_sequence_order)],
     }
     memory: dict[str, torch.Tensor] | None = None
     root = None
