@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_locate_parser(sub, common)
 
+    from .analysis.tracking import add_parser as add_track_parser
+
+    add_track_parser(sub, common)
+
+    from .analysis.rsa import add_parser as add_rsa_parser
+
+    add_rsa_parser(sub, common)
+
     from .analysis.ablation import add_parser as add_ablate_parser
 
     add_ablate_parser(sub, common)
@@ -200,6 +208,12 @@ def describe_model(name: str) -> dict[str, Any]:
     probe = Image.new("RGB", (PROBE_SIZE, PROBE_SIZE), "white")
     index = vlm.prepare(probe, "What is in this image?").index[0]
     d = vlm.describe()
+    if vlm.n_layers == 0:  # a standalone vision encoder: no language model, one patch grid
+        return {"name": name, "family": d["family"], "display_name": d["display_name"], "layers": 0, "heads": 0,
+                "kv_heads": 0, "d_head": 0, "d_model": d["hidden"], "vision_layers": d["vision_layers"],
+                "image_tokens": index.n_tokens,
+                "grids": [{"name": "patches", "image": 0, "rows": index.rows, "cols": index.cols}],
+                "source": vlm.source}
     return {
         "name": name,
         "family": d["family"],
