@@ -38,7 +38,7 @@ def test_stored_rows_equal_a_direct_run(name, tmp_path):
         covered = object_token_positions(index, ex.objects)
         owner = acts.token_objects(i)
         for k, positions in enumerate(covered):
-            stored = np.asarray(acts.examples[i]["tokens"]["position"])[owner == k]
+            stored = acts.token_table(i)["position"][owner == k]
             assert set(stored.tolist()) <= set(positions.tolist()) and len(stored) > 0
     frame, x = acts.objects("blocks.1.hook_resid_post")
     first = acts.tensor("blocks.1.hook_resid_post", 0)[torch.as_tensor(acts.token_objects(0) == 0)].mean(0)
@@ -71,13 +71,14 @@ def test_memory_holds_one_shard_whatever_the_size(tmp_path, monkeypatch):
     vlm = get_tiny("tiny-qwen2_5_vl")
     written = []
     real = cap.save_safetensors
-    monkeypatch.setattr(cap, "save_safetensors", lambda tensors: written.append(len(tensors)) or real(tensors))
+    monkeypatch.setattr(cap, "save_safetensors",
+                        lambda tensors, path: written.append(len(tensors)) or real(tensors, path))
     for n in (4, 12):
         written.clear()
         acts = capture(vlm, S.scene_description(n, 2, n_objects=3), SITES, out=tmp_path / f"n{n}", shard_size=4,
                        batch_size=2)
-        # every write holds one shard's examples (4 x 3 sites), never the whole set
-        assert written == [4 * len(SITES)] * (n // 4)
+        # every write holds one shard's examples (4 x (3 sites + the token table)), never the whole set
+        assert written == [4 * (len(SITES) + 1)] * (n // 4)
         assert acts._memory is None and len(acts) == n
 
 
@@ -88,8 +89,8 @@ def test_interrupted_capture_resumes_to_identical_files(tmp_path, monkeypatch):
     real = cap.write_json_atomic
     calls = {"manifests": 0}
 
-    def crash_after_first_shard(value, path):
-        real(value, path)
+    def crash_after_first_shard(value, path, **kwargs):
+        real(value, path, **kwargs)
         if str(path).endswith(cap.MANIFEST):
             calls["manifests"] += 1
             if calls["manifests"] == 1:

@@ -24,7 +24,8 @@ def synthetic_set(vectors: dict[str, list[np.ndarray]], objects: list[dict]) -> 
     n = len(objects)
     memory = {f"{site}|{i}": torch.as_tensor(v[i], dtype=torch.float32)[None] for site, v in vectors.items()
               for i in range(n)}
-    meta = [{"objects": [o], "tokens": {"position": [0], "object": [0]}} for o in objects]
+    memory |= {f"__tokens|{i}": torch.tensor([[0, -1, -1, -1, 0]], dtype=torch.int32) for i in range(n)}
+    meta = [{"objects": [o], "grids": []} for o in objects]
     manifest = {"format": FORMAT, "model": "synthetic", "sites": list(vectors), "tokens": "image", "n": n,
                 "n_shards": 1, "shards": [{"name": "shard-00000", "start": 0, "n": n}],
                 "projector_in_sequence_order": True, "aligned_sites": list(vectors)}

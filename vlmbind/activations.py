@@ -15,9 +15,10 @@ What is stored per example and site (``tokens``):
 * ``"all"``: every sequence position (vision and projector sites as for ``"image"``);
 * ``"last"``: the last prompt position only (language-model sites).
 
-Per example the token table records, for language-model image tokens, the sequence position, grid, row, column and
-the object each token covers (``-1``: none; from the example's objects, :func:`~vlmbind.stimuli.core.object_token_positions`),
-so analyses can pool per object (:meth:`ActivationSet.objects`).
+Per example a token table (an int tensor in the shard, :meth:`ActivationSet.token_table`) records, for each stored
+language-model token, its sequence position, grid, row, column and the object it covers (``-1``: none; from the
+example's objects, :func:`~vlmbind.stimuli.core.object_token_positions`), so analyses can pool per object
+(:meth:`ActivationSet.objects`).
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import save_file as save_safetensors
 from tqdm.auto import tqdm
 
 from .errors import InputError
-from .io import json_default, write_bytes_atomic, write_json_atomic
+from .io import atomic_path, write_json_atomic
 
 TOKEN_MODES = ("image", "all", "last")
 MANIFEST = "manifest.json"
+TABLE = "__tokens"
 FORMAT = "vlmbind-activations-1"
 
 
@@ -57,40 +59,46 @@ def _examples(data: Any) -> tuple[list[Any], list[dict[str, Any]]]:
         if not hasattr(ex, "image") or not hasattr(ex, "prompt"):
             raise InputError(f"item {i} is a {type(ex).__name__}, not an example with an image and a prompt; pass a "
                              "vlmbind.stimuli Dataset or a list of Examples")
-        record = ex.to_record() if hasattr(ex, "to_record") else {"prompt": ex.prompt}
-        meta.append(json.loads(json.dumps(record, default=json_default)))
+        meta.append(ex.to_record() if hasattr(ex, "to_record") else {"prompt": ex.prompt})
     return examples, meta
 
 
-def _token_table(index: Any, example: Any, tokens: str) -> dict[str, list]:
-    """Positions kept for language-model sites and, for each, grid, row, col and covered object (-1: none); for a
-    standalone vision encoder, every token of its output."""
+TABLE_COLUMNS = ("position", "grid", "row", "col", "object")
+
+
+def _token_table(index: Any, example: Any, tokens: str) -> tuple[np.ndarray, list[str]]:
+    """``(T 5 int table, grid names)``: per kept language-model position its position, grid (an index into the
+    names, -1 for none), row, col and covered object (-1: none); for a standalone vision encoder, every token of its
+    output."""
     from .stimuli.core import object_token_positions
 
     if hasattr(index, "token_table"):
-        return index.token_table(getattr(example, "objects", None))
-
+        d = index.token_table(getattr(example, "objects", None))
+        names = list(dict.fromkeys(d["grid"]))
+        grid = [names.index(g) for g in d["grid"]]
+        return np.stack([d["position"], grid, d["row"], d["col"], d["object"]], 1).astype(np.int32), names
     if tokens == "last":
         positions = np.array([index.last_position])
     elif tokens == "all":
         positions = np.flatnonzero(index.roles != "pad")
     else:
         positions = np.asarray(index.image_positions)
-    objects = np.full(len(positions), -1)
+    seq = len(index.roles)
+    grid_of, row_of, col_of = np.full(seq, -1), np.full(seq, -1), np.full(seq, -1)
+    names = []
+    for g in index.grids:
+        rows, cols = g.positions.shape
+        rr, cc = np.divmod(np.arange(rows * cols), cols)
+        flat = g.positions.ravel()
+        fresh = grid_of[flat] == -1  # a position in two grids keeps its first (as TokenIndex.cell does)
+        grid_of[flat[fresh]], row_of[flat[fresh]], col_of[flat[fresh]] = len(names), rr[fresh], cc[fresh]
+        names.append(g.name)
+    owner_of = np.full(seq, -1)
     if getattr(example, "objects", None):
-        where = {int(p): k for k, p in enumerate(positions)}
-        for k, covered in enumerate(object_token_positions(index, example.objects)):
-            for p in covered:
-                if int(p) in where and objects[where[int(p)]] == -1:
-                    objects[where[int(p)]] = k
-    grid, row, col = [], [], []
-    for p in positions:
-        cell = index.cell(int(p)) if index.roles[int(p)] == "image" else None
-        grid.append(cell[0] if cell else "")
-        row.append(int(cell[2]) if cell else -1)
-        col.append(int(cell[3]) if cell else -1)
-    return {"position": [int(p) for p in positions], "grid": grid, "row": row, "col": col,
-            "object": [int(o) for o in objects]}
+        for k, covered in reversed(list(enumerate(object_token_positions(index, example.objects)))):
+            owner_of[np.asarray(covered, dtype=int)] = k  # reversed: the first object covering a token wins
+    table = np.stack([positions, grid_of[positions], row_of[positions], col_of[positions], owner_of[positions]], 1)
+    return table.astype(np.int32), names
 
 
 def _split_rows(value: torch.Tensor, batch: Any) -> list[torch.Tensor]:
@@ -162,7 +170,7 @@ class ActivationSet:
 
     @property
     def examples(self) -> list[dict[str, Any]]:
-        """Each example's metadata (id, task, prompt, answer, objects, fields) and token table, in order."""
+        """Each example's metadata (id, task, prompt, answer, objects, fields, grid names), in order."""
         if self._meta is None:
             meta: list[dict[str, Any]] = []
             for shard in self.manifest["shards"]:
@@ -218,9 +226,24 @@ class ActivationSet:
             out[i, : len(r)], mask[i, : len(r)] = r, True
         return out, mask
 
+    def token_table(self, i: int) -> dict[str, np.ndarray]:
+        """Example ``i``'s stored tokens: ``position``, ``grid`` (name, '' for none), ``row``, ``col`` and the
+        ``object`` each covers (-1: none), one entry per row of its aligned sites."""
+        key = f"{TABLE}|{i}"
+        if self._memory is not None:
+            table = self._memory[key].numpy()
+        else:
+            shard, _ = self._shard_of(i)
+            with safe_open(str(self.root / f"{shard['name']}.safetensors"), framework="pt") as f:
+                table = f.get_tensor(key).numpy()
+        names = self.examples[i].get("grids", [])
+        out = {c: table[:, k] for k, c in enumerate(TABLE_COLUMNS)}
+        out["grid"] = np.array([names[g] if g >= 0 else "" for g in table[:, 1]])
+        return out
+
     def token_objects(self, i: int) -> np.ndarray:
-        """The object each stored language-model token of example ``i`` covers (-1: none)."""
-        return np.asarray(self.examples[i]["tokens"]["object"])
+        """The object each stored token of example ``i`` covers (-1: none)."""
+        return self.token_table(i)["object"]
 
     def objects(self, site: str) -> tuple[Any, np.ndarray]:
         """Object representations: the mean of the tokens each object covers.
@@ -240,7 +263,7 @@ class ActivationSet:
                              "a standalone vision encoder's layers)")
         rows, vectors = [], []
         for i, (meta, tensor) in enumerate(zip(self.examples, self.iter_site(site))):
-            owner = np.asarray(meta["tokens"]["object"])
+            owner = self.token_objects(i)
             if len(owner) != tensor.shape[0]:
                 raise InputError(f"{site}: example {i} has {tensor.shape[0]} rows for {len(owner)} tokens")
             for k, obj in enumerate(meta.get("objects", [])):
@@ -343,10 +366,11 @@ def capture(
             batch = vlm.prepare([ex.image for ex in chunk], [ex.prompt for ex in chunk])
             cache = vlm.run(batch, sites=resolved).cache
             for r, ex in enumerate(chunk):
-                table = _token_table(batch.index[r], ex, tokens)
-                shard_meta.append({**meta[b0 + r], "index": b0 + r, "tokens": table})
+                table, grid_names = _token_table(batch.index[r], ex, tokens)
+                shard_meta.append({**meta[b0 + r], "index": b0 + r, "grids": grid_names})
+                tensors[f"{TABLE}|{b0 + r}"] = torch.from_numpy(table)
                 for site in lm_sites:
-                    tensors[f"{site}|{b0 + r}"] = cache[site][r, table["position"]].to(dtype).contiguous()
+                    tensors[f"{site}|{b0 + r}"] = cache[site][r, table[:, 0]].to(dtype).contiguous()
             for site in resolved:
                 if site in lm_sites:
                     continue
@@ -357,8 +381,9 @@ def capture(
             memory.update(tensors)
         else:
             name = _shard_name(shard)
-            write_bytes_atomic(save_safetensors(tensors), root / f"{name}.safetensors")
-            write_json_atomic({"examples": shard_meta}, root / f"{name}.json")
+            with atomic_path(root / f"{name}.safetensors") as tmp:
+                save_safetensors(tensors, str(tmp))
+            write_json_atomic({"examples": shard_meta}, root / f"{name}.json", indent=None)
             manifest["shards"].append({"name": name, "start": start, "n": stop - start})
             write_json_atomic(manifest, root / MANIFEST)
         if memory is not None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,29 @@ def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path next to ``path`` for a writer that takes a file name (e.g. safetensors' ``save_file``); on
+    a clean exit it is synced and renamed onto ``path``, on an error removed (``path`` is left untouched)."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"cannot write {str(path)!r}: it is a directory; pass a file path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
 def _remove_quietly(path: str) -> None:
     """Remove a leftover temporary file; a file that is already gone is fine."""
     try:
@@ -61,9 +86,9 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
     return write_bytes_atomic(text.encode("utf-8"), path)
 
 
-def write_json_atomic(value: Any, path: str | os.PathLike) -> Path:
-    """Write ``value`` as indented JSON to ``path`` atomically."""
-    return write_text_atomic(json.dumps(value, indent=2, default=json_default) + "\n", path)
+def write_json_atomic(value: Any, path: str | os.PathLike, indent: int | None = 2) -> Path:
+    """Write ``value`` as JSON (indented unless ``indent`` is None) to ``path`` atomically."""
+    return write_text_atomic(json.dumps(value, indent=indent, default=json_default) + "\n", path)
 
 
 def write_jsonl_atomic(records: list[dict[str, Any]], path: str | os.PathLike) -> Path:
