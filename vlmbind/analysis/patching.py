@@ -334,7 +334,8 @@ def exact_diffs(
         sites = [f"blocks.{l}.hook_resid_pre" for l in range(first_layer, vlm.n_layers)]
         session = HookSession(adapter, vlm.sites(sites + [f"blocks.{l}.attn.hook_z" for l in layers]))
         with session:
-            full = model(**inputs, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=keep)
+            extra = {} if position_ids is None else {"position_ids": position_ids}
+            full = model(**inputs, **extra, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=keep)
         clean = float(_diff(full.logits[0, 0], task.a, task.a_star))
         captured = {name: vals[0] for name, vals in session.captured.items()}
         resid = {l: captured[f"blocks.{l}.hook_resid_pre"][:, start:] for l in range(first_layer, vlm.n_layers)}
