@@ -48,9 +48,12 @@ def test_exact_equals_naive_on_every_family(name, condition):
     clean, naive = naive_diffs(vlm, task, heads)
     effects = naive - clean
     assert np.abs(effects).max() > 2e-3, "effects too small for the comparison to mean anything"
-    variants = [{}]
+    variants = [{}, {"max_tokens": 1000}]  # auto: single pass where the family allows it, else packed
     if name in ("tiny-qwen2_5_vl", "tiny-gemma3"):  # M-RoPE; sliding windows shorter than the prefix
-        variants += [{"max_tokens": 7}, {"layout": "batched", "max_rows": 5}]
+        variants += [{"max_tokens": 7}, {"layout": "batched", "max_rows": 5}, {"layout": "packed"}]
+    if name == "tiny-gemma3":
+        with pytest.raises(vb.InputError, match="single"):
+            exact_diffs(vlm, task, heads, layout="single")
     for kwargs in variants:
         c, exact = exact_diffs(vlm, task, heads, **kwargs)
         assert c == pytest.approx(clean, abs=1e-5)
@@ -144,21 +147,23 @@ def test_errors_leave_no_hooks_and_no_skipped_layers():
         naive_diffs(vlm, task, [(9, 0)])
     with pytest.raises(vb.InputError, match="inside the prompt"):
         attribution_diffs(vlm, replace(task, score_position=10_000), all_heads(vlm))
-    # a failure inside the patched forward leaves nothing behind either
-    calls = {"n": 0}
+    # a failure inside the patched forward leaves nothing behind either (packed: the second forward; single: the
+    # only one)
+    for layout, fail_at in (("packed", 2), ("single", 1)):
+        calls = {"n": 0}
 
-    def fail_in_sweep(module, args):
-        calls["n"] += 1
-        if calls["n"] > 1:  # the clean forward passes, the sweep's forward fails
-            raise RuntimeError("boom")
+        def fail_in_sweep(module, args):
+            calls["n"] += 1
+            if calls["n"] >= fail_at:
+                raise RuntimeError("boom")
 
-    handle = vlm.adapter.layer(3).register_forward_pre_hook(fail_in_sweep)
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            exact_diffs(vlm, task, all_heads(vlm))
-    finally:
-        handle.remove()
-    assert hooks() == before
+        handle = vlm.adapter.layer(3).register_forward_pre_hook(fail_in_sweep)
+        try:
+            with pytest.raises(RuntimeError, match="boom"):
+                exact_diffs(vlm, task, all_heads(vlm), layout=layout)
+        finally:
+            handle.remove()
+        assert hooks() == before
     for layer in range(vlm.n_layers):
         assert "forward" not in vlm.adapter.layer(layer).__dict__  # no layer left skipped
     fresh = exact_diffs(vlm, task, all_heads(vlm)[:3])

@@ -280,6 +280,56 @@ def _packed_inputs(vlm: Any, inputs: dict[str, Any], position_ids: torch.Tensor 
     return out
 
 
+def single_pass_capable(vlm: Any) -> bool:
+    """Whether the clean prompt's own attention mask is plainly causal (no bidirectional image block, no sliding
+    window) and takes a custom mask, so the experiments can ride along in the clean forward itself."""
+    cfg = vlm.adapter.text_config
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    return packable(vlm) and not vlm.adapter.bidirectional_image and types == {"full_attention"}
+
+
+def _single_pass(vlm: Any, task: PatchTask, inputs: dict[str, Any], position_ids: torch.Tensor | None, start: int,
+                 heads: list[tuple[int, int]], layers: list[int]) -> tuple[float, np.ndarray, dict[int, torch.Tensor]]:
+    """The clean prompt and one copy of its suffix per experiment in ONE forward: the clean part is causal as
+    usual, each copy sees the prefix and, causally, itself. Returns the clean difference, the patched ones and the
+    clean z at the patch positions."""
+    model = vlm.model
+    seq = inputs["input_ids"].shape[1]
+    suffix, n = seq - start, len(heads)
+    device = inputs["input_ids"].device
+    kwargs = {k: v for k, v in inputs.items() if k not in _sequence_keys(inputs) and k != "attention_mask"}
+    for key in _sequence_keys(inputs):
+        kwargs[key] = torch.cat([inputs[key], inputs[key][:, start:].repeat(1, n)], 1)
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=device)[None]
+    kwargs["position_ids"] = torch.cat(
+        [position_ids, position_ids[..., start:].repeat(*([1] * (position_ids.ndim - 1)), n)], -1)
+    total = seq + n * suffix
+    block = torch.cat([torch.full((seq,), -1, device=device), torch.arange(n, device=device).repeat_interleave(suffix)])
+    index = torch.arange(total, device=device)
+    q, k = block[:, None], block[None, :]
+    allowed = ((k == -1) & (q == -1) & (index[None] <= index[:, None])) | \
+              ((k == -1) & (q >= 0) & (index[None] < start)) | \
+              ((k == q) & (q >= 0) & (index[None] <= index[:, None]))
+    mask = allowed[None, None]
+    if vlm.adapter.text_config._attn_implementation != "sdpa":
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    kwargs["attention_mask"] = mask
+    scored_at = torch.cat([torch.tensor([task.score_position], device=device),
+                           seq + (task.score_position - start) + suffix * torch.arange(n, device=device)])
+    kwargs["logits_to_keep"] = scored_at
+    local = task.positions - start
+    blocks = [seq + local + j * suffix for j in range(n)]
+    session = HookSession(vlm.adapter, vlm.sites([f"blocks.{l}.attn.hook_z" for l in layers]),
+                          _entries(task, heads, blocks, [0] * n))
+    with session:
+        logits = model(**kwargs, use_cache=False).logits[0]
+    diffs = _diff(logits, task.a, task.a_star).cpu().numpy()
+    clean_z = {l: session.captured[f"blocks.{l}.attn.hook_z"][0][0, task.positions] for l in layers}
+    return float(diffs[0]), diffs[1:], clean_z
+
+
 def exact_diffs(
     vlm: Any,
     task: PatchTask,
@@ -300,15 +350,21 @@ def exact_diffs(
             fastest on CPU (smaller chunks start at higher layers, larger ones amortise the call); raise it on GPUs.
         max_rows: ``batched`` layout: most experiments in one forward.
         memory_budget: ``batched`` layout: bytes the materialised prefix cache of one forward may take.
-        layout: ``packed`` (the experiments' suffixes side by side in one row, a block mask keeping them apart;
-            the prefix cache is shared, never copied), ``batched`` (one batch row per experiment; any attention
-            implementation) or ``auto`` (packed when the attention implementation takes a custom mask).
+        layout: ``single`` (the clean prompt and every experiment's suffix in one forward; families whose mask is
+            plainly causal, when all experiments fit in ``max_tokens``), ``packed`` (the experiments' suffixes side
+            by side in one row after the clean forward, a block mask keeping them apart; the prefix cache is
+            shared, never copied), ``batched`` (one batch row per experiment; any attention implementation) or
+            ``auto`` (single, else packed, else batched, whichever applies).
 
     Returns:
         ``(clean difference, len(heads) patched differences)``.
     """
-    if layout not in ("auto", "packed", "batched"):
-        raise InputError(f"layout must be auto, packed or batched, got {layout!r}")
+    if layout not in ("auto", "single", "packed", "batched"):
+        raise InputError(f"layout must be auto, single, packed or batched, got {layout!r}")
+    if layout == "single" and not single_pass_capable(vlm):
+        raise InputError(f"layout 'single' needs a plainly causal text mask and a custom-mask attention; "
+                         f"{vlm.family} has a bidirectional image block, sliding windows or another attention: use "
+                         "'packed' or 'auto'")
     check_task(vlm, task, heads)
     adapter, model = vlm.adapter, vlm.model
     inputs = vlm._model_inputs(task.batch)
@@ -323,9 +379,22 @@ def exact_diffs(
     suffix = seq - start
     local = task.positions - start
     first_layer = min((layer for layer, _ in heads), default=0)
+    fits = len(heads) * suffix <= max_tokens
     if layout == "auto":
-        layout = "packed" if packable(vlm) else "batched"
+        layout = "single" if single_pass_capable(vlm) and fits else "packed" if packable(vlm) else "batched"
     out = np.zeros(len(heads))
+    if layout == "single":
+        if not fits:
+            raise InputError(f"layout 'single' runs every experiment in one forward: {len(heads)} heads x {suffix} "
+                             f"suffix tokens exceed max_tokens={max_tokens}")
+        layers = sorted({layer for layer, _ in heads})
+        with torch.no_grad():
+            clean, patched, clean_z = _single_pass(vlm, task, inputs, position_ids, start, list(heads), layers)
+        for i, (l, h) in enumerate(heads):
+            # patching a head with its own clean value is the identity: exactly the clean difference
+            same = torch.equal(task.values[l][:, h].to(clean_z[l]), clean_z[l][:, h])
+            out[i] = clean if same else patched[i]
+        return clean, out
     with torch.no_grad():
         # One clean forward gives the clean logits, the residual entering every layer, and every layer's keys and
         # values. The cache is a plain one (no sliding-window layer drops keys; windows apply through the masks),
