@@ -26,7 +26,7 @@ from vlmbind import cli, tiny
 from vlmbind.errors import InputError
 from vlmbind.viz import attention_overlay, head_heatmap, write_html_atomic, write_text_atomic
 
-DEMO_FILES = ("causal", "attention_mass.csv", "heatmap.html", "overlay.html", "scene.png", "summary.json",
+DEMO_FILES = ("causal", "representations", "attention_mass.csv", "heatmap.html", "overlay.html", "scene.png", "summary.json",
               "report.html")
 SCRIPT_SRC = re.compile(r"<script[^>]*\bsrc\s*=", re.IGNORECASE)
 
@@ -152,7 +152,7 @@ def demo_run(tmp_path_factory):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(out), "--json", "--pairs", "2",
-                         "--eval-n", "4"])
+                         "--eval-n", "4", "--probe-n", "16"])
     return code, out, json.loads(buf.getvalue())
 
 
@@ -220,12 +220,29 @@ def test_demo_causal_overview(demo_run):
     assert html.escape(causal["skipped"]["edit"]) in report
 
 
+def test_demo_representational_overview(demo_run):
+    _, out, printed = demo_run
+    reps = printed["representations"]
+    rsa = pd.read_csv(out / "representations" / "rsa" / "rsa.csv")
+    lm = rsa[(rsa["component"] == "lm") & (rsa["model_matrix"] == "compositional")].sort_values("layer")
+    assert reps["rsa_lm"]["compositional"] == pytest.approx(lm["r"].tolist())
+    probe = pd.read_csv(out / "representations" / "probe" / "probe.csv")
+    assert len(probe) == 3 and set(probe["family"]) == {"linear"}
+    report = (out / "report.html").read_text()
+    for heading in ("RSA by layer", "Binding information"):
+        assert heading in report, heading
+    # a random tiny model does not point, so tracking is skipped, and says why
+    assert "track" in reps["skipped"] or "Attention-centroid tracking" in report
+
+
 def test_demo_report_is_offline_with_every_figure(demo_run):
     _, out, printed = demo_run
     report = (out / "report.html").read_text()
     assert 'id="vlmbind-heatmap"' in report and 'id="vlmbind-overlay"' in report
-    # attention mass + overlay, one heatmap per located condition, the edit curve unless it was skipped
-    figures = 2 + len(printed["causal"]["located"]) + ("edit" in printed["causal"])
+    # attention mass + overlay, one heatmap per located condition, the edit curve unless it was skipped, RSA, the
+    # tracking curve unless it was skipped
+    reps = printed["representations"]
+    figures = 2 + len(printed["causal"]["located"]) + ("edit" in printed["causal"]) + 1 + ("track" in reps)
     assert report.count("Plotly.newPlot") == figures
     assert len(re.findall(r"\* plotly\.js v\d", report)) == 1  # plotly.js embedded exactly once
     assert not SCRIPT_SRC.search(report)
@@ -242,7 +259,8 @@ def test_demo_report_is_offline_with_every_figure(demo_run):
 def test_demo_is_deterministic_and_prints_a_summary(demo_run, tmp_path, capsys):
     _, out, _ = demo_run
     again = tmp_path / "again"
-    assert cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(again), "--pairs", "2", "--eval-n", "4"]) == 0
+    assert cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(again), "--pairs", "2", "--eval-n", "4",
+                     "--probe-n", "16"]) == 0
     text = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert f"L{summary['head']['layer']}.H{summary['head']['head']}" in text
@@ -251,7 +269,9 @@ def test_demo_is_deterministic_and_prints_a_summary(demo_run, tmp_path, capsys):
         assert (again / name).read_bytes() == (out / name).read_bytes(), name
     other = json.loads((again / "summary.json").read_text())
     for s in (other, summary):  # wall times differ between runs; everything else must not
-        s.pop("command"), s["causal"].pop("seconds")
+        s.pop("command"), s["causal"].pop("seconds"), s["representations"].pop("seconds")
+        for row in s["representations"]["probes"]:
+            row.pop("seconds")
     assert other == summary
 
 

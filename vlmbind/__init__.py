@@ -3,7 +3,7 @@
 ``import vlmbind as vb``; ``vb.load(name)`` gives a :class:`VLM`; see the README for the tour.
 """
 
-from . import stimuli
+from . import probes, stimuli
 from .analysis import HeadScores, ablation_study, edit_study, locate
 from .activations import ActivationSet, capture
 from .errors import (
@@ -24,7 +24,7 @@ from .tokens import ImageGrid, TokenIndex
 __version__ = "0.1.0"
 
 __all__ = [
-    "stimuli", "locate", "HeadScores", "ablation_study", "edit_study", "capture", "ActivationSet", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
+    "stimuli", "probes", "locate", "HeadScores", "ablation_study", "edit_study", "capture", "ActivationSet", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
     "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
     "Site", "resolve_sites", "ImageGrid", "TokenIndex",
     "VlmbindError", "UnsupportedModelError", "ModelLoadError", "SiteError", "InterventionError", "InputError",

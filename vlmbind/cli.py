@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="examples per ablation arm and edit evaluation (default: 64)")
     demo.add_argument("--no-causal", action="store_true",
                       help="skip the causal overview (located heads, ablations, position-ID edit)")
+    demo.add_argument("--probe-n", type=_positive_int, default=512,
+                      help="BalancedColorShape training images for the probes (val and test: a quarter each)")
+    demo.add_argument("--no-representations", action="store_true",
+                      help="skip the representational overview (RSA, centroid tracking, probes)")
     demo.set_defaults(func=cmd_demo)
 
     from .stimuli.commands import add_parser as add_stimuli_parser
@@ -135,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .analysis.rsa import add_parser as add_rsa_parser
 
     add_rsa_parser(sub, common)
+
+    from .analysis.binding import add_parser as add_probe_parser
+
+    add_probe_parser(sub, common)
 
     from .analysis.ablation import add_parser as add_ablate_parser
 
@@ -421,6 +429,14 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         causal = causal_overview(vlm, n_pairs=args.pairs, n_eval=args.eval_n, n_estimate=4 * args.eval_n,
                                  seed=args.seed)
         summary["causal"] = causal.summary()
+    representations = None
+    if not args.no_representations:
+        from .analysis.overview import representation_overview
+
+        quarter = max(8, args.probe_n // 4)
+        representations = representation_overview(vlm, seed=args.seed, n_track=max(4, args.eval_n // 2),
+                                                  n_train=args.probe_n, n_val=quarter, n_test=quarter)
+        summary["representations"] = representations.summary()
 
     out.mkdir(parents=True, exist_ok=True)
     files = {
@@ -430,12 +446,16 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "scene.png": lambda p: write_bytes_atomic(_png_bytes(image), p),
         "summary.json": lambda p: write_text_atomic(json.dumps(summary, indent=2) + "\n", p),
         "report.html": lambda p: write_text_atomic(
-            _report_html(summary, frame, heatmap, overlay, causal.html() if causal else ""), p),
+            _report_html(summary, frame, heatmap, overlay, (causal.html() if causal else "")
+                         + (representations.html() if representations else "")), p),
     }
     written = []
     if causal is not None:
         causal.save(out / "causal")
         written.append("causal")
+    if representations is not None:
+        representations.save(out / "representations")
+        written.append("representations")
     for name, write in files.items():
         write(out / name)
     written += list(files)
@@ -452,6 +472,14 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
             acc = study.summary()["accuracy"]
             lines.append(f"  ablate top-{study.k} ({name}): accuracy clean {acc['clean']:.2f}, top {acc['top']:.2f}, "
                          f"random {acc['random']:.2f}, bottom {acc['bottom']:.2f}")
+    if representations is not None:
+        rsa_lm = representations.summary()["rsa_lm"]
+        lines.append("  RSA r by LM layer: compositional " + ", ".join(f"{v:.2f}" for v in rsa_lm["compositional"])
+                     + "; conjunctive " + ", ".join(f"{v:.2f}" for v in rsa_lm["conjunctive"]))
+        if representations.track is not None:
+            lines.append(f"  centroid RMSE valley: layer {representations.track.valley_layer}")
+        for _, r in representations.probes.frame.iterrows():
+            lines.append(f"  probe {r['site']} ({r['family']}): B_O {r['B_O']:.2f} bits, beta_O {r['beta_O']:.3f}")
     text = "\n".join([
         f"vlmbind demo: {vlm.name} ({vlm.source}), scene seed {args.seed}",
         f"  prompt: {prompt!r}" + (f" (expected: {expected!r})" if expected else ""),

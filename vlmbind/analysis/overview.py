@@ -251,3 +251,117 @@ def causal_overview(vlm: Any, *, n_pairs: int = 16, n_eval: int = 64, n_estimate
         result.skipped["edit"] = str(err)
     result.seconds["edit"] = time.perf_counter() - clock
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the representational half: RSA by layer, the centroid RMSE curve, the probe table
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class RepresentationOverview:
+    """RSA on the single-object set, centroid tracking on pointing traces, probes on BalancedColorShape."""
+
+    model: str
+    rsa: Any = None
+    track: Any = None
+    probes: Any = None
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    commands: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "skipped": self.skipped, "seconds": self.seconds,
+                               "commands": self.commands}
+        if self.rsa is not None:
+            lm = self.rsa.frame[self.rsa.frame["component"] == "lm"]
+            out["rsa_lm"] = {m: [float(v) for v in lm[lm["model_matrix"] == m].sort_values("layer")["r"]]
+                             for m in ("compositional", "conjunctive", "position")}
+        if self.track is not None:
+            out["track"] = {"valley_layer": self.track.valley_layer,
+                            "rmse_by_layer": [float(v) for v in self.track.rmse_mean], "n_points": self.track.n_points}
+        if self.probes is not None:
+            out["probes"] = self.probes.frame.to_dict(orient="records")
+        return out
+
+    def save(self, out: str | os.PathLike) -> None:
+        out = Path(out)
+        if self.rsa is not None:
+            self.rsa.save(out / "rsa")
+        if self.track is not None:
+            self.track.save(out / "track")
+        if self.probes is not None:
+            self.probes.save(out / "probe")
+        write_json_atomic(self.summary(), out / "summary.json")
+
+    def html(self) -> str:
+        from ..viz import frame_to_html_table
+
+        esc = html.escape
+        parts = []
+        if self.rsa is not None:
+            parts += ["<h2>RSA by layer (single-object set)</h2>",
+                      "<p>Pearson r between each site's object-similarity matrix and the compositional, conjunctive "
+                      "and position model matrices (methods.md section 2); p-values from a permutation test.</p>",
+                      f'<div class="fig">{self.rsa.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
+        if self.track is not None:
+            parts += ["<h2>Attention-centroid tracking</h2>",
+                      f"<p>RMSE (canvas cells) between each layer's thresholded attention centroid and the point the "
+                      f"model writes, over {self.track.n_points} points; valley at layer {self.track.valley_layer}.</p>",
+                      f'<div class="fig">{self.track.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
+        if self.probes is not None:
+            cols = [c for c in ("site", "family", "CE_O", "CE_F", "B_O", "B_star_OF", "beta_O", "beta_star_OF",
+                                "n_test") if c in self.probes.frame.columns]
+            parts += ["<h2>Binding information (BalancedColorShape probes)</h2>",
+                      "<p>B_O = H(O) - CE_O and B*_OF = H(O|F) - (CE_O - CE_F) in bits, with the test split's exact "
+                      "entropies; CE is the probe's test cross-entropy (methods.md section 6), so each B is a lower "
+                      "bound: a negative value means this probe found no information it could generalise to the "
+                      "test split's unseen feature codes (a probe that only knows the codes' structure scores "
+                      "CE_F = 2 log2 28 = 9.6 bits).</p>",
+                      frame_to_html_table(self.probes.frame[cols], index=False, float_format="{:.3f}")]
+        if self.skipped:
+            parts += ["<h2>Skipped (representations)</h2>", "<ul>"] + [
+                f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in self.skipped.items()] + ["</ul>"]
+        if self.commands:
+            parts += ["<h2>Commands that regenerate the representational parts</h2>", "<ul>"] + [
+                f"<li>{esc(k)}: <code>{esc(v)}</code></li>" for k, v in self.commands.items()] + ["</ul>"]
+        return "\n".join(parts)
+
+
+def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, n_track: int = 32,
+                            n_train: int = 512, n_val: int = 128, n_test: int = 128, epochs: int = 40,
+                            permutations: int = 200) -> RepresentationOverview:
+    """RSA by layer, the centroid RMSE curve (visual search traces) and linear probes at the default sites."""
+    from ..activations import capture
+    from ..probes import ProbeConfig
+    from .binding import colorshape_splits, default_sites, probe_sites
+    from .rsa import rsa, rsa_stimuli
+    from .tracking import track, tracking_dataset
+
+    result = RepresentationOverview(vlm.name)
+    model_arg = vlm.source if os.path.isdir(str(vlm.source)) else vlm.name
+    clock = time.perf_counter()
+    sites = ["vision.blocks.*.hook_resid_post", "projector.hook_out", "blocks.*.hook_resid_post"]
+    acts = capture(vlm, rsa_stimuli(vlm, rsa_positions, seed), sites)
+    result.rsa = rsa(acts, permutations=permutations, seed=seed)
+    result.commands["rsa"] = f"vlmbind rsa --model {model_arg} --positions {rsa_positions} --permutations {permutations}"
+    result.seconds["rsa"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    try:
+        result.track = track(vlm, tracking_dataset(vlm, "search", n_track, seed + 1))
+        result.commands["track"] = f"vlmbind track --model {model_arg} --task search --n {n_track} --seed {seed + 1}"
+    except InputError as err:
+        result.skipped["track"] = str(err)
+    result.seconds["track"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    examples, split = colorshape_splits(n_train, n_val, n_test, seed)
+    probe_at = default_sites(vlm)
+    acts = capture(vlm, examples, probe_at)
+    # small training sets underfit with FBP's lr 1e-3 / batch 512 in a few epochs; this recipe converges here
+    config = ProbeConfig(epochs=epochs, lr=1e-2, batch_size=128, seed=seed)
+    result.probes = probe_sites(acts, split, families=("linear",), config=config)
+    result.commands["probe"] = (f"vlmbind probe --model {model_arg} --sites {','.join(probe_at)} --family linear "
+                                f"--n-train {n_train} --n-val {n_val} --n-test {n_test} --epochs {epochs} --lr 0.01 "
+                                f"--batch-size 128")
+    result.seconds["probe"] = time.perf_counter() - clock
+    return result

@@ -1,0 +1,228 @@
+"""Binding information of a model's sites: BalancedColorShape captured once, then FBP's autoregressive probes (bits)
+and VOB's pairwise IsSameObject probes per site (``vlmbind probe``).
+
+Design: the stimuli are BalancedColorShape's three disjoint splits (by F code), captured with
+:func:`~vlmbind.activations.capture` into one :class:`~vlmbind.activations.ActivationSet`; per site, the probes read
+``Z`` from it: the mean over the site's stored tokens (image tokens of a language-model or projector site, every
+token of a vision-tower site; a VLM has no [CLS] vector, so the mean is the pooled representation) or, for the
+attention probe and the pairwise probes, the tokens themselves. The entropies are the stimuli's exact ones for the
+test split (:func:`vlmbind.stimuli.colorshape.entropies`), so B_O, B*_OF and the betas are in bits of that
+distribution.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..errors import InputError
+from ..io import write_json_atomic, write_text_atomic
+
+PROBE_FAMILIES = ("linear", "quadratic", "dnn", "shared_factor", "attention", "pairwise")
+DEFAULT_SITE_CHOICE = ("last vision block", "projector", "middle LM layer")
+
+
+def colorshape_splits(n_train: int, n_val: int, n_test: int, seed: int = 0) -> tuple[list[Any], np.ndarray]:
+    """BalancedColorShape examples of the three splits, in order, and one split label per example."""
+    from ..stimuli.colorshape import balanced_color_shape
+
+    examples, labels = [], []
+    for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
+        if not isinstance(n, int) or n < 1:
+            raise InputError(f"the {split} split needs at least one image, got {n!r}")
+        part = list(balanced_color_shape(n, seed, split=split))
+        examples += part
+        labels += [split] * len(part)
+    return examples, np.array(labels)
+
+
+def default_sites(vlm: Any) -> list[str]:
+    """The last vision block, the projector and the middle language-model layer (encoders: first, middle, last)."""
+    if vlm.n_layers == 0:
+        n = vlm.n_vision_layers
+        return [f"vision.blocks.{l}.hook_resid_post" for l in sorted({0, n // 2, n - 1})]
+    return [f"vision.blocks.{vlm.adapter.n_vision_layers - 1}.hook_resid_post", "projector.hook_out",
+            f"blocks.{vlm.n_layers // 2}.hook_resid_post"]
+
+
+def codes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(O [n, 64], F [n, 16])`` 0/1 codes of a BalancedColorShape capture."""
+    try:
+        o = np.array([[int(b) for b in m["o_code"]] for m in acts.examples], dtype=np.float32)
+        f = np.array([[int(b) for b in m["f_code"]] for m in acts.examples], dtype=np.float32)
+    except KeyError:
+        raise InputError("the captured examples carry no o_code / f_code: capture BalancedColorShape images") from None
+    return o, f
+
+
+def _token_classes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``[n, T]`` object id and colour-shape class of every stored token (-1: background), zero-padded."""
+    from ..stimuli.colorshape import COLOURS, SHAPES
+
+    cls = {(c, s): i for i, (c, s) in enumerate((c, s) for c in COLOURS for s in SHAPES)}
+    rows = [acts.token_objects(i) for i in range(len(acts))]
+    longest = max(len(r) for r in rows)
+    owner = np.full((len(rows), longest), -1)
+    klass = np.full((len(rows), longest), -1)
+    for i, (r, m) in enumerate(zip(rows, acts.examples)):
+        owner[i, : len(r)] = r
+        for t, k in enumerate(r):
+            if k >= 0:
+                o = m["objects"][k]
+                klass[i, t] = cls.get((o["colour"], o["shape"]), -1)
+    return owner, klass
+
+
+@dataclass
+class BindingResult:
+    """Probe results per (site, family): a tidy frame plus the raw results."""
+
+    model: str
+    frame: pd.DataFrame
+    results: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+    def figure(self) -> Any:
+        import plotly.graph_objects as go
+
+        part = self.frame[self.frame["family"] != "pairwise"]
+        fig = go.Figure()
+        for family in dict.fromkeys(part["family"]):
+            rows = part[part["family"] == family]
+            fig.add_trace(go.Bar(x=rows["site"], y=rows["B_O"], name=family,
+                                 customdata=np.stack([rows["beta_O"], rows["B_star_OF"]], -1),
+                                 hovertemplate="%{x}<br>B_O %{y:.2f} bits<br>beta_O %{customdata[0]:.3f}<br>"
+                                               "B*_OF %{customdata[1]:.2f} bits<extra>" + family + "</extra>"))
+        h_o = float(part["H_O"].iloc[0]) if len(part) else float("nan")
+        fig.update_layout(barmode="group", template="plotly_white",
+                          title=f"Binding information B_O = H(O) - CE_O (H(O) = {h_o:.2f} bits)<br><sup>{self.model}, "
+                                f"n_test={int(part['n_test'].max()) if len(part) else 0}</sup>",
+                          xaxis_title="site", yaxis_title="bits")
+        return fig
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write ``probe.csv``, ``probe.html`` and ``probe.json`` atomically."""
+        from ..viz import write_html_atomic
+
+        out = Path(out)
+        write_text_atomic(self.frame.to_csv(index=False), out / "probe.csv")
+        write_html_atomic(self.figure(), out / "probe.html")
+        write_json_atomic({"model": self.model, "rows": self.frame.to_dict(orient="records")}, out / "probe.json")
+        return out
+
+
+def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
+                families: tuple[str, ...] = ("linear",), config: Any = None) -> BindingResult:
+    """Every listed family on every captured (or listed) site.
+
+    Raises:
+        InputError: an unknown family, or a set that is not a BalancedColorShape capture.
+    """
+    from ..probes import binding_information, pairwise_probe
+    from ..stimuli.colorshape import entropies
+
+    bad = [f for f in families if f not in PROBE_FAMILIES]
+    if bad:
+        raise InputError(f"unknown probe families {bad}; families: {', '.join(PROBE_FAMILIES)}")
+    split = np.asarray(split)
+    if len(split) != len(acts):
+        raise InputError(f"{len(split)} split labels for {len(acts)} captured examples")
+    o, f = codes(acts)
+    h = entropies("test")
+    rows, raw = [], {}
+    for site in sites or acts.sites:
+        pooled = None
+        for family in families:
+            if family == "pairwise":
+                tokens, _ = acts.stacked(site)
+                owner, klass = _token_classes(acts)
+                if tokens.shape[1] != owner.shape[1]:
+                    raise InputError(f"{site}: its rows do not line up with the token table; pairwise probes need an "
+                                     "LM site, an in-order projector or a standalone encoder")
+                res = pairwise_probe(tokens, owner, split, token_class=klass, config=config)
+                raw[(site, family)] = res
+                rows.append({"site": site, "family": family, **_pairwise_row(res)})
+                continue
+            if family == "attention":
+                z, mask = acts.stacked(site)
+                res = binding_information(z, o, f, split, entropies=h, family=family, mask=mask, config=config)
+            else:
+                pooled = acts.pooled(site) if pooled is None else pooled
+                res = binding_information(pooled, o, f, split, entropies=h, family=family, config=config)
+            raw[(site, family)] = res
+            rows.append({"site": site, "family": family, "CE_O": res.CE_O, "CE_F": res.CE_F, "B_O": res.B_O,
+                         "B_star_OF": res.B_star_OF, "beta_O": res.beta_O, "beta_star_OF": res.beta_star_OF,
+                         "H_O": res.H_O, "H_F": res.H_F, "n_test": res.n_test, "epochs": res.epochs_O,
+                         "seconds": res.seconds})
+    return BindingResult(acts.manifest.get("model", ""), pd.DataFrame(rows), raw)
+
+
+def _pairwise_row(res: Any) -> dict[str, Any]:
+    d = res.to_dict() if hasattr(res, "to_dict") else dict(vars(res))
+    keep = {k: v for k, v in d.items() if isinstance(v, (int, float, str)) or v is None}
+    keep["pair_family"] = keep.pop("family", None)  # the row's family stays "pairwise"
+    keep.setdefault("n_test", keep.get("n_test_pairs"))
+    return keep
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vlmbind probe
+# ----------------------------------------------------------------------------------------------------------------
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("probe", parents=[common], help="binding-information probes on BalancedColorShape",
+                       description="Capture BalancedColorShape (train/val/test splits by feature code) and estimate "
+                                   "each site's binding information in bits (FBP) or IsSameObject accuracy (VOB).")
+    p.add_argument("--model", required=True)
+    p.add_argument("--sites", default=None, help="comma-separated sites or patterns (default: "
+                                                 + ", ".join(DEFAULT_SITE_CHOICE) + ")")
+    p.add_argument("--family", default="linear",
+                   help=f"comma-separated probe families: {', '.join(PROBE_FAMILIES)} (default linear)")
+    p.add_argument("--n-train", type=int, default=1024)
+    p.add_argument("--n-val", type=int, default=256)
+    p.add_argument("--n-test", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (FBP: 1e-3; small sets want ~1e-2)")
+    p.add_argument("--batch-size", type=int, default=512, help="probe mini-batch (FBP: 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted capture in OUT/activations")
+    p.add_argument("--out", default=None, help="output directory (default runs/probe/<model>)")
+    p.set_defaults(func=cmd_probe)
+
+
+def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    from .. import load
+    from ..activations import capture
+    from ..probes import ProbeConfig
+
+    families = tuple(f.strip() for f in args.family.split(",") if f.strip())
+    bad = [f for f in families if f not in PROBE_FAMILIES]
+    if bad or not families:
+        raise InputError(f"--family {args.family!r}: unknown {bad}; families: {', '.join(PROBE_FAMILIES)}")
+    if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
+        raise InputError(f"--epochs and --batch-size must be at least 1 and --lr positive, got {args.epochs}, "
+                         f"{args.batch_size}, {args.lr}")
+    vlm = load(args.model)
+    sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
+    sites = [s.name for s in vlm.sites(sites)]
+    examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed)
+    out = Path(args.out or f"runs/probe/{Path(str(args.model)).name}")
+    acts = capture(vlm, examples, sites, out=out / "activations", resume=args.resume, progress=not args.json)
+    config = ProbeConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+    result = probe_sites(acts, split, families=families, config=config)
+    result.save(out)
+    summary = {"model": vlm.name, "rows": result.frame.to_dict(orient="records"), "out": str(out),
+               "command": " ".join(command), "recipe": {"epochs": args.epochs, "lr": args.lr,
+                                                        "batch_size": args.batch_size}}
+    lines = [f"{vlm.name}: probes on BalancedColorShape ({args.n_train}/{args.n_val}/{args.n_test} images)"]
+    for _, r in result.frame.iterrows():
+        if r["family"] == "pairwise":
+            lines.append(f"  {r['site']} pairwise: accuracy {r.get('accuracy', float('nan')):.3f}")
+        else:
+            lines.append(f"  {r['site']} {r['family']}: B_O {r['B_O']:.2f} bits (beta {r['beta_O']:.3f}), "
+                         f"B*_OF {r['B_star_OF']:.2f} bits")
+    lines.append(f"  wrote {out}/probe.csv, probe.html")
+    return summary, "\n".join(lines), 0
