@@ -39,6 +39,7 @@ from ..errors import InputError
 from ..hooks import ATTENTION_IMPL, HookSession, PatchHeadEntries, PatchHeads
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024**3
+_ABSENT = object()
 
 
 @dataclass
@@ -189,14 +190,19 @@ def start_at_layer(adapter: Any, start: int, hidden: torch.Tensor) -> Iterator[N
         return args, {**kwargs, "hidden_states": hidden}
 
     skipped = [adapter.layer(i) for i in range(start)]
+    # another library (nnsight) may already keep its own instance-level forward on a layer: put that one back
+    before = [layer.__dict__.get("forward", _ABSENT) for layer in skipped]
     handle = adapter.layer(start).register_forward_pre_hook(inject, with_kwargs=True)
     try:
         for layer in skipped:
             layer.forward = skip
         yield
     finally:
-        for layer in skipped:
-            layer.__dict__.pop("forward", None)
+        for layer, previous in zip(skipped, before):
+            if previous is _ABSENT:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.__dict__["forward"] = previous
         handle.remove()
 
 
