@@ -83,3 +83,19 @@ def test_probe_command_on_the_organism(tmp_path, capsys):
     assert main(["probe", "--model", "organism-p2a", "--family", "cubic", "--out", str(tmp_path / "bad")]) == 2
     assert main(["probe", "--model", "organism-p2a", "--lr", "0", "--out", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("name", [*__import__("vlmbind.tiny", fromlist=["TINY_NAMES"]).TINY_NAMES, "tiny-dinov2"])
+def test_rsa_and_probes_run_on_every_family(name):
+    from vlmbind.analysis.rsa import rsa
+    from vlmbind.stimuli import rsa_set
+
+    vlm = vb.load(name)
+    sites = default_sites(vlm)
+    single = list(rsa_set(0, positions_per_conjunction=1))[:8]
+    frame = rsa(vb.capture(vlm, single, sites), permutations=10).frame
+    assert set(frame["site"]) == {s.name for s in vlm.sites(sites)} and frame["r"].notna().any()
+    examples, split = colorshape_splits(6, 3, 3, seed=0)
+    acts = vb.capture(vlm, examples, sites[-1])
+    result = probe_sites(acts, split, families=("linear",), config=ProbeConfig(epochs=2, seed=0)).frame
+    assert len(result) == 1 and np.isfinite(result["CE_O"]).all() and (result["n_test"] == 3).all()

@@ -1,9 +1,10 @@
 """Representational similarity analysis and PCA of object representations (PbP, VSM; methods.md section 2).
 
-Per site: each object's representation is the mean of the image tokens it covers (language-model and projector sites,
-:meth:`~vlmbind.activations.ActivationSet.objects`); for vision-tower sites, whose token order is the tower's own, the
-mean over all of the example's tower tokens, which on the single-object set (one object on a white background) is a
-representation of that object. The empirical similarity matrix (Pearson correlation across objects by default, or
+Per site: each object's representation is the mean of the image tokens it covers (language-model sites, projectors
+that keep the image tokens' order, standalone encoders: :meth:`~vlmbind.activations.ActivationSet.objects`); for
+other sites (a VLM's vision tower, whose token order is its own; LLaVA-OneVision's tiled projector rows), the mean over
+all of the example's tokens, which on the single-object set (one object on a white background) is a representation
+of that object. The empirical similarity matrix (Pearson correlation across objects by default, or
 cosine) is compared on its lower triangle with the model matrices:
 
 * conjunctive: 1 if same colour and same shape, else 0;
@@ -94,14 +95,14 @@ def _site_parts(site: str) -> tuple[str, int | None]:
 
 
 def _objects_of(acts: Any, site: str) -> tuple[pd.DataFrame, np.ndarray]:
-    component, _ = _site_parts(site)
-    if component != "vision":
+    if acts._token_aligned(site):
         return acts.objects(site)
     rows, vectors = [], []
     for i, (meta, tensor) in enumerate(zip(acts.examples, acts.iter_site(site))):
         objects = meta.get("objects", [])
         if len(objects) != 1:
-            raise InputError(f"{site}: vision-tower RSA pools whole images, so every example must hold one object "
+            raise InputError(f"{site}: its rows do not follow the token table, so RSA pools whole images and every "
+                             "example must hold one object "
                              f"(example {i} holds {len(objects)}); use the single-object RSA set")
         o = objects[0]
         rows.append({"example": i, "object": 0, "colour": o["colour"], "shape": o["shape"], "row": o["row"],
