@@ -10,7 +10,6 @@ its directory in ``--models``; rows then use the model's recorded training canva
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
