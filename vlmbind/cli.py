@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .analysis.edits import add_parser as add_edit_parser
 
     add_edit_parser(sub, common)
+
+    from .export import add_parser as add_export_parser
+
+    add_export_parser(sub, common)
     return parser
 
 
