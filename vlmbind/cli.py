@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .export import add_parser as add_export_parser
 
     add_export_parser(sub, common)
+
+    from .ui import add_parser as add_ui_parser
+
+    add_ui_parser(sub, common)
     return parser
 
 
