@@ -162,3 +162,16 @@ def test_cli_exit_codes(runs, tmp_path, capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("vlmbind: error:") and err.count("\n") == 1
+
+
+def test_signed_scores_always_get_a_diverging_scale_centred_at_zero():
+    import pandas as pd
+
+    from vlmbind.analysis import HeadScores
+    from vlmbind.viz import head_heatmap
+
+    positive = np.abs(np.random.default_rng(0).normal(size=(2, 3, 4))) + 0.1
+    fig = HeadScores("feature_retrieval", "exact", "m", positive).figure()
+    assert fig.data[0].zmid == 0.0
+    masses = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "mass": [0.2, 0.7]})
+    assert head_heatmap(masses, "mass").data[0].zmid is None  # a mass is not signed: sequential

@@ -250,7 +250,7 @@ def load(directory: Path, kind: str, rel: str = ".") -> ResultSet:
         # HeadScores.figure's call; the per-pair scores it is built from are not saved, the means are
         out.figures["heatmap"] = lambda: head_heatmap(
             frame, value="score", title=f"{summary['condition']} mediation ({summary['method']})",
-            model=summary["model"], n=int(summary["n"]))
+            model=summary["model"], n=int(summary["n"]), signed=True)
         out.tables["scores.csv"] = frame
     elif kind == "ablate":
         data = _read_json(directory / "results.json")

@@ -347,7 +347,7 @@ class UIController:
         from .viz import head_heatmap
 
         frame = pd.DataFrame(records)
-        fig = head_heatmap(frame, "score", title=title, model=self.vlm.name)
+        fig = head_heatmap(frame, "score", title=title, model=self.vlm.name, signed=True)
         pairs = [_parse_key(k) for k in heads or []]
         fig.add_trace(go.Scatter(x=[h for _, h in pairs], y=[l for l, _ in pairs], mode="markers",
                                  marker={"symbol": "x", "size": 14, "color": "black"}, name="active",

@@ -119,7 +119,7 @@ class HeadScores:
         from ..viz import head_heatmap
 
         return head_heatmap(self.to_frame(), value="score", title=f"{self.condition} mediation ({self.method})",
-                            model=self.model, n=self.n)
+                            model=self.model, n=self.n, signed=True)
 
     def summary(self) -> dict[str, Any]:
         out = {"condition": self.condition, "method": self.method, "model": self.model, "n": self.n,

@@ -66,6 +66,7 @@ def head_heatmap(
     title: str = "Per-head value",
     model: str | None = None,
     n: int | None = None,
+    signed: bool | None = None,
 ) -> go.Figure:
     """A layers x heads heatmap of one value per attention head.
 
@@ -76,10 +77,11 @@ def head_heatmap(
         title: the figure title; ``model`` and ``n`` are added on a second line as ``model, n=...``.
         model: the model name shown in the title.
         n: the number of examples the values summarise, shown in the title.
+        signed: the value is signed by nature (mediation scores): a diverging scale centred at zero even when every
+            value happens to be positive. None: diverging when any value is negative, sequential otherwise.
 
     Returns:
-        The figure: x axis ``head``, y axis ``layer`` (layer 0 at the bottom), hover text with the exact values. A
-        diverging scale centred at zero when any value is negative, a sequential scale otherwise.
+        The figure: x axis ``head``, y axis ``layer`` (layer 0 at the bottom), hover text with the exact values.
 
     Raises:
         InputError: a column is missing, the table is empty, or a (layer, head) occurs twice.
@@ -105,7 +107,8 @@ def head_heatmap(
     z[frame["layer"].to_numpy(int), frame["head"].to_numpy(int)] = frame[value].to_numpy(float)
     # repr gives the shortest string that round-trips to the same float: the exact stored value
     text = [["" if np.isnan(v) else repr(float(v)) for v in row] for row in z]
-    signed = bool(np.nanmin(z) < 0)
+    if signed is None:
+        signed = bool(np.nanmin(z) < 0)
     heatmap = go.Heatmap(
         z=z,
         x=list(range(n_heads)),
