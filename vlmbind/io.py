@@ -14,7 +14,7 @@ from .errors import InputError
 
 
 def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file in the same directory, then ``os.replace``).
+    """Write ``data`` to ``path`` atomically (temporary file in the same directory, synced, then ``os.replace``).
 
     The parent directory is created if needed. On failure the temporary file is removed and any previous file at
     ``path`` is left untouched.
@@ -29,25 +29,9 @@ def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
     Raises:
         InputError: ``path`` is an existing directory.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"cannot write {str(path)!r}: it is a directory; pass a file path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        # mkstemp creates 0600; give the file the permissions a plain open() would
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-    return path
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(data)
+    return Path(path)
 
 
 @contextlib.contextmanager
