@@ -111,3 +111,54 @@ def test_locate_command(tmp_path, capsys):
     assert len(frame) == 16 and set(frame["n"]) == {2}
     assert main(["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "0",
                  "--out", str(out)]) == 2
+
+
+def test_killed_locate_resumes_to_an_identical_scores_csv(tmp_path):
+    """kill -9 a `vlmbind locate` run once it has written part of its checkpoint, resume it, and compare with an
+    uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["locate", "--model", "organism-p2a", "--condition", "feature_retrieval", "--n-pairs", "12",
+            "--method", "naive", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "vlmbind.cli"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    subprocess.run([*cmd, *args, "--out", str(ref)], check=True, capture_output=True, env=env)
+    proc = subprocess.Popen([*cmd, *args, "--out", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
+    checkpoint = run / "locate.partial.safetensors"
+    deadline = time.time() + 120
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.exists() and not (run / "scores.csv").exists(), "the run must be killed part-way"
+    # without --resume the interrupted run is refused, not overwritten
+    again = subprocess.run([*cmd, *args, "--out", str(run)], capture_output=True, text=True, env=env)
+    assert again.returncode == 2 and "--resume" in again.stderr.strip().splitlines()[-1]
+    subprocess.run([*cmd, *args, "--out", str(run), "--resume"], check=True, capture_output=True, env=env)
+    assert (run / "scores.csv").read_bytes() == (ref / "scores.csv").read_bytes()
+    assert not checkpoint.exists()
+
+
+def test_checkpoint_of_another_run_is_refused(tmp_path):
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    pairs = S.scene_pairs(2, "id_selection", 0, n_objects=3)
+    path = tmp_path / "c.safetensors"
+    from vlmbind.analysis.mediation import _save_checkpoint
+
+    _save_checkpoint(path, {"model": "other", "method": "exact", "condition": "id_selection", "layers": [0, 1, 2, 3],
+                            "pairs": [p.id for p in pairs]}, np.zeros((1, 4, 4)))
+    with pytest.raises(vb.InputError, match="another run"):
+        locate(vlm, pairs, checkpoint=path)
+    full = locate(vlm, pairs)
+    partial = tmp_path / "p.safetensors"
+    _save_checkpoint(partial, {"model": vlm.name, "method": "exact", "condition": "id_selection",
+                               "layers": [0, 1, 2, 3], "pairs": [p.id for p in pairs]}, full.per_pair[:1])
+    resumed = locate(vlm, pairs, checkpoint=partial)
+    np.testing.assert_array_equal(resumed.per_pair, full.per_pair)
+    assert not partial.exists()

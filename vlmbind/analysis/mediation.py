@@ -18,6 +18,7 @@ its numbers.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -36,6 +37,7 @@ from ..io import write_json_atomic, write_text_atomic
 
 METHODS = tuple(METHOD_FUNCTIONS)
 CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval", "attention_swap")
+CHECKPOINT = "locate.partial.safetensors"
 
 
 def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str) -> tuple[list[int], int, int]:
@@ -179,7 +181,8 @@ def scene_task(vlm: Any, pair: Any, layers: Sequence[int]) -> PatchTask:
 
 
 def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | None = None,
-           progress: bool = False, verify_top: int = 10, **method_kwargs: Any) -> HeadScores:
+           progress: bool = False, verify_top: int = 10, checkpoint: str | os.PathLike | None = None,
+           **method_kwargs: Any) -> HeadScores:
     """Score every head (or those of ``layers``) on counterfactual pairs.
 
     Args:
@@ -192,6 +195,9 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
         progress: show a progress bar.
         verify_top: ``attribution``: also run ``exact`` on this many top candidates (``verified``), so the estimate
             is always reported beside its exact counterpart; 0 skips it.
+        checkpoint: a file the per-pair scores are written to (atomically) after every pair; an existing one from
+            the same run (model, method, condition, layers, pairs) is continued from, so a killed run resumes where
+            it stopped and ends with the same numbers. It is removed when the run completes.
         method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``).
 
     Raises:
@@ -214,26 +220,66 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     compute = METHOD_FUNCTIONS[method]
     per_pair = np.zeros((len(pairs), n_layers, n_heads))
     start = time.perf_counter()
-    tasks = []
+    run_key = {"model": vlm.name, "method": method, "condition": str(next(iter(conditions))), "layers": layers,
+               "pairs": [p.id for p in pairs]}
+    done = _resume(checkpoint, run_key, per_pair)
+    tasks: dict[int, Any] = {}
     for i, pair in enumerate(tqdm(pairs, desc=f"locate ({method})", disable=not progress)):
+        if i < done:
+            continue
         task = pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers)
         clean, patched = compute(vlm, task, heads, **method_kwargs)
         for (layer, head), value in zip(heads, patched):
             per_pair[i, layer, head] = value - clean
         if method == "attribution" and verify_top > 0:
-            tasks.append(task)
+            tasks[i] = task
+        if checkpoint is not None:
+            _save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
     verified = None
-    if tasks:
+    if method == "attribution" and verify_top > 0:
         mean = per_pair.mean(0)
         candidates = sorted(heads, key=lambda lh: -mean[lh])[:verify_top]
         verified = np.full(per_pair.shape, np.nan)
-        for i, task in enumerate(tasks):
+        for i, pair in enumerate(pairs):
+            task = tasks.get(i) or (pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers))
             clean, patched = METHOD_FUNCTIONS["exact"](vlm, task, candidates)
             for (layer, head), value in zip(candidates, patched):
                 verified[i, layer, head] = value - clean
+    if checkpoint is not None:
+        Path(checkpoint).unlink(missing_ok=True)
     return HeadScores(condition=next(iter(conditions)), method=method, model=vlm.name, per_pair=per_pair,
                       seconds=time.perf_counter() - start, pair_ids=[p.id for p in pairs], verified=verified,
                       skipped=list(getattr(pairs_in, "skipped", [])))
+
+
+def _save_checkpoint(path: str | os.PathLike, run_key: dict[str, Any], done: np.ndarray) -> None:
+    """The finished pairs' scores, exactly (float64), with what identifies the run."""
+    from safetensors.numpy import save
+
+    from ..io import write_bytes_atomic
+
+    write_bytes_atomic(save({"per_pair": np.ascontiguousarray(done)}, metadata={"run": json.dumps(run_key)}), path)
+
+
+def _resume(path: str | os.PathLike | None, run_key: dict[str, Any], per_pair: np.ndarray) -> int:
+    """Fill ``per_pair`` from a checkpoint of the same run; returns how many pairs are done (0 without one).
+
+    Raises:
+        InputError: the checkpoint belongs to another run (model, method, condition, layers or pairs differ).
+    """
+    if path is None or not Path(path).is_file():
+        return 0
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        saved = json.loads(f.metadata()["run"])
+        done = f.get_tensor("per_pair")
+    diff = [k for k in run_key if saved.get(k) != run_key[k]]
+    if diff:
+        raise InputError(f"checkpoint {path} is from another run ({', '.join(diff)} differ); remove it or use another "
+                         "output directory")
+    per_pair[: len(done)] = done
+    return len(done)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -257,6 +303,8 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--trace-task", choices=("count", "search"), default="count",
                    help="attention_swap: displays the traces are generated on")
     p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from OUT/locate.partial.safetensors (same arguments)")
     p.set_defaults(func=cmd_locate)
 
 
@@ -269,6 +317,11 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
     if args.verify_top < 0:
         raise InputError(f"--verify-top must be 0 or more, got {args.verify_top}")
+    out = Path(args.out or f"runs/locate/{Path(str(args.model)).name}-{args.condition}")
+    checkpoint = out / CHECKPOINT
+    if checkpoint.is_file() and not args.resume:
+        raise InputError(f"{out} holds an interrupted run ({CHECKPOINT}); pass --resume to continue it, or choose "
+                         "another --out")
     vlm = load(args.model)
     if args.condition == "attention_swap":
         from .traces import point_swap_pairs
@@ -278,8 +331,8 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     else:
         kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
         pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
-    scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top)
-    out = Path(args.out or f"runs/locate/{Path(str(args.model)).name}-{args.condition}")
+    scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
+                    checkpoint=checkpoint)
     scores.save(out)
     summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
     top = ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})" for l, h in scores.top(5))
