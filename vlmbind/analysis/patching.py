@@ -11,10 +11,12 @@ anything before ``p0`` nor anything below layer l, so:
    key/value cache of the prefix ``[0, p0)`` are kept;
 2. the heads run in chunks, each experiment recomputing the suffix ``[p0, P)`` only, on the prefix cache, with
    its own head patched; the decoder layers below the chunk's lowest patched layer are skipped, that layer being
-   fed the clean residual captured in step 1. Layout ``packed`` (default) puts the experiments' suffixes side by
-   side in one row over the shared prefix cache, a block mask keeping each copy to the prefix and itself, so the
-   prefix's keys and values are never copied; layout ``batched`` gives each experiment a batch row on a shallow
-   batch expansion of the cache (any attention implementation; chunked to a memory budget).
+   fed the clean residual captured in step 1. Layout ``packed`` puts the experiments' suffixes side by side in one
+   row over the shared prefix cache, a block mask keeping each copy to the prefix and itself, so the prefix's keys
+   and values are never copied; layout ``batched`` gives each experiment a batch row on a shallow batch expansion of
+   the cache (any attention implementation; chunked to a memory budget). For families whose text mask is plainly
+   causal, layout ``single`` folds steps 1 and 2 into one forward when every experiment fits ``max_tokens``: the
+   copies ride after the clean prompt under the same block mask (``auto`` picks it then).
 
 Everything runs through the model's own forward, so the family's masks (Gemma-3's sliding windows, bidirectional
 image blocks), GQA and rotary embeddings apply unchanged. Position ids that are not ``0..P-1`` (Qwen's 3-D M-RoPE)
