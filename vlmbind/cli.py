@@ -63,24 +63,22 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass e.g. --seed 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; pass a seed >= 0")
-    return value
+def _int_at_least(low: int, example: str):
+    """An argparse type: an int >= ``low``; ``example`` shows a valid value in the message."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass e.g. {example}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; pass e.g. {example}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass a count such as 16") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+_non_negative_int = _int_at_least(0, "--seed 0")
+_positive_int = _int_at_least(1, "16")
 
 
 def build_parser() -> argparse.ArgumentParser:
