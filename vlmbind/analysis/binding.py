@@ -12,6 +12,8 @@ distribution.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +23,10 @@ import numpy as np
 import pandas as pd
 
 from ..errors import InputError
-from ..io import write_json_atomic, write_text_atomic
+from ..io import json_default, write_json_atomic, write_text_atomic
 
 PROBE_FAMILIES = ("linear", "quadratic", "dnn", "shared_factor", "attention", "pairwise")
+CHECKPOINT = "probe.partial.json"
 DEFAULT_SITE_CHOICE = ("last vision block", "projector", "middle LM layer")
 
 
@@ -111,16 +114,47 @@ class BindingResult:
         out = Path(out)
         write_text_atomic(self.frame.to_csv(index=False), out / "probe.csv")
         write_html_atomic(self.figure(), out / "probe.html")
-        write_json_atomic({"model": self.model, "rows": self.frame.to_dict(orient="records")}, out / "probe.json")
+        seconds = {f"{site} | {family}": res.seconds for (site, family), res in self.results.items()}
+        write_json_atomic({"model": self.model, "rows": self.frame.to_dict(orient="records"), "seconds": seconds},
+                          out / "probe.json")
         return out
 
 
+def _plain(value: Any) -> Any:
+    """A row value as a JSON-exact Python scalar (numpy scalars become int / float)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _load_checkpoint(path: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of finished cells from ``path`` (none when it does not exist); refuses another run's checkpoint."""
+    if not path.is_file():
+        return []
+    try:
+        saved = json.loads(path.read_text())
+        saved_run, rows = saved["run"], saved["rows"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{path} is not a probe checkpoint ({exc}); delete it to start the probes again") from None
+    if saved_run != json.loads(json.dumps(run, default=json_default)):
+        differ = sorted(k for k in set(run) | set(saved_run) if saved_run.get(k) != json.loads(
+            json.dumps(run.get(k), default=json_default)))
+        raise InputError(f"{path} holds another run's probes ({', '.join(differ)} differ); use another output "
+                         "directory or delete the checkpoint")
+    return rows
+
+
 def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
-                families: tuple[str, ...] = ("linear",), config: Any = None) -> BindingResult:
+                families: tuple[str, ...] = ("linear",), config: Any = None,
+                checkpoint: str | os.PathLike | None = None) -> BindingResult:
     """Every listed family on every captured (or listed) site.
 
+    Args:
+        checkpoint: a JSON file rewritten atomically after every finished (site, family) cell; cells it already
+            holds (for the same activations, sites, families and config) are not trained again, so a killed run
+            resumes where it stopped and ends with the same table. Resumed cells have no entry in ``results``.
+
     Raises:
-        InputError: an unknown family, or a set that is not a BalancedColorShape capture.
+        InputError: an unknown family, a set that is not a BalancedColorShape capture, or a checkpoint of another
+            run.
     """
     from ..probes import binding_information, pairwise_probe
     from ..stimuli.colorshape import entropies
@@ -134,9 +168,17 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
     o, f = codes(acts)
     h = entropies("test")
     rows, raw = [], {}
+    path = Path(checkpoint) if checkpoint is not None else None
+    run = {"model": acts.manifest.get("model", ""), "examples": len(acts), "sites": list(sites or acts.sites),
+           "families": list(families), "split": split.tolist(),
+           "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else repr(config)}
+    done = {(r["site"], r["family"]): r for r in _load_checkpoint(path, run)} if path is not None else {}
     for site in sites or acts.sites:
         pooled = None
         for family in families:
+            if (site, family) in done:
+                rows.append(done[(site, family)])
+                continue
             if family == "pairwise":
                 tokens, _ = acts.stacked(site)
                 owner, klass = _token_classes(acts)
@@ -144,27 +186,33 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
                     raise InputError(f"{site}: its rows do not line up with the token table; pairwise probes need an "
                                      "LM site, an in-order projector or a standalone encoder")
                 res = pairwise_probe(tokens, owner, split, token_class=klass, config=config)
-                raw[(site, family)] = res
-                rows.append({"site": site, "family": family, **_pairwise_row(res)})
-                continue
-            if family == "attention":
+                row = _pairwise_row(res)
+            elif family == "attention":
                 z, mask = acts.stacked(site)
                 res = binding_information(z, o, f, split, entropies=h, family=family, mask=mask, config=config)
+                row = _information_row(res)
             else:
                 pooled = acts.pooled(site) if pooled is None else pooled
                 res = binding_information(pooled, o, f, split, entropies=h, family=family, config=config)
+                row = _information_row(res)
             raw[(site, family)] = res
-            rows.append({"site": site, "family": family, "CE_O": res.CE_O, "CE_F": res.CE_F, "B_O": res.B_O,
-                         "B_star_OF": res.B_star_OF, "beta_O": res.beta_O, "beta_star_OF": res.beta_star_OF,
-                         "H_O": res.H_O, "H_F": res.H_F, "n_test": res.n_test, "epochs": res.epochs_O,
-                         "seconds": res.seconds})
+            rows.append({"site": site, "family": family, **{k: _plain(v) for k, v in row.items()}})
+            if path is not None:
+                write_json_atomic({"run": run, "rows": rows}, path)
     return BindingResult(acts.manifest.get("model", ""), pd.DataFrame(rows), raw)
+
+
+def _information_row(res: Any) -> dict[str, Any]:
+    return {"CE_O": res.CE_O, "CE_F": res.CE_F, "B_O": res.B_O, "B_star_OF": res.B_star_OF, "beta_O": res.beta_O,
+            "beta_star_OF": res.beta_star_OF, "H_O": res.H_O, "H_F": res.H_F, "n_test": res.n_test,
+            "epochs": res.epochs_O}
 
 
 def _pairwise_row(res: Any) -> dict[str, Any]:
     d = res.to_dict() if hasattr(res, "to_dict") else dict(vars(res))
     keep = {k: v for k, v in d.items() if isinstance(v, (int, float, str)) or v is None}
     keep["pair_family"] = keep.pop("family", None)  # the row's family stays "pairwise"
+    keep.pop("seconds", None)  # wall time is in each result, not in the table, so tables of equal runs are equal
     keep.setdefault("n_test", keep.get("n_test_pairs"))
     return keep
 
@@ -188,7 +236,8 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (FBP: 1e-3; small sets want ~1e-2)")
     p.add_argument("--batch-size", type=int, default=512, help="probe mini-batch (FBP: 512)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue an interrupted capture in OUT/activations")
+    p.add_argument("--resume", action="store_true",
+                   help=f"continue an interrupted run: its capture in OUT/activations and the probes in OUT/{CHECKPOINT}")
     p.add_argument("--out", default=None, help="output directory (default runs/probe/<model>)")
     p.set_defaults(func=cmd_probe)
 
@@ -209,11 +258,18 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
     sites = [s.name for s in vlm.sites(sites)]
     examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed)
-    out = Path(args.out or f"runs/probe/{Path(str(args.model)).name}")
+    from ..io import check_out_dir
+
+    out = check_out_dir(args.out or f"runs/probe/{Path(str(args.model)).name}")
+    checkpoint = out / CHECKPOINT
+    if checkpoint.is_file() and not args.resume:
+        raise InputError(f"{out} holds an interrupted run ({CHECKPOINT}); pass --resume to continue it, or choose "
+                         "another --out")
     acts = capture(vlm, examples, sites, out=out / "activations", resume=args.resume, progress=not args.json)
     config = ProbeConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
-    result = probe_sites(acts, split, families=families, config=config)
+    result = probe_sites(acts, split, families=families, config=config, checkpoint=checkpoint)
     result.save(out)
+    checkpoint.unlink(missing_ok=True)
     summary = {"model": vlm.name, "rows": result.frame.to_dict(orient="records"), "out": str(out),
                "command": " ".join(command), "recipe": {"epochs": args.epochs, "lr": args.lr,
                                                         "batch_size": args.batch_size}}
