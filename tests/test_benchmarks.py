@@ -45,3 +45,36 @@ def test_small_benchmark_model_has_the_stated_shape():
     index = vlm.prepare(pair.clean.image, pair.clean.prompt).index[0]
     assert (vlm.n_layers, vlm.n_heads, vlm.adapter.d_model) == (8, 8, 256)
     assert index.image_positions.size == 256
+
+
+def test_gpu_benchmark_ci_scale_runs_on_cpu(tmp_path):
+    """The 7B benchmark's scaled-down twin, as a fresh process on CPU: every method timed on both conditions, exact
+    equal to naive on the sampled heads, and the ratios consistent with the seconds (no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--scale", "ci", "--device", "cpu",
+                           "--threads", "1", "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert (result["scale"], result["device"], result["dtype"]) == ("ci", "cpu", "float32")
+    assert result["within_time_limit"] and not result.get("skipped")
+    assert [c["kind"] for c in result["conditions"]] == ["last_token", "mid_prompt"]
+    for c in result["conditions"]:
+        assert c["skipped"] == [] and c["heads"] == 16 and c["image_tokens"] == 64
+        assert set(c["seconds"]) == {"naive", "exact", "attribution"}
+        assert c["exact"]["fastest"] in c["exact"]["seconds"] and "layout=batched" in c["exact"]["seconds"]
+        naive = c["seconds"]["naive"]
+        for method, seconds in c["seconds"].items():
+            assert seconds > 0 and c["speedup_vs_naive"][method] == pytest.approx(naive / seconds)
+            assert c["heads_per_second"][method] == pytest.approx(16 / seconds)
+        # a full naive sweep is heads + 1 forwards at the measured cost per forward
+        assert naive == pytest.approx(c["naive"]["seconds_per_forward"] * 17)
+        check = c["exact_vs_naive"]
+        assert check["heads_compared"] == 16 and not c["naive"]["truncated"]
+        assert check["effect_range"] > 1e-2, "effects too small for the comparison to mean anything"
+        assert check["matches"] and check["max_abs_diff"] <= max(1e-4 * check["effect_range"], 1e-5)
+    assert c["suffix"] > 1  # the mid-prompt condition patches a span before the last token
