@@ -240,3 +240,51 @@ def test_browser_click_ablates_head_and_exports(vlm, ctl, state, tmp_path) -> No
     finally:
         server.shutdown()
         thread.join(5)
+
+
+def test_parallel_http_clients_get_the_serial_answers(vlm, ctl, state) -> None:
+    """Eight clients post the answer callback at once to the real threaded server; the lock serialises the model, so
+    every response equals the one computed alone, and no hook is left on the model."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.request import Request, urlopen
+
+    from werkzeug.serving import make_server
+
+    cases = [(heads, action, mode) for heads in (["0.0"], ["1.1", "0.1"], [])
+             for action, mode in (("ablate", "zero"), ("ablate", "image_attention"))]
+    cases += [(["1.0"], "ablate", "mean"), (["0.1", "1.0", "1.1"], "ablate", "zero")]
+    expected = [{k: v for k, v in ctl.answer(state, heads, action, mode).items() if k != "logits"}
+                for heads, action, mode in cases]
+    app = build_app(vlm, seed=0, controller=ctl)
+    server = make_server("127.0.0.1", 0, app.server, threaded=True)
+    port = server.server_port
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    def post(case: tuple) -> dict:
+        heads, action, mode = case
+        body = {"output": "..result-store.data...answer.children...heads-list.children..",
+                "outputs": [{"id": "result-store", "property": "data"}, {"id": "answer", "property": "children"},
+                            {"id": "heads-list", "property": "children"}],
+                "inputs": [{"id": "input-store", "property": "data", "value": state},
+                           {"id": "heads-store", "property": "data", "value": heads},
+                           {"id": "action", "property": "value", "value": action},
+                           {"id": "mode", "property": "value", "value": mode}],
+                "changedPropIds": ["heads-store.data"], "state": []}
+        request = Request(f"http://127.0.0.1:{port}/_dash-update-component", data=json.dumps(body).encode(),
+                          headers={"Content-Type": "application/json"})
+        with urlopen(request, timeout=120) as response:
+            return json.loads(response.read())["response"]["result-store"]["data"]
+
+    try:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(post, cases * 2))
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert got == expected * 2
+    assert len({json.dumps(g["top"]) for g in got}) > 1, "the cases must give different answers to be a test"
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in vlm.model.modules()
+                   if any(getattr(f, "__module__", "") == "vlmbind.hooks"
+                          for f in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]))
