@@ -122,6 +122,9 @@ def test_bad_calls(tmp_path):
         capture(vlm, data, "blocks.1.hook_resid_mid")
     with pytest.raises(vb.InputError, match="at least one example"):
         capture(vlm, [], SITES)
+    with pytest.raises(vb.InputError, match="attention patterns"):  # '*' includes query x key maps
+        capture(vlm, data, "*", out=tmp_path / "star")
+    assert not (tmp_path / "star").exists()
     with pytest.raises(vb.InputError, match="not an example"):
         capture(vlm, ["a string"], SITES)
     acts = capture(vlm, data, SITES[:1])

@@ -133,15 +133,19 @@ class ActivationSet:
         """Open a captured directory (complete shards only).
 
         Raises:
-            InputError: no manifest, or a manifest of another format.
+            InputError: no manifest, a manifest that is not JSON, or one of another format.
         """
         root = Path(root)
         path = root / MANIFEST
         if not path.is_file():
             raise InputError(f"{root} holds no {MANIFEST}: not a vlmbind activation set (run vb.capture first)")
-        manifest = json.loads(path.read_text())
-        if manifest.get("format") != FORMAT:
-            raise InputError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        try:
+            manifest = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"{path} is not readable JSON ({exc}); capture again into a fresh directory") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+            raise InputError(f"{path} has format {found!r}, expected {FORMAT!r}")
         return cls(root, manifest)
 
     # ---- shape of the set -----------------------------------------------------------------------------------------
@@ -322,6 +326,11 @@ def capture(
     resolved = [s.name for s in vlm.sites(sites)]
     if not resolved:
         raise InputError(f"no site matches {sites!r}")
+    patterns = [s for s in resolved if s.endswith("hook_pattern")]
+    if patterns:  # query x key maps over the padded batch, not one vector per token
+        raise InputError(f"capture stores one vector per token; {patterns[:3]}{' ...' if len(patterns) > 3 else ''} "
+                         "are attention patterns: read them with vlm.run(batch, sites=...) or vlmbind track, and "
+                         "leave them out of the capture's sites (e.g. 'blocks.*.hook_resid_post' instead of '*')")
     examples, meta = _examples(data)
     n_shards = (len(examples) + shard_size - 1) // shard_size
     manifest: dict[str, Any] = {

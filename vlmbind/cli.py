@@ -24,7 +24,6 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -365,12 +364,11 @@ def _png_bytes(image: Image.Image) -> bytes:
 def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
     """``vlmbind demo``: run a model on a drawn scene and write the CSV, figures, scene, summary and report."""
     from . import load
+    from .io import check_out_dir
     from .viz import attention_overlay, head_heatmap, write_bytes_atomic, write_html_atomic, write_text_atomic
 
     start = time.perf_counter()
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {str(out)!r} is an existing file; pass a directory (it is created if missing)")
+    out = check_out_dir(args.out)  # a bad --out fails now, not after the whole run
 
     vlm = load(args.model)
     image, objects, prompt, expected = _demo_scene(vlm, args.seed)

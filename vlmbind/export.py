@@ -90,7 +90,11 @@ def _require(data: dict[str, Any], keys: tuple[str, ...], path: Path) -> None:
 
 
 def detect(directory: Path) -> str | None:
-    """The kind of result ``directory`` holds (see :class:`ResultSet`), or None when it holds none."""
+    """The kind of result ``directory`` holds (see :class:`ResultSet`), or None when it holds none.
+
+    Raises:
+        InputError: its ``results.json`` is not a JSON object.
+    """
     has = lambda name: (directory / name).is_file()  # noqa: E731
     if has("attention_mass.csv") and has("summary.json"):
         return "demo"
@@ -105,10 +109,8 @@ def detect(directory: Path) -> str | None:
     if has("object_attention.csv"):
         return "causal"
     if has("results.json"):
-        try:
-            data = json.loads((directory / "results.json").read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return None
+        # a results.json that does not parse is a damaged result, not "no result": say so instead of skipping it
+        data = _read_json(directory / "results.json")
         if isinstance(data, dict) and "arms" in data:
             return "ablate"
         if isinstance(data, dict) and "rows" in data and "efficacy" in data:

@@ -57,6 +57,37 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Refuse an output directory that cannot be created or written, before any work is done; creates nothing.
+
+    A command checks its ``--out`` with this first, so a bad path fails in a second with a named error instead of
+    after a long run (and leaves no partial output behind).
+
+    Args:
+        path: the output directory (it may not exist yet).
+        flag: the option name shown in the message.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        InputError: ``path`` is an existing file, a folder above it is a file, or the nearest existing folder above
+            it is not writable.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{flag} {str(path)!r} is an existing file; pass a directory (it is created if missing)")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"{flag} {str(path)!r} cannot be created: {str(existing)!r} is a file, not a directory; "
+                         f"pass another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {str(path)!r} is not writable: {str(existing)!r} is read-only; pass another {flag}")
+    return path
+
+
 def _remove_quietly(path: str) -> None:
     """Remove a leftover temporary file; a file that is already gone is fine."""
     try:

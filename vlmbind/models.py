@@ -27,6 +27,7 @@ from . import adapters as _adapters  # noqa: F401  (registers the families)
 from .adapters.base import ModelAdapter, adapter_class_for_config, supported_families
 from .errors import InputError, ModelLoadError, UnsupportedModelError, close_matches
 from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
+from .images import to_rgb
 from .sites import Site, resolve_sites
 from .tokens import TokenIndex, text_offsets
 
@@ -134,7 +135,22 @@ class VLM:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the device the input embeddings run on.
+
+        Under accelerate's offload (``device_map`` with ``"cpu"`` / ``"disk"`` entries) parameters wait on the meta
+        device and the module's ``AlignDevicesHook`` says where it executes, so the hook's ``execution_device`` wins
+        over the parameters' device.
+        """
+        embeddings = self.model.get_input_embeddings()
+        hook = getattr(embeddings, "_hf_hook", None)
+        for h in (hook, *getattr(hook, "hooks", ())):  # a SequentialHook chains several
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return torch.device(device)
+        for param in (*embeddings.parameters(), *self.model.parameters()):
+            if param.device.type != "meta":
+                return param.device
+        return torch.device("cpu")
 
     def sites(self, patterns: str | Sequence[str | Site]) -> list[Site]:
         """Resolve site names and ``*`` patterns against this model."""
@@ -152,13 +168,13 @@ class VLM:
         """Turn images and prompts into a model batch (left-padded) with a TokenIndex per row.
 
         Args:
-            images: one image per prompt (or a list of images per prompt); PIL images of any mode are converted
-                to RGB.
+            images: one image per prompt (or a list of images per prompt); PIL images of any still mode are
+                converted to RGB, transparency composited on white (:func:`vlmbind.images.to_rgb`).
             prompts: the text after the image(s).
             chat: wrap each prompt in the processor's chat template (real instruction-tuned checkpoints).
 
         Raises:
-            InputError: counts do not match, a prompt is empty, or an image is not a PIL image.
+            InputError: counts do not match, a prompt is empty, or an image is not a PIL image or is animated.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -179,7 +195,7 @@ class VLM:
             for im in group:
                 if not isinstance(im, Image.Image):
                     raise InputError(f"example {i}: expected a PIL image, got {type(im).__name__}")
-            rows.append([im if im.mode == "RGB" else im.convert("RGB") for im in group])
+            rows.append([to_rgb(im, f"example {i}'s image") for im in group])
         texts = [self._text(p, len(r), chat) for p, r in zip(prompts, rows)]
         tok = self.adapter.tokenizer
         old_side = tok.padding_side
@@ -414,6 +430,22 @@ def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
     return _from_pretrained(name, **hf_kwargs)
 
 
+def _refuse_unknown_model_type(path: Path) -> None:
+    """Raise UnsupportedModelError (listing the supported families) when the config at ``path`` names a
+    ``model_type`` that neither transformers nor a vlmbind adapter knows; return quietly otherwise (a missing or
+    malformed config is a load error, reported by the caller)."""
+    from types import SimpleNamespace
+
+    from transformers import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        adapter_class_for_config(SimpleNamespace(model_type=model_type))  # raises when no family handles it
+
+
 def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
     import transformers
     from transformers import AutoConfig, AutoProcessor
@@ -428,6 +460,8 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
     try:
         config = AutoConfig.from_pretrained(name, **config_kwargs)
     except (OSError, ValueError) as exc:
+        if is_dir:
+            _refuse_unknown_model_type(Path(name) / "config.json")
         where = "directory" if is_dir else "hub id"
         raise ModelLoadError(
             f"could not read a model config from {where} {name!r}: {str(exc).splitlines()[0]}. "

@@ -77,10 +77,15 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
     """Accuracy on ``dataset`` with the top-k, random-k (per seed) and bottom-k heads of ``scores`` ablated.
 
     Raises:
-        InputError: unknown mode, k out of range, or scores that do not cover the model's heads.
+        InputError: unknown mode, k out of range, no seeds, an empty data set, or scores that do not cover the
+            model's heads.
     """
     if mode not in MODES:
         raise InputError(f"ablation mode {mode!r} is not one of {MODES}")
+    if len(dataset) == 0:
+        raise InputError("the data set is empty: nothing to evaluate the ablations on")
+    if not seeds:
+        raise InputError("seeds is empty: pass at least one seed for the random-k arm, e.g. seeds=(0, 1, 2)")
     ranked = _ranked(scores)
     n_heads = vlm.n_layers * vlm.n_heads
     if len(set(ranked)) != n_heads or any(not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads) for l, h in ranked):
@@ -149,10 +154,16 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     from .. import load
     from ..evaluate import training_defaults
     from ..models import _as_heads
+    from ..io import check_out_dir
     from ..stimuli.commands import generate
 
     if args.n < 1:
         raise InputError(f"--n must be a positive number of examples, got {args.n}")
+    if args.top_k < 1:
+        raise InputError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.seeds < 1:
+        raise InputError(f"--seeds must be at least 1 (the random-k arms to compare with), got {args.seeds}")
+    out = check_out_dir(args.out or f"runs/ablate/{Path(str(args.model)).name}-{args.task}")
     vlm = load(args.model)
     kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
     dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
@@ -160,10 +171,17 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         path = Path(args.scores)
         if not path.is_file():
             raise InputError(f"--scores {args.scores!r} does not exist; write one with vlmbind locate")
-        result = ablation_study(vlm, dataset, pd.read_csv(path), k=args.top_k, mode=args.mode,
+        try:
+            scores = pd.read_csv(path)
+        except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+            raise InputError(f"--scores {args.scores!r} is not a readable CSV: {str(exc).splitlines()[0]}; write "
+                             "one with vlmbind locate") from None
+        result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=args.mode,
                                 renormalize=args.renormalize, seeds=tuple(range(args.seeds)))
     else:
         heads = _as_heads(args.heads)
+        if not heads:
+            raise InputError(f"--heads {args.heads!r} lists no heads; pass LAYER.HEAD pairs, e.g. 2.1,3.0")
         bad = [f"{l}.{h}" for l, h in heads if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
         if bad:
             raise InputError(f"heads {bad} do not exist: the model has layers 0..{vlm.n_layers - 1} and heads "
@@ -173,7 +191,6 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
                               enumerate(ranked)])
         result = ablation_study(vlm, dataset, frame, k=len(heads), mode=args.mode, renormalize=args.renormalize,
                                 seeds=tuple(range(args.seeds)))
-    out = Path(args.out or f"runs/ablate/{Path(str(args.model)).name}-{args.task}")
     result.save(out)
     acc = result.summary()["accuracy"]
     summary = {**result.summary(), "out": str(out), "command": " ".join(command)}

@@ -883,6 +883,9 @@ def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     _check_positive(**{"--n-estimate": args.n_estimate, "--n-eval": args.n_eval})
     if args.heads is not None:
         _as_heads(args.heads)  # malformed heads fail before the model loads
+    from ..io import check_out_dir
+
+    out = check_out_dir(args.out or f"runs/edit/{Path(str(args.model)).name}")
     vlm = load(args.model)
     heads = _heads_from_scores(args.scores, args.top_k, vlm) if args.scores else check_heads(vlm, args.heads)
     options = dict(n_estimate=args.n_estimate, n_eval=args.n_eval, seed=args.seed, n_objects=args.objects or 3,
@@ -890,7 +893,6 @@ def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     result = edit_study(vlm, heads, alphas, **options)
     if args.repair:
         result.repair = entropy_repair(vlm, heads, alphas, **options)
-    out = Path(args.out or f"runs/edit/{Path(str(args.model)).name}")
     result.save(out)
     summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
     eff = ", ".join(f"{_alpha_label(a)}: {result.efficacy(a):.3f}/{result.efficacy(a, 'control'):.3f}"

@@ -55,6 +55,10 @@ def similarity_matrix(x: np.ndarray, kind: str = "pearson") -> np.ndarray:
     if kind not in SIMILARITIES:
         raise InputError(f"similarity must be one of {SIMILARITIES}, got {kind!r}")
     x = np.asarray(x, dtype=np.float64)
+    if not np.isfinite(x).all():
+        # a NaN would turn the whole matrix, and every r computed from it, into NaN without a word
+        raise InputError(f"the representations hold {int((~np.isfinite(x)).sum())} NaN or inf values; clean them "
+                         "(or re-capture in float32) before computing similarities")
     if kind == "pearson":
         x = x - x.mean(1, keepdims=True)
     norm = np.linalg.norm(x, axis=1, keepdims=True)
@@ -95,6 +99,18 @@ def _site_parts(site: str) -> tuple[str, int | None]:
 
 
 def _objects_of(acts: Any, site: str) -> tuple[pd.DataFrame, np.ndarray]:
+    """``(objects frame, n d object vectors)`` of ``site``; non-finite activations are refused (RSA and PCA would
+    return NaN silently)."""
+    objects, x = _object_vectors(acts, site)
+    bad = ~np.isfinite(x).all(1)
+    if bad.any():
+        examples = sorted({int(e) for e in objects.loc[bad, "example"]})
+        raise InputError(f"{site}: the activations of examples {examples[:5]} hold NaN or inf values; re-capture "
+                         "them (e.g. in float32) or drop those examples")
+    return objects, x
+
+
+def _object_vectors(acts: Any, site: str) -> tuple[pd.DataFrame, np.ndarray]:
     if acts._token_aligned(site):
         return acts.objects(site)
     rows, vectors = [], []
@@ -281,11 +297,13 @@ def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
         raise InputError(f"--positions must be at least 1, got {args.positions}")
     if args.permutations < 0:
         raise InputError(f"--permutations must be 0 or more, got {args.permutations}")
+    from ..io import check_out_dir
+
+    out = check_out_dir(args.out or f"runs/rsa/{Path(str(args.model)).name}")
     vlm = load(args.model)
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
     vlm.sites(sites)  # a misspelt site fails here, before anything is written
     data = rsa_stimuli(vlm, args.positions, args.seed)
-    out = Path(args.out or f"runs/rsa/{Path(str(args.model)).name}")
     acts = capture(vlm, data, sites, out=out / "activations", resume=args.resume, progress=not args.json)
     result = rsa(acts, similarity=args.similarity, permutations=args.permutations, seed=args.seed)
     result.save(out)

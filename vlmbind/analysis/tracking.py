@@ -678,9 +678,9 @@ def cmd_track(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
         raise InputError(f"--threshold must be in [0, 1), got {args.threshold}")
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
-    out = Path(args.out or f"runs/track/{Path(str(args.model)).name}-{args.task}")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {str(out)!r} is an existing file; pass a directory (it is created if missing)")
+    from ..io import check_out_dir
+
+    out = check_out_dir(args.out or f"runs/track/{Path(str(args.model)).name}-{args.task}")
     vlm = load(args.model)
     dataset = tracking_dataset(vlm, args.task, args.n, args.seed, objects=args.objects)
     result = track(vlm, dataset, threshold=args.threshold, query=args.query, batch_size=args.batch_size,

@@ -118,9 +118,12 @@ def generate(task: str, n: int | None, seed: int, kwargs: dict[str, Any], pairs:
 
 
 def cmd_stimuli(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    from ..io import check_out_dir
+
     kwargs = _kwargs(args.task, args)
     if args.seed < 0:
         raise StimulusError(f"--seed must be >= 0, got {args.seed}")
+    check_out_dir(args.out)
     start = time.perf_counter()
     data = generate(args.task, args.n, args.seed, kwargs, pairs=args.pairs)
     elapsed = time.perf_counter() - start

@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from ..errors import InputError, VlmbindError, close_matches
+from ..images import read_image
 from ..io import json_default
 
 
@@ -348,8 +349,7 @@ class Dataset:
         info, records = read_records(path)
         examples = []
         for r in records:
-            with Image.open(path / r["image"]) as im:
-                image = im.convert("RGB")
+            image = read_image(path / r["image"], StimulusError)
             extra = {k: v for k, v in r.items() if k not in ("id", "image", "task", "prompt", "answer", "objects")}
             examples.append(Example(r["id"], image, [SceneObject.from_dict(o) for o in r.get("objects", [])],
                                     r["prompt"], r["answer"], r.get("task", info.get("task", "")), extra))
@@ -395,8 +395,27 @@ def save_records(out: str | os.PathLike, images: Sequence[tuple[str, Image.Image
 def read_records(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if not (path / "meta.jsonl").is_file() or not (path / "dataset.json").is_file():
         raise StimulusError(f"{str(path)!r} is not a vlmbind stimuli directory (needs meta.jsonl and dataset.json)")
-    info = json.loads((path / "dataset.json").read_text())
-    records = [json.loads(line) for line in (path / "meta.jsonl").read_text().splitlines() if line.strip()]
+    try:
+        info = json.loads((path / "dataset.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StimulusError(f"{str(path / 'dataset.json')!r} is not readable JSON ({exc}); regenerate the data "
+                            "set") from None
+    if not isinstance(info, dict):
+        raise StimulusError(f"{str(path / 'dataset.json')!r} holds a JSON {type(info).__name__}, not an object; "
+                            "regenerate the data set")
+    records = []
+    for lineno, line in enumerate((path / "meta.jsonl").read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise StimulusError(f"{str(path / 'meta.jsonl')!r} line {lineno} is not JSON ({exc.msg}); regenerate "
+                                "the data set") from None
+        if not isinstance(record, dict) or "id" not in record:
+            raise StimulusError(f"{str(path / 'meta.jsonl')!r} line {lineno} is not a record with an 'id'; it is "
+                                "not a file vlmbind wrote")
+        records.append(record)
     return info, records
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from ..errors import close_matches
+from ..images import read_image
 from .core import (
     COLOURS,
     SHAPES,
@@ -259,8 +259,7 @@ def _example_record(e: Example, image: str) -> dict[str, Any]:
 
 
 def _example_from_record(root: Path, r: dict[str, Any]) -> Example:
-    with Image.open(root / r["image"]) as im:
-        image = im.convert("RGB")
+    image = read_image(root / r["image"], StimulusError)
     extra = {k: v for k, v in r.items() if k not in ("id", "image", "task", "prompt", "answer", "objects")}
     return Example(r["id"], image, [SceneObject.from_dict(o) for o in r.get("objects", [])], r["prompt"],
                    r["answer"], r.get("task", ""), extra)

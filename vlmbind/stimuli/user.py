@@ -11,8 +11,9 @@ import json
 import os
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from ..images import read_image
 from .core import Dataset, Example, StimulusError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -20,14 +21,8 @@ DEFAULT_PROMPT = "describe the objects in this image :"
 
 
 def _open_rgb(path: Path) -> Image.Image:
-    try:
-        with Image.open(path) as im:
-            im.load()
-            return im.convert("RGB")
-    except Image.DecompressionBombError as exc:
-        raise StimulusError(f"{path.name}: image is too large to decode safely ({exc}); downscale it first") from exc
-    except (UnidentifiedImageError, OSError) as exc:
-        raise StimulusError(f"{path.name}: not a readable PNG/JPEG image ({exc}); remove or replace the file") from exc
+    """The image at ``path`` as RGB (policy: :mod:`vlmbind.images`; animated images are refused)."""
+    return read_image(path, StimulusError)
 
 
 def user_images(folder: str | os.PathLike, prompts: str | os.PathLike | None = None, *,
