@@ -11,11 +11,15 @@ number after the points is right; the points are reported beside it, not require
 * other tasks (rsa, colorshape, user data with answers): the whitespace-normalised text starts with the answer.
 
 Results hold every raw answer, accuracy overall and per object count, and save as ``results.json`` and
-``answers.jsonl``.
+``answers.jsonl``. A run with a checkpoint appends each finished batch as one JSON line (flushed and synced) to
+``eval.partial.jsonl`` after a header naming the run; a resumed run keeps only whole lines of whole batches, so a line
+torn by a kill is never read as finished, and it regenerates exactly the batches a single uninterrupted run would.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,9 +30,11 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from .errors import InputError
-from .io import write_json_atomic, write_jsonl_atomic
+from .io import json_default, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from .stimuli.core import Dataset, Example
 from .stimuli.points import parse_count, parse_points, parse_yes_no
+
+CHECKPOINT = "eval.partial.jsonl"
 
 
 def _words(text: str) -> list[str]:
@@ -105,24 +111,115 @@ class EvalResult:
         return out
 
 
-def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16, progress: bool = False,
-             chat: bool = False) -> EvalResult:
-    """Greedy-generate an answer for every example and score it (see the module docstring).
+def run_key(vlm: Any, examples: list[Example], batch_size: int, chat: bool) -> dict[str, Any]:
+    """What identifies an evaluation run for its checkpoint: the model, the options that shape the batches, the
+    example ids and a digest of every example's image, prompt and answer (so other data with the same ids differs)."""
+    digest = hashlib.sha256()
+    for e in examples:
+        digest.update(json.dumps([e.id, e.prompt, e.answer]).encode())
+        image = e.image.convert("RGB")
+        digest.update(f"{image.size}".encode() + image.tobytes())
+    return {"model": vlm.name, "batch_size": batch_size, "chat": chat, "ids": [e.id for e in examples],
+            "data": digest.hexdigest()}
+
+
+def record_from_json(record: dict[str, Any]) -> dict[str, Any]:
+    """A record read back from JSON, with its points as tuples again (as :func:`evaluate` makes them)."""
+    return {**record, "points": [tuple(p) for p in record.get("points", [])]}
+
+
+def _resume(path: Path, key: dict[str, Any], batch_sizes: list[int]) -> list[dict[str, Any]]:
+    """The records of the whole batches a checkpoint holds (none without one), truncating the file after them.
+
+    Args:
+        path: the checkpoint.
+        key: this run's :func:`run_key`.
+        batch_sizes: the number of examples of each batch of this run.
 
     Raises:
-        InputError: the data set is empty, or has examples without an expected answer.
+        InputError: the checkpoint belongs to another run, or is not an evaluation checkpoint.
+    """
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")[:-1]  # the part after the last newline is a torn write (or empty)
+    try:
+        saved = json.loads(lines[0])["run"] if lines else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        saved = None
+    if saved is None:
+        raise InputError(f"{path} is not a vlmbind eval checkpoint; remove it or use another --out")
+    if saved != key:
+        diff = sorted(k for k in key if saved.get(k) != key[k])
+        raise InputError(f"checkpoint {path} is from another run ({', '.join(diff)} differ); remove it or use another "
+                         "--out")
+    records: list[dict[str, Any]] = []
+    kept = len(lines[0]) + 1
+    for i, line in enumerate(lines[1:]):
+        try:
+            batch = json.loads(line)
+        except json.JSONDecodeError:  # damaged on disk: this batch and the later ones are generated again
+            break
+        if not isinstance(batch, dict) or i >= len(batch_sizes) or batch.get("batch") != i or len(batch.get("records", [])) != batch_sizes[i]:
+            break
+        records += [record_from_json(r) for r in batch["records"]]
+        kept += len(line) + 1
+    if kept < len(data):
+        with open(path, "r+b") as fh:  # drop the torn tail so the next batch starts on a fresh line
+            fh.truncate(kept)
+    return records
+
+
+def _append_batch(path: Path, index: int, records: list[dict[str, Any]]) -> None:
+    """Append one finished batch as one line, flushed and synced before the next batch starts."""
+    line = json.dumps({"batch": index, "records": records}, default=json_default) + "\n"
+    with open(path, "ab") as fh:
+        fh.write(line.encode("utf-8"))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16, progress: bool = False,
+             chat: bool = False, checkpoint: str | os.PathLike | None = None) -> EvalResult:
+    """Greedy-generate an answer for every example and score it (see the module docstring).
+
+    Args:
+        vlm: a loaded VLM.
+        dataset: the examples (a :class:`~vlmbind.stimuli.core.Dataset` also records its parameters).
+        batch_size: examples generated together.
+        progress: show a progress bar.
+        chat: wrap prompts in the model's chat template.
+        checkpoint: a file each finished batch is appended to; an existing one from the same run (model, data,
+            batch size, chat) is continued from, so a killed run resumes and ends with the same answers. It is
+            removed when the run completes.
+
+    Raises:
+        InputError: the data set is empty, has examples without an expected answer, ``batch_size`` is not a
+            positive int, or the checkpoint belongs to another run.
     """
     examples = list(dataset)
     if not examples:
         raise InputError("the data set is empty: nothing to evaluate")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
     missing = [e.id for e in examples if not e.answer]
     if missing:
         raise InputError(f"{len(missing)} examples have no expected answer (first: {missing[0]!r})")
     tokenizer = vlm.adapter.tokenizer
-    records = []
-    bar = tqdm(total=len(examples), desc=f"eval {examples[0].task}", disable=not progress)
-    for start in range(0, len(examples), batch_size):
+    records: list[dict[str, Any]] = []
+    starts = range(0, len(examples), batch_size)
+    if checkpoint is not None:
+        checkpoint = Path(checkpoint)
+        key = run_key(vlm, examples, batch_size, chat)
+        records = _resume(checkpoint, key, [len(examples[s : s + batch_size]) for s in starts])
+        if not checkpoint.is_file():
+            write_text_atomic(json.dumps({"run": key}) + "\n", checkpoint)
+    bar = tqdm(total=len(examples), initial=len(records), desc=f"eval {examples[0].task}", disable=not progress)
+    for index, start in enumerate(starts):
+        if start < len(records):  # finished before the interruption
+            continue
         chunk = examples[start : start + batch_size]
+        finished = len(records)
         batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk], chat=chat)
         budget = max(max_new_tokens_for(e, tokenizer) for e in chunk)
         outputs, _ = vlm.generate(batch, max_new_tokens=budget)
@@ -132,8 +229,12 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
                 "id": e.id, "n_objects": len(e.objects), "prompt": e.prompt, "expected": e.answer,
                 "output": out, "parsed": parsed, "correct": bool(correct), "points": parse_points(out),
             })
+        if checkpoint is not None:
+            _append_batch(checkpoint, index, records[finished:])
         bar.update(len(chunk))
     bar.close()
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
     params = dataset.describe() if isinstance(dataset, Dataset) else {}
     params.pop("n", None)
     return EvalResult(model=vlm.name, task=examples[0].task, records=records, params=params)
@@ -160,6 +261,11 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--grid", type=parse_range, help="object grid: N or ROWS-COLS")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out", default=None, help="output directory (default runs/eval/<model>-<task>)")
+    p.add_argument("--resume", action="store_true",
+                   help=f"continue an interrupted run from OUT/{CHECKPOINT} (same arguments)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="split the batches over N worker processes (default 1; implied by torchrun / accelerate "
+                        "launch)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -187,24 +293,47 @@ def training_defaults(vlm: Any, task: str, kwargs: dict[str, Any]) -> dict[str, 
 def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     import argparse
 
-    from . import load
+    from . import load, parallel
     from .stimuli.commands import _kwargs, generate
 
     if args.n < 1:
         raise InputError(f"--n must be a positive number of examples, got {args.n}")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    world = parallel.world_size(args.processes)
+    n_batches = -(-args.n // args.batch_size)
+    if n_batches < world:
+        raise InputError(f"--n {args.n} in batches of {args.batch_size} makes {n_batches} batches, fewer than "
+                         f"--processes {world}; lower --batch-size or --processes")
+    from .io import check_out_dir
+
+    out = check_out_dir(args.out or f"runs/eval/{Path(str(args.model)).name}-{args.task}")
+    checkpoint = out / CHECKPOINT
+    parallel.check_leftovers(out, "eval", checkpoint, world, args.resume)
     stim_args = argparse.Namespace(
         objects=args.objects, entropy=args.entropy, kind=args.kind, present=None, regime=args.regime,
         diversity=args.diversity, split=None, positions=None, pairs=None, image_size=args.image_size,
         grid=args.grid, object_size=None,
     )
     kwargs = _kwargs(args.task, stim_args)
-    vlm = load(args.model)
-    kwargs = training_defaults(vlm, args.task, kwargs)
-    dataset = generate(args.task, args.n, args.seed, kwargs)
-    result = evaluate(vlm, dataset, batch_size=args.batch_size, progress=not args.json)
-    out = Path(args.out or f"runs/eval/{Path(str(args.model)).name}-{args.task}")
+    with parallel.session(args.processes, command[1:], quiet=True) as group:
+        vlm = load(args.model, **group.load_kwargs())
+        kwargs = training_defaults(vlm, args.task, kwargs)
+        dataset = generate(args.task, args.n, args.seed, kwargs)
+        if group.world == 1:
+            result = evaluate(vlm, dataset, batch_size=args.batch_size, progress=not args.json,
+                              checkpoint=checkpoint)
+        else:
+            result = parallel.evaluate(group, vlm, dataset, out, batch_size=args.batch_size,
+                                       progress=group.is_main and not args.json)
+            if not group.is_main:
+                return ({"rank": group.rank, "processes": group.world, "out": str(out)},
+                        f"rank {group.rank} of {group.world}: part written to {out / parallel.PARTS}", 0)
     result.save(out)
+    parallel.remove_parts(out, "eval")
     summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
+    if group.world > 1:
+        summary["processes"] = group.world
     lines = [f"{vlm.name} on {args.task} (n={result.n}, seed {args.seed}): accuracy {result.accuracy:.3f}"]
     lines += [f"  {k} objects: {v['accuracy']:.3f} (n={v['n']})" for k, v in result.per_count.items()]
     lines.append(f"  wrote {out}/results.json and answers.jsonl")

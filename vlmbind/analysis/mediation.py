@@ -237,19 +237,41 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
             _save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
     verified = None
     if method == "attribution" and verify_top > 0:
-        mean = per_pair.mean(0)
-        candidates = sorted(heads, key=lambda lh: -mean[lh])[:verify_top]
-        verified = np.full(per_pair.shape, np.nan)
-        for i, pair in enumerate(pairs):
-            task = tasks.get(i) or (pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers))
-            clean, patched = METHOD_FUNCTIONS["exact"](vlm, task, candidates)
-            for (layer, head), value in zip(candidates, patched):
-                verified[i, layer, head] = value - clean
+        candidates = top_candidates(per_pair, heads, verify_top)
+        verified = verify_heads(vlm, pairs, layers, candidates, per_pair.shape[1:], tasks)
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
     return HeadScores(condition=next(iter(conditions)), method=method, model=vlm.name, per_pair=per_pair,
                       seconds=time.perf_counter() - start, pair_ids=[p.id for p in pairs], verified=verified,
                       skipped=list(getattr(pairs_in, "skipped", [])))
+
+
+def top_candidates(per_pair: np.ndarray, heads: Sequence[tuple[int, int]], k: int) -> list[tuple[int, int]]:
+    """The ``k`` heads of ``heads`` with the largest mean of ``per_pair`` (``N L H``): attribution's candidates."""
+    mean = per_pair.mean(0)
+    return sorted(heads, key=lambda lh: -mean[lh])[:k]
+
+
+def verify_heads(vlm: Any, pairs: Sequence[Any], layers: Sequence[int], candidates: Sequence[tuple[int, int]],
+                 shape: tuple[int, int], tasks: dict[int, PatchTask] | None = None) -> np.ndarray:
+    """Exact scores of ``candidates`` on every pair: ``N L H`` with NaN at the heads not verified.
+
+    Args:
+        vlm: a loaded VLM.
+        pairs: the pairs (scene pairs or objects with ``task``).
+        layers: the layers the tasks capture.
+        candidates: ``(layer, head)`` to verify.
+        shape: ``(L, H)`` of the model.
+        tasks: already built tasks by pair index (built here when missing).
+    """
+    tasks = tasks or {}
+    verified = np.full((len(pairs), *shape), np.nan)
+    for i, pair in enumerate(pairs):
+        task = tasks.get(i) or (pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers))
+        clean, patched = METHOD_FUNCTIONS["exact"](vlm, task, list(candidates))
+        for (layer, head), value in zip(candidates, patched):
+            verified[i, layer, head] = value - clean
+    return verified
 
 
 def _save_checkpoint(path: str | os.PathLike, run_key: dict[str, Any], done: np.ndarray) -> None:
@@ -305,11 +327,13 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run from OUT/locate.partial.safetensors (same arguments)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="split the pairs over N worker processes (default 1; implied by torchrun / accelerate launch)")
     p.set_defaults(func=cmd_locate)
 
 
 def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load
+    from .. import load, parallel
     from ..evaluate import training_defaults
     from ..stimuli import scene_pairs
 
@@ -317,24 +341,39 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
     if args.verify_top < 0:
         raise InputError(f"--verify-top must be 0 or more, got {args.verify_top}")
-    out = Path(args.out or f"runs/locate/{Path(str(args.model)).name}-{args.condition}")
-    checkpoint = out / CHECKPOINT
-    if checkpoint.is_file() and not args.resume:
-        raise InputError(f"{out} holds an interrupted run ({CHECKPOINT}); pass --resume to continue it, or choose "
-                         "another --out")
-    vlm = load(args.model)
-    if args.condition == "attention_swap":
-        from .traces import point_swap_pairs
+    from ..io import check_out_dir
 
-        extra = {"objects": args.objects} if args.objects else {}
-        pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task, **extra)
-    else:
-        kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
-        pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
-    scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
-                    checkpoint=checkpoint)
+    out = check_out_dir(args.out or f"runs/locate/{Path(str(args.model)).name}-{args.condition}")
+    checkpoint = out / CHECKPOINT
+    world = parallel.world_size(args.processes)
+    if args.n_pairs < world:
+        raise InputError(f"--n-pairs {args.n_pairs} cannot be shared by {world} processes; pass --processes "
+                         f"{args.n_pairs} or more pairs")
+    parallel.check_leftovers(out, "locate", checkpoint, world, args.resume)
+    with parallel.session(args.processes, command[1:], quiet=True) as group:
+        vlm = load(args.model, **group.load_kwargs())
+        if args.condition == "attention_swap":
+            from .traces import point_swap_pairs
+
+            extra = {"objects": args.objects} if args.objects else {}
+            pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task, **extra)
+        else:
+            kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
+            pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
+        if group.world == 1:
+            scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
+                            checkpoint=checkpoint)
+        else:
+            scores = parallel.locate(group, vlm, pairs, out, method=args.method, verify_top=args.verify_top,
+                                     progress=group.is_main and not args.json)
+            if not group.is_main:
+                return ({"rank": group.rank, "processes": group.world, "out": str(out)},
+                        f"rank {group.rank} of {group.world}: part written to {out / parallel.PARTS}", 0)
     scores.save(out)
+    parallel.remove_parts(out, "locate")
     summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
+    if group.world > 1:
+        summary["processes"] = group.world
     top = ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})" for l, h in scores.top(5))
     text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}: {scores.seconds:.1f} s\n"
             f"  top heads: {top}\n  wrote {out}/scores.csv, heatmap.html, summary.json")
