@@ -324,8 +324,10 @@ def _single_pass(vlm: Any, task: PatchTask, inputs: dict[str, Any], position_ids
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
     kwargs["attention_mask"] = mask
-    scored_at = torch.cat([torch.tensor([task.score_position], device=device),
-                           seq + (task.score_position - start) + suffix * torch.arange(n, device=device)])
+    # CPU indices: they may index hidden states on any device (under a multi-device map the last layer's device
+    # is not the embeddings' one, and a CUDA index on another device raises)
+    scored_at = torch.cat([torch.tensor([task.score_position]),
+                           seq + (task.score_position - start) + suffix * torch.arange(n)])
     kwargs["logits_to_keep"] = scored_at
     local = task.positions - start
     blocks = [seq + local + j * suffix for j in range(n)]
