@@ -131,6 +131,31 @@ def test_two_processes_write_the_single_process_files(tmp_path, capsys):
     assert len((two / "eval/answers.jsonl").read_text().splitlines()) == 10
 
 
+def test_two_processes_capture_the_single_process_shards(tmp_path, capsys):
+    """`vlmbind probe --processes 2`: each rank captures its block of shards, rank 0 writes the manifest; the
+    activation directory (every shard and the manifest) and probe.csv equal a one-process run's, byte for byte."""
+    args = ["probe", "--model", "organism-p2a", "--n-train", "16", "--n-val", "8", "--n-test", "8", "--epochs", "2",
+            "--shard-size", "8", "--json"]
+    ref, two = tmp_path / "ref", tmp_path / "two"
+    assert main([*args, "--out", str(ref)]) == 0
+    capsys.readouterr()
+    done = subprocess.run([*CMD, *args, "--out", str(two), "--processes", "2"], capture_output=True, text=True,
+                          env=ENV, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["model"] == "organism-p2a"
+    names = sorted(p.name for p in (ref / "activations").iterdir())
+    assert len([n for n in names if n.endswith(".safetensors")]) == 4
+    assert sorted(p.name for p in (two / "activations").iterdir()) == names  # no parts left behind
+    for name in names:
+        assert (two / "activations" / name).read_bytes() == (ref / "activations" / name).read_bytes(), name
+    assert (two / "probe.csv").read_bytes() == (ref / "probe.csv").read_bytes()
+    assert main([*args, "--out", str(tmp_path / "bad"), "--processes", "5"]) == 2
+    assert "4 shards, fewer than --processes 5" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "bad"), "--shard-size", "0"]) == 2
+    assert "--shard-size must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_killed_eval_resumes_to_identical_files(tmp_path, capsys):
     """kill -9 a `vlmbind eval` once its checkpoint holds some but not all batches, tear its last line, resume, and
     compare with an uninterrupted run."""

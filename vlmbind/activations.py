@@ -296,6 +296,8 @@ def capture(
     resume: bool = False,
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
+    shards: range | None = None,
+    manifest_name: str = MANIFEST,
 ) -> ActivationSet:
     """Run ``data`` through ``vlm`` and keep ``sites`` (wildcards allowed; LM, vision tower and projector).
 
@@ -310,6 +312,9 @@ def capture(
         resume: continue an interrupted run in ``out`` (same sites, tokens, model and data size).
         dtype: storage dtype.
         progress: show a progress bar.
+        shards: capture only these shard indices of the whole set (one rank of a data-parallel capture,
+            :func:`vlmbind.parallel.capture`); their files carry the whole set's names and example indices.
+        manifest_name: the file (relative to ``out``) that records progress; a rank keeps its own.
 
     Raises:
         InputError: bad arguments, an ``out`` holding another run (without ``resume``), or a resume that does not
@@ -347,8 +352,8 @@ def capture(
         memory = {}
     else:
         root = Path(out)
-        if (root / MANIFEST).is_file():
-            old = json.loads((root / MANIFEST).read_text())
+        if (root / manifest_name).is_file():
+            old = json.loads((root / manifest_name).read_text())
             if not resume:
                 raise InputError(f"{root} already holds a capture; pass resume=True (--resume) to continue it, or "
                                  "choose another directory")
@@ -365,7 +370,7 @@ def capture(
     for shard in range(n_shards):
         start = shard * shard_size
         stop = min(start + shard_size, len(examples))
-        if _shard_name(shard) in done:
+        if _shard_name(shard) in done or (shards is not None and shard not in shards):
             bar.update(stop - start)
             continue
         tensors: dict[str, torch.Tensor] = {}
@@ -394,7 +399,7 @@ def capture(
                 save_safetensors(tensors, str(tmp))
             write_json_atomic({"examples": shard_meta}, root / f"{name}.json", indent=None)
             manifest["shards"].append({"name": name, "start": start, "n": stop - start})
-            write_json_atomic(manifest, root / MANIFEST)
+            write_json_atomic(manifest, root / manifest_name)
         if memory is not None:
             manifest["shards"].append({"name": _shard_name(shard), "start": start, "n": stop - start,
                                        "examples": shard_meta})

@@ -327,8 +327,7 @@ def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
             result = parallel.evaluate(group, vlm, dataset, out, batch_size=args.batch_size,
                                        progress=group.is_main and not args.json)
             if not group.is_main:
-                return ({"rank": group.rank, "processes": group.world, "out": str(out)},
-                        f"rank {group.rank} of {group.world}: part written to {out / parallel.PARTS}", 0)
+                return parallel.rank_done(group, out)
     result.save(out)
     parallel.remove_parts(out, "eval")
     summary = {**result.summary(), "out": str(out), "command": " ".join(command)}

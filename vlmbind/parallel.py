@@ -1,7 +1,7 @@
-"""Data-parallel sweeps over N worker processes: ``vlmbind locate --processes N``, ``vlmbind eval --processes N``.
+"""Data-parallel sweeps over N worker processes: ``vlmbind locate``, ``eval``, ``probe`` and ``rsa --processes N``.
 
-Design: a sweep (pairs of ``locate``, batches of ``eval``) is cut into N contiguous blocks, one per rank; every rank
-loads the model itself (same name or path -> same weights), computes its block with the ordinary single-process code
+Design: a sweep (pairs of ``locate``, batches of ``eval``, shards of a capture) is cut into N contiguous blocks, one
+per rank; every rank loads the model itself (same name or path -> same weights), computes its block with the ordinary single-process code
 (with its own checkpoint, so a killed rank resumes), and writes its part atomically to ``OUT/.parts/``; rank 0 waits
 for every part, concatenates them in rank order (which is the original item order) and writes the usual result files.
 Results never travel through pickle or a collective: parts are safetensors / JSON files, which also survive a crash of
@@ -440,6 +440,95 @@ def evaluate(group: Group, vlm: Any, dataset: Any, out: str | os.PathLike, *, ba
     params = dataset.describe() if hasattr(dataset, "describe") else {}
     params.pop("n", None)
     return EvalResult(model=vlm.name, task=examples[0].task, records=records, params=params)
+
+
+def rank_done(group: Group, out: str | os.PathLike) -> tuple[dict[str, Any], str, int]:
+    """The CLI result of a rank other than 0 (its work is in the parts; rank 0 writes the results)."""
+    return ({"rank": group.rank, "processes": group.world, "out": str(out)},
+            f"rank {group.rank} of {group.world}: part written to {Path(out) / PARTS}", 0)
+
+
+def add_capture_arguments(p: Any) -> None:
+    """``--processes`` and ``--shard-size`` of the commands that capture a data set (``probe``, ``rsa``)."""
+    p.add_argument("--processes", type=int, default=1,
+                   help="split the capture's shards over N worker processes (default 1; implied by torchrun / "
+                        "accelerate launch)")
+    p.add_argument("--shard-size", type=int, default=64, help="examples per activation shard (default 64)")
+
+
+def check_shards(n: int, shard_size: Any, world: int) -> int:
+    """The number of shards ``n`` examples make; refuses a shard size below 1 and fewer shards than ranks.
+
+    Raises:
+        InputError: ``shard_size`` is not a positive int, or the shards are fewer than ``world``.
+    """
+    if not isinstance(shard_size, int) or shard_size < 1:
+        raise InputError(f"--shard-size must be at least 1, got {shard_size!r}")
+    n_shards = -(-n // shard_size)
+    if world > 1 and n_shards < world:
+        raise InputError(f"{n} examples in shards of {shard_size} make {n_shards} shards, fewer than --processes "
+                         f"{world}; lower --shard-size or --processes")
+    return n_shards
+
+
+def capture(group: Group, vlm: Any, data: Any, sites: Any, out: str | os.PathLike, *, resume: bool = False,
+            **options: Any) -> Any:
+    """:func:`vlmbind.activations.capture` over the ranks of ``group``: each rank captures a contiguous block of
+    shards straight into ``out`` (shard files carry the whole set's names and indices) and keeps its progress in its
+    own manifest under ``OUT/.parts``; rank 0 then writes the manifest a single process would write, so the directory
+    is byte-identical to a one-process capture.
+
+    Args:
+        group: this process's rank (:func:`start`).
+        vlm: the model, loaded by this rank.
+        data: all examples (every rank builds the same list).
+        sites: as in :func:`~vlmbind.activations.capture`.
+        out: the capture directory.
+        resume: continue an interrupted run (each rank from its own manifest).
+        **options: ``tokens``, ``batch_size``, ``shard_size``, ``dtype``, ``progress`` as in
+            :func:`~vlmbind.activations.capture`.
+
+    Returns:
+        Rank 0: the complete :class:`~vlmbind.activations.ActivationSet`. Other ranks: None.
+
+    Raises:
+        InputError: fewer shards than ranks, a finished capture in ``out`` (without ``resume``), or leftovers of
+            another number of processes.
+    """
+    import json
+
+    from .activations import MANIFEST, ActivationSet, capture as capture_one
+    from .io import write_json_atomic
+
+    examples = list(data)
+    shard_size = options.get("shard_size", 64)
+    n_shards = check_shards(len(examples), shard_size, group.world)
+    root = Path(out)
+    if group.world == 1:
+        return capture_one(vlm, examples, sites, out=root, resume=resume, **options)
+    final = root / MANIFEST
+    if final.is_file():
+        if not resume:
+            raise InputError(f"{root} already holds a capture; pass --resume to continue it, or choose another "
+                             "directory")
+        if group.is_main:
+            return ActivationSet.load(root)
+        return None
+    mine = part_path(root, "capture", group.rank, group.world, ".json")
+    done = part_path(root, "capture", group.rank, group.world, ".done.json")
+    if not done.is_file():
+        capture_one(vlm, examples, sites, out=root, resume=resume, shards=group.block(n_shards),
+                    manifest_name=str(mine.relative_to(root)), **options)
+        write_json_atomic(json.loads(mine.read_text()), done)
+    if not group.is_main:
+        return None
+    everyone = [part_path(root, "capture", r, group.world, ".done.json") for r in range(group.world)]
+    group.wait_for(everyone)
+    parts = [json.loads(p.read_text()) for p in everyone]
+    manifest = {**parts[0], "shards": [s for part in parts for s in part["shards"]]}
+    write_json_atomic(manifest, final)
+    remove_parts(root, "capture")
+    return ActivationSet(root, manifest)
 
 
 def _write_part(path: Path, key: dict[str, Any], values: Any) -> None:

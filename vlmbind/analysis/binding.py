@@ -239,12 +239,14 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help=f"continue an interrupted run: its capture in OUT/activations and the probes in OUT/{CHECKPOINT}")
     p.add_argument("--out", default=None, help="output directory (default runs/probe/<model>)")
+    from ..parallel import add_capture_arguments
+
+    add_capture_arguments(p)
     p.set_defaults(func=cmd_probe)
 
 
 def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load
-    from ..activations import capture
+    from .. import load, parallel
     from ..probes import ProbeConfig
 
     families = tuple(f.strip() for f in args.family.split(",") if f.strip())
@@ -254,10 +256,6 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
         raise InputError(f"--epochs and --batch-size must be at least 1 and --lr positive, got {args.epochs}, "
                          f"{args.batch_size}, {args.lr}")
-    vlm = load(args.model)
-    sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
-    sites = [s.name for s in vlm.sites(sites)]
-    examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed)
     from ..io import check_out_dir
 
     out = check_out_dir(args.out or f"runs/probe/{Path(str(args.model)).name}")
@@ -265,7 +263,16 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     if checkpoint.is_file() and not args.resume:
         raise InputError(f"{out} holds an interrupted run ({CHECKPOINT}); pass --resume to continue it, or choose "
                          "another --out")
-    acts = capture(vlm, examples, sites, out=out / "activations", resume=args.resume, progress=not args.json)
+    examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed)
+    parallel.check_shards(len(examples), args.shard_size, parallel.world_size(args.processes))
+    with parallel.session(args.processes, command[1:], quiet=True) as group:
+        vlm = load(args.model, **group.load_kwargs())
+        sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
+        sites = [s.name for s in vlm.sites(sites)]
+        acts = parallel.capture(group, vlm, examples, sites, out / "activations", resume=args.resume,
+                                shard_size=args.shard_size, progress=group.is_main and not args.json)
+        if not group.is_main:
+            return parallel.rank_done(group, out)
     config = ProbeConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
     result = probe_sites(acts, split, families=families, config=config, checkpoint=checkpoint)
     result.save(out)

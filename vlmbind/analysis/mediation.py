@@ -367,8 +367,7 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
             scores = parallel.locate(group, vlm, pairs, out, method=args.method, verify_top=args.verify_top,
                                      progress=group.is_main and not args.json)
             if not group.is_main:
-                return ({"rank": group.rank, "processes": group.world, "out": str(out)},
-                        f"rank {group.rank} of {group.world}: part written to {out / parallel.PARTS}", 0)
+                return parallel.rank_done(group, out)
     scores.save(out)
     parallel.remove_parts(out, "locate")
     summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}

@@ -268,6 +268,9 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue an interrupted capture in OUT/activations")
     p.add_argument("--out", default=None, help="output directory (default runs/rsa/<model>)")
+    from ..parallel import add_capture_arguments
+
+    add_capture_arguments(p)
     p.set_defaults(func=cmd_rsa)
 
 
@@ -290,8 +293,7 @@ def rsa_stimuli(vlm: Any, n_positions: int, seed: int) -> Any:
 
 
 def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load
-    from ..activations import capture
+    from .. import load, parallel
 
     if args.positions < 1:
         raise InputError(f"--positions must be at least 1, got {args.positions}")
@@ -300,11 +302,15 @@ def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     from ..io import check_out_dir
 
     out = check_out_dir(args.out or f"runs/rsa/{Path(str(args.model)).name}")
-    vlm = load(args.model)
-    sites = [s.strip() for s in args.sites.split(",") if s.strip()]
-    vlm.sites(sites)  # a misspelt site fails here, before anything is written
-    data = rsa_stimuli(vlm, args.positions, args.seed)
-    acts = capture(vlm, data, sites, out=out / "activations", resume=args.resume, progress=not args.json)
+    with parallel.session(args.processes, command[1:], quiet=True) as group:
+        vlm = load(args.model, **group.load_kwargs())
+        sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+        vlm.sites(sites)  # a misspelt site fails here, before anything is written
+        data = rsa_stimuli(vlm, args.positions, args.seed)
+        acts = parallel.capture(group, vlm, data, sites, out / "activations", resume=args.resume,
+                                shard_size=args.shard_size, progress=group.is_main and not args.json)
+        if not group.is_main:
+            return parallel.rank_done(group, out)
     result = rsa(acts, similarity=args.similarity, permutations=args.permutations, seed=args.seed)
     result.save(out)
     from ..viz import write_html_atomic
