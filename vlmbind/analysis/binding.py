@@ -134,9 +134,10 @@ def _load_checkpoint(path: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
         saved_run, rows = saved["run"], saved["rows"]
     except (ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{path} is not a probe checkpoint ({exc}); delete it to start the probes again") from None
-    if saved_run != json.loads(json.dumps(run, default=json_default)):
-        differ = sorted(k for k in set(run) | set(saved_run) if saved_run.get(k) != json.loads(
-            json.dumps(run.get(k), default=json_default)))
+    run = json.loads(json.dumps(run, default=json_default))  # compared as it reads back from disk
+    if not isinstance(saved_run, dict) or saved_run != run:
+        saved_run = saved_run if isinstance(saved_run, dict) else {}
+        differ = sorted(k for k in set(run) | set(saved_run) if saved_run.get(k) != run.get(k))
         raise InputError(f"{path} holds another run's probes ({', '.join(differ)} differ); use another output "
                          "directory or delete the checkpoint")
     return rows
