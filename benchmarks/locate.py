@@ -27,7 +27,7 @@ import torch
 import vlmbind as vb
 from vlmbind.analysis import locate
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.analysis.patching import METHOD_FUNCTIONS
+from vlmbind.patching import METHOD_FUNCTIONS
 from vlmbind.evaluate import training_defaults
 from vlmbind.stimuli import Canvas, scene_pairs
 
@@ -130,7 +130,7 @@ def run_case(vlm: vb.VLM, pairs: list, methods: list[str]) -> dict:
 def phases(vlm: vb.VLM, pair) -> dict:
     """Where exact's time goes on one pair (seconds): building the task (alignment + counterfactual run) and the sweep,
     against one plain forward of the clean prompt."""
-    from vlmbind.analysis.patching import exact_diffs
+    from vlmbind.patching import exact_diffs
 
     heads = [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads)]
     t = time.perf_counter()

@@ -23,6 +23,7 @@ from PIL import Image
 
 import vlmbind as vb
 from vlmbind import cli, tiny
+from vlmbind.commands import demo
 from vlmbind.errors import InputError
 from vlmbind.viz import attention_overlay, head_heatmap, write_html_atomic, write_text_atomic
 
@@ -67,7 +68,7 @@ def test_models_json_lists_every_registered_name_with_its_shape(capsys):
 
 def test_models_failing_row_is_reported_and_exits_1(monkeypatch, capsys):
     names = vb.registered_names()[:2]
-    monkeypatch.setattr(vb, "registered_names", lambda: names)
+    monkeypatch.setattr("vlmbind.loading.registered_names", lambda: names)
 
     def fake_describe(name):
         if name == names[1]:
@@ -75,7 +76,7 @@ def test_models_failing_row_is_reported_and_exits_1(monkeypatch, capsys):
         return {"name": name, "display_name": "Fake", "layers": 2, "heads": 3, "kv_heads": 1,
                 "grids": [{"name": "image", "image": 0, "rows": 2, "cols": 2}], "image_tokens": 4, "source": "x"}
 
-    monkeypatch.setattr(cli, "describe_model", fake_describe)
+    monkeypatch.setattr("vlmbind.commands.models.describe_model", fake_describe)
     assert cli.main(["models"]) == 1
     out = capsys.readouterr().out
     assert "2 x 3 (1)" in out and "image 2x2 = 4" in out
@@ -125,7 +126,7 @@ def test_unexpected_failure_exits_1_with_one_line(monkeypatch, tmp_path, capsys)
     def broken(vlm, seed):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(cli, "_demo_scene", broken)
+    monkeypatch.setattr("vlmbind.commands.demo._demo_scene", broken)
     monkeypatch.delenv("VLMBIND_DEBUG", raising=False)
     assert cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(tmp_path / "o")]) == 1
     line = _one_error_line(capsys.readouterr().err)
@@ -177,7 +178,7 @@ def test_demo_masses_equal_output_attentions(demo_run):
     assert frame["mass"].between(0.0, 1.0).all()
 
     scene = Image.open(out / "scene.png").convert("RGB")
-    batch = vlm.prepare(scene, cli.DEMO_PROMPT)
+    batch = vlm.prepare(scene, demo.DEMO_PROMPT)
     ids = batch.inputs["input_ids"][0]
     image_pos = torch.nonzero(ids == vlm.model.config.image_token_id).flatten()
     last = int(batch.inputs["attention_mask"][0].nonzero().max())
@@ -193,10 +194,10 @@ def test_demo_masses_equal_output_attentions(demo_run):
     assert (summary["head"]["layer"], summary["head"]["head"]) == (int(layer), int(head))
     assert summary["head"]["mass"] == pytest.approx(float(expected[layer, head]), abs=1e-6)
     probs = torch.softmax(ref.logits[0, last].double(), -1)
-    assert [p["id"] for p in summary["top_predictions"]] == torch.topk(probs, cli.TOP_K).indices.tolist()
+    assert [p["id"] for p in summary["top_predictions"]] == torch.topk(probs, demo.TOP_K).indices.tolist()
     assert [p["prob"] for p in summary["top_predictions"]] == pytest.approx(
-        torch.topk(probs, cli.TOP_K).values.tolist(), abs=1e-6)
-    assert summary["model"] == "tiny-qwen2_5_vl" and summary["seed"] == 0 and summary["prompt"] == cli.DEMO_PROMPT
+        torch.topk(probs, demo.TOP_K).values.tolist(), abs=1e-6)
+    assert summary["model"] == "tiny-qwen2_5_vl" and summary["seed"] == 0 and summary["prompt"] == demo.DEMO_PROMPT
     assert set(summary["versions"]) >= {"torch", "transformers", "vlmbind"}
     assert summary["versions"]["torch"] == torch.__version__
     assert summary["command"].startswith("vlmbind demo --model tiny-qwen2_5_vl --out ")
@@ -274,17 +275,17 @@ def test_demo_is_deterministic_and_prints_a_summary(demo_run, tmp_path, capsys):
 
 
 def test_scene_is_deterministic_and_draws_what_it_reports():
-    image, objects = cli._draw_scene(3)
-    image_again, _ = cli._draw_scene(3)
+    image, objects = demo._draw_scene(3)
+    image_again, _ = demo._draw_scene(3)
     assert image.tobytes() == image_again.tobytes()
-    assert any(cli._draw_scene(s)[0].tobytes() != image.tobytes() for s in (4, 5, 6))
+    assert any(demo._draw_scene(s)[0].tobytes() != image.tobytes() for s in (4, 5, 6))
     assert [(o["colour"], o["shape"]) for o in objects[:2]] == [("red", "square"), ("blue", "circle")]
     pixels = np.asarray(image)
     boxes = [o["box"] for o in objects]
     for o in objects:
         x0, y0, x1, y1 = o["box"]
         centre = pixels[(y0 + y1) // 2 + (y1 - y0) // 4, (x0 + x1) // 2]  # below the centre: inside triangles too
-        assert tuple(centre) == cli._SCENE_RGB[o["colour"]], o
+        assert tuple(centre) == demo._SCENE_RGB[o["colour"]], o
     for i in range(3):
         for j in range(i + 1, 3):
             a, b = boxes[i], boxes[j]

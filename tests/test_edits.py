@@ -115,7 +115,7 @@ def test_edit_equals_a_plain_o_proj_hook_and_alpha_zero_is_the_identity(organism
     handle = organism.adapter.o_proj_module(1).register_forward_pre_hook(hook)
     try:
         with torch.no_grad():
-            manual = organism.model(**organism._model_inputs(batch), use_cache=False).logits
+            manual = organism.model(**organism.model_inputs(batch), use_cache=False).logits
     finally:
         handle.remove()
     assert torch.allclose(edited, manual, atol=1e-5)

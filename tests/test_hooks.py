@@ -23,7 +23,7 @@ def _clean_state(vlm) -> None:
     assert _hook_count(vlm.model) == 0
     assert not any(hasattr(m, _PROB_EDITS) for m in vlm.model.modules())
     assert vlm.adapter.text_config._attn_implementation != ATTENTION_IMPL
-    assert vlm._active == []
+    assert vlm.active == []
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import torch
 from conftest import get_tiny
 from test_patching import all_heads, strong_task
 
-from vlmbind.analysis.patching import exact_diffs, naive_diffs, prefix_end
+from vlmbind.patching import exact_diffs, naive_diffs, prefix_end
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
@@ -134,7 +134,7 @@ def test_batched_layout_keeps_the_prefix_cache_under_the_budget(condition):
     task = strong_task(vlm, condition)
     heads = all_heads(vlm)
     a = vlm.adapter
-    inputs = vlm._model_inputs(task.batch)
+    inputs = vlm.model_inputs(task.batch)
     prefix = prefix_end(vlm, task.batch, inputs, int(task.positions.min()))
     assert prefix > 0
     # one row's copy of the prefix cache: keys and values of every layer

@@ -18,7 +18,7 @@ import torch
 
 import vlmbind as vb
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.analysis.patching import PatchTask, exact_diffs, naive_diffs
+from vlmbind.patching import PatchTask, exact_diffs, naive_diffs
 from vlmbind.hooks import AblateHeads, AddToHeads, PatchHeads, ZeroImageAttention
 from vlmbind.tiny import TINY_NAMES
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import get_tiny
 
 import vlmbind as vb
-from vlmbind import parallel
+from vlmbind import parallel, sweeps
 from vlmbind.analysis import locate
 from vlmbind.cli import main
 from vlmbind.evaluate import CHECKPOINT, evaluate
@@ -89,13 +89,13 @@ def test_ranks_merge_to_the_single_process_scores(tmp_path):
 
     def rank1() -> None:
         try:
-            assert parallel.locate(parallel.Group(rank=1, world=2), other, pairs, tmp_path, **kwargs) is None
+            assert sweeps.locate(parallel.Group(rank=1, world=2), other, pairs, tmp_path, **kwargs) is None
         except BaseException as exc:  # noqa: BLE001 - re-raised by the test below
             errors.append(exc)
 
     thread = threading.Thread(target=rank1)
     thread.start()
-    merged = parallel.locate(parallel.Group(rank=0, world=2), get_tiny("tiny-qwen2_5_vl"), pairs, tmp_path, **kwargs)
+    merged = sweeps.locate(parallel.Group(rank=0, world=2), get_tiny("tiny-qwen2_5_vl"), pairs, tmp_path, **kwargs)
     thread.join()
     assert not errors, errors
     np.testing.assert_array_equal(merged.per_pair, ref.per_pair)
@@ -106,7 +106,7 @@ def test_ranks_merge_to_the_single_process_scores(tmp_path):
     parts = sorted((tmp_path / parallel.PARTS).glob("locate-scores.rank*"))
     assert len(parts) == 2
     with pytest.raises(vb.InputError, match="another run"):
-        parallel.locate(parallel.Group(rank=0, world=2), get_tiny("tiny-qwen2_5_vl"), pairs[:4], tmp_path, **kwargs)
+        sweeps.locate(parallel.Group(rank=0, world=2), get_tiny("tiny-qwen2_5_vl"), pairs[:4], tmp_path, **kwargs)
 
 
 def test_two_processes_write_the_single_process_files(tmp_path, capsys):

@@ -1,9 +1,9 @@
 """Property tests for the small text parsers the command line and the analyses share.
 
 Covered here (the site grammar is property-tested in test_sites.py, point formatting / parsing round trips and
-never-raises in test_stimuli_search.py): the head-list parser (``"L.H,L.H"``, ``models._as_heads`` and
+never-raises in test_stimuli_search.py): the head-list parser (``"L.H,L.H"``, ``sites.parse_heads`` and
 ``edits.check_heads``), the object-count range parser (``"N"`` / ``"LOW-HIGH"``), the CLI's int-argument factory
-(``cli._int_at_least``, through ``cli.main``'s exit code), the alpha list, and the Point-to-Answer answer readers
+(``commands.arguments.int_at_least``, through ``cli.main``'s exit code), the alpha list, and the Point-to-Answer answer readers
 (``p2a_text`` then ``parse_points`` / ``parse_count`` / ``parse_yes_no``, and garbage giving ``[]`` / ``None``).
 """
 
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from vlmbind import cli
 from vlmbind.analysis.edits import check_alphas, check_heads
 from vlmbind.errors import InputError
-from vlmbind.models import _as_heads
-from vlmbind.stimuli.commands import parse_range
+from vlmbind.commands.arguments import int_at_least, parse_range
+from vlmbind.sites import parse_heads
 from vlmbind.stimuli.points import p2a_text, parse_count, parse_points, parse_yes_no
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -35,16 +35,16 @@ _head = st.tuples(st.integers(0, 200), st.integers(0, 200))
 @given(st.lists(_head, max_size=12), st.sampled_from([",", ", ", " ,", ",,"]), st.booleans())
 def test_head_list_round_trips(heads, sep, trailing):
     text = sep.join(f"{l}.{h}" for l, h in heads) + ("," if trailing else "")
-    assert _as_heads(text) == heads
-    assert _as_heads(heads) == heads  # pairs pass through unchanged
-    assert _as_heads([f"{l}.{h}" for l, h in heads]) == heads
+    assert parse_heads(text) == heads
+    assert parse_heads(heads) == heads  # pairs pass through unchanged
+    assert parse_heads([f"{l}.{h}" for l, h in heads]) == heads
 
 
 @SETTINGS
 @given(st.text(max_size=30))
 def test_head_list_never_raises_anything_but_input_error(text):
     try:
-        heads = _as_heads(text)
+        heads = parse_heads(text)
     except InputError as exc:
         assert "LAYER.HEAD" in str(exc)  # the message shows the expected form
         return
@@ -59,7 +59,7 @@ def test_head_items_without_exactly_one_dot_are_refused(items):
     text = ",".join(items)
     if any(item.strip() and item.count(".") != 1 for item in items):
         with pytest.raises(InputError):
-            _as_heads(text)
+            parse_heads(text)
 
 
 @SETTINGS
@@ -102,12 +102,12 @@ def test_range_never_raises_anything_but_argument_type_error(text):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# CLI integer arguments: cli._int_at_least
+# CLI integer arguments: commands.arguments.int_at_least
 # ----------------------------------------------------------------------------------------------------------------
 @SETTINGS
 @given(st.integers(-5, 5), st.integers(-10**9, 10**9))
 def test_int_factory_accepts_exactly_the_ints_at_or_above_low(low, value):
-    parse = cli._int_at_least(low, "--x 3")
+    parse = int_at_least(low, "--x 3")
     if value >= low:
         assert parse(str(value)) == value
     else:
@@ -119,7 +119,7 @@ def test_int_factory_accepts_exactly_the_ints_at_or_above_low(low, value):
 @given(st.text(max_size=12).filter(lambda t: not t.strip().lstrip("+-").replace("_", "").isdigit()))
 def test_int_factory_refuses_non_integers_naming_them(text):
     with pytest.raises(argparse.ArgumentTypeError) as exc:
-        cli._int_at_least(0, "--seed 0")(text)
+        int_at_least(0, "--seed 0")(text)
     assert repr(text) in str(exc.value) or "below" in str(exc.value)
 
 

@@ -13,7 +13,7 @@ from conftest import get_tiny
 
 import vlmbind as vb
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.analysis.patching import PatchTask, attribution_diffs, exact_diffs, naive_diffs
+from vlmbind.patching import PatchTask, attribution_diffs, exact_diffs, naive_diffs
 from vlmbind.tiny import TINY_NAMES
 
 S = vb.stimuli

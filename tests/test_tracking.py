@@ -162,7 +162,7 @@ def test_captured_maps_equal_hf_output_attentions_of_a_full_forward(query):
         single = vlm.prepare([images[r]], [prompts[r]])  # unpadded, as the reference sees it
         full = extend_batch(vlm, single, ids)
         with torch.no_grad():
-            out = vlm.model(**vlm._model_inputs(full), output_attentions=True, use_cache=False)
+            out = vlm.model(**vlm.model_inputs(full), output_attentions=True, use_cache=False)
         p = single.seq_len
         g_pad, g_ref = batch.index[r].grids[0], single.index[0].grids[0]
         for k in range(len(ids)):

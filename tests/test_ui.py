@@ -154,8 +154,8 @@ def test_scores_frame_and_cli(vlm, tmp_path, monkeypatch, capsys) -> None:
         def run(self, **kw):
             calls.append(kw)
 
-    monkeypatch.setattr(ui, "build_app", lambda *a, **k: _App())
-    monkeypatch.setattr(vb, "load", lambda name: vlm)
+    monkeypatch.setattr("vlmbind.commands.ui.build_app", lambda *a, **k: _App())
+    monkeypatch.setattr("vlmbind.loading.load", lambda name: vlm)
     from vlmbind.cli import main
 
     assert main(["ui", "--port", "8123"]) == 0

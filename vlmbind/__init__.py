@@ -16,8 +16,10 @@ from .errors import (
     VlmbindError,
 )
 from .evaluate import EvalResult, evaluate
-from .hooks import AblateHeads, AddToHeads, PatchHeads, ZeroImageAttention
-from .models import VLM, Batch, RunOutput, load, registered_names, supported_families
+from .interventions import AblateHeads, AddToHeads, PatchHeads, ZeroImageAttention
+from .batches import Batch, RunOutput
+from .loading import load, registered_names, supported_families
+from .models import VLM
 from .sites import Site, resolve_sites
 from .tokens import ImageGrid, TokenIndex
 

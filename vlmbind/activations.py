@@ -31,13 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file as save_safetensors
 from tqdm.auto import tqdm
 
-from .errors import InputError
+from .errors import InputError, close_matches
 from .io import atomic_path, write_json_atomic
+from .stimuli.core import object_token_positions
 
 TOKEN_MODES = ("image", "all", "last")
 MANIFEST = "manifest.json"
@@ -70,8 +72,6 @@ def _token_table(index: Any, example: Any, tokens: str) -> tuple[np.ndarray, lis
     """``(T 5 int table, grid names)``: per kept language-model position its position, grid (an index into the
     names, -1 for none), row, col and covered object (-1: none); for a standalone vision encoder, every token of its
     output."""
-    from .stimuli.core import object_token_positions
-
     if hasattr(index, "token_table"):
         d = index.token_table(getattr(example, "objects", None))
         names = list(dict.fromkeys(d["grid"]))
@@ -189,8 +189,6 @@ class ActivationSet:
             InputError: an unknown site (with close matches) or example.
         """
         if site not in self.sites:
-            from .errors import close_matches
-
             raise InputError(f"site {site!r} was not captured; captured: {', '.join(self.sites)}."
                              f"{close_matches(site, self.sites)}")
         key = f"{site}|{i}"
@@ -259,8 +257,6 @@ class ActivationSet:
         Raises:
             InputError: a site whose rows are not the language model's image tokens in order.
         """
-        import pandas as pd
-
         if not self._token_aligned(site):
             raise InputError(f"{site}: its rows are not the language model's image tokens in order, so they cannot be "
                              "pooled per object (use an LM site, the projector of a family that keeps the order, or "

@@ -20,8 +20,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from PIL import Image
+from transformers import AutoImageProcessor
 
+from .adapters.base import get_module
+from .batches import RunOutput
 from .errors import InputError, ModelLoadError
 from .hooks import HookSession
 from .sites import resolve_sites
@@ -98,7 +102,6 @@ class _EncoderAdapter:
     n_layers = 0
 
     def __init__(self, model: Any, layers_path: str):
-        from .adapters.base import get_module
 
         self.model = model
         self._layers = get_module(model, layers_path)
@@ -186,8 +189,6 @@ class VisionEncoder:
 
     def run(self, batch: EncoderBatch, *, sites: Any = ()) -> Any:
         """One forward capturing ``sites``; ``logits`` holds the last hidden state (an encoder has no vocabulary)."""
-        from .models import RunOutput
-
         resolved = self.sites(sites) if sites else []
         session = HookSession(self.adapter, resolved)
         with torch.no_grad(), session:
@@ -202,9 +203,6 @@ class VisionEncoder:
 
 def load_encoder(path: str, config: Any, **hf_kwargs: Any) -> VisionEncoder:
     """A standalone vision encoder from a directory or hub id whose config is one of :data:`ENCODERS`."""
-    import transformers
-    from transformers import AutoImageProcessor
-
     family = config.model_type
     spec = ENCODERS[family]
     with contextlib.suppress(KeyError):
@@ -227,8 +225,6 @@ ENCODER_NAMES = ("tiny-clip", "tiny-siglip", "tiny-dinov2")
 
 def build_tiny_encoder(name: str, seed: int = 0, image_size: int = 224, patch: int = 16) -> VisionEncoder:
     """A random-weight encoder of about 0.1M parameters with its real image processor (no crop, fixed size)."""
-    import transformers as t
-
     if name not in ENCODER_NAMES:
         raise InputError(f"unknown tiny encoder {name!r}; known: {', '.join(ENCODER_NAMES)}")
     torch.manual_seed(seed)
@@ -236,15 +232,15 @@ def build_tiny_encoder(name: str, seed: int = 0, image_size: int = 224, patch: i
               "image_size": image_size, "patch_size": patch}
     size = {"height": image_size, "width": image_size}
     if name == "tiny-clip":
-        model = t.CLIPVisionModel(t.CLIPVisionConfig(**common))
-        processor = t.CLIPImageProcessor(size=size, do_center_crop=False)
+        model = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**common))
+        processor = transformers.CLIPImageProcessor(size=size, do_center_crop=False)
         family = "clip_vision_model"
     elif name == "tiny-siglip":
-        model = t.SiglipVisionModel(t.SiglipVisionConfig(**common))
-        processor = t.SiglipImageProcessor(size=size)
+        model = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**common))
+        processor = transformers.SiglipImageProcessor(size=size)
         family = "siglip_vision_model"
     else:
-        model = t.Dinov2Model(t.Dinov2Config(**common))
-        processor = t.BitImageProcessor(size=size, do_center_crop=False)
+        model = transformers.Dinov2Model(transformers.Dinov2Config(**common))
+        processor = transformers.BitImageProcessor(size=size, do_center_crop=False)
         family = "dinov2"
     return VisionEncoder(model, processor, name, f"tiny (random weights, seed {seed})", family)

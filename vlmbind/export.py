@@ -15,7 +15,6 @@ output directory. PNG and SVG go through kaleido (one shared Chromium process wh
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -28,8 +27,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .analysis.binding import BindingResult
+from .analysis.edits import EditResult, RepairResult
+from .analysis.rsa import RSAResult
+from .analysis.tracking import TrackResult
 from .errors import InputError
 from .io import write_bytes_atomic
+from .viz import head_heatmap
+from .viz.figures import _full_title
 
 FORMATS = ("png", "svg", "html", "csv")
 # how deep export looks for result folders below RESULT_DIR (a demo nests them three levels down)
@@ -125,8 +130,6 @@ def _heads(labels: list[str]) -> list[tuple[int, int]]:
 
 
 def _repair_result(data: dict[str, Any]) -> Any:
-    from .analysis.edits import RepairResult
-
     return RepairResult(
         model=data["model"], heads=_heads(data["heads"]), alphas=[float(a) for a in data["alphas"]],
         rows=data["rows"], records=[], clean_accuracy=data["clean_accuracy"],
@@ -138,8 +141,6 @@ def _repair_result(data: dict[str, Any]) -> Any:
 
 
 def _edit_result(data: dict[str, Any]) -> Any:
-    from .analysis.edits import EditResult
-
     return EditResult(
         model=data["model"], heads=_heads(data["heads"]), alphas=[float(a) for a in data["alphas"]],
         rows=data["rows"], records=[], clean_accuracy=data["clean_accuracy"], clean_names_t=data["clean_names_t"],
@@ -159,8 +160,6 @@ def _nan_array(value: Any, shape_tail: tuple[int, ...]) -> np.ndarray:
 def _track_result(centroids: dict[str, Any], rmse: pd.DataFrame, path: Path) -> Any:
     """A :class:`TrackResult` from ``centroids.json`` (points ``N 2``, centroids ``N L 2`` and ``N L H 2``), checked
     against ``rmse.csv`` so a stale pair of files is not silently re-rendered."""
-    from .analysis.tracking import TrackResult
-
     heads = rmse[rmse["head"].astype(str) != "mean"]
     n_layers = int(rmse["layer"].max()) + 1 if len(rmse) else 0
     n_heads = int(heads["head"].astype(int).max()) + 1 if len(heads) else 0
@@ -209,8 +208,6 @@ def ablation_figure(data: dict[str, Any]) -> Any:
     """
     import plotly.graph_objects as go
 
-    from .viz.figures import _full_title
-
     arms = data["arms"]
     labels = [a["arm"] if a.get("seed") is None else f"{a['arm']} (seed {a['seed']})" for a in arms]
     colours = {"clean": "#7f7f7f", "top": "#d62728", "random": "#1f77b4", "bottom": "#2ca02c"}
@@ -235,8 +232,6 @@ def load(directory: Path, kind: str, rel: str = ".") -> ResultSet:
     Raises:
         InputError: a file is unreadable or lacks the columns / keys its writer always writes.
     """
-    from .viz import head_heatmap
-
     out = ResultSet(kind, rel)
     if kind == "demo":
         frame = _read_csv(directory / "attention_mass.csv", ("layer", "head", "mass"))
@@ -271,8 +266,6 @@ def load(directory: Path, kind: str, rel: str = ".") -> ResultSet:
         if kind == "edit" and result.repair is not None:
             out.tables["repair_rows.csv"] = result.repair.to_frame()
     elif kind == "rsa":
-        from .analysis.rsa import RSAResult
-
         frame = _read_csv(directory / "rsa.csv", ("site", "component", "layer", "model_matrix", "r", "spearman", "p",
                                                   "n_objects"))
         meta = _read_json(directory / "rsa.json")
@@ -294,8 +287,6 @@ def load(directory: Path, kind: str, rel: str = ".") -> ResultSet:
         out.figures["rmse"] = result.figure
         out.tables["rmse.csv"] = rmse
     elif kind == "probe":
-        from .analysis.binding import BindingResult
-
         frame = _read_csv(directory / "probe.csv", ("site", "family", "B_O", "beta_O", "B_star_OF", "H_O", "n_test"))
         meta = _read_json(directory / "probe.json") if (directory / "probe.json").is_file() else {}
         if "model" not in meta:
@@ -503,31 +494,3 @@ def export_results(result_dir: str | os.PathLike, fmt: str = "html", out: str | 
     _write_all(out_dir, [*payload, (MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))])
     return ExportReport(str(root), str(out_dir), fmt, [{"dir": r.rel, "kind": r.kind} for r in sets],
                         [rel for rel, _ in payload], timings, time.perf_counter() - start)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vlmbind export
-# ----------------------------------------------------------------------------------------------------------------
-def add_parser(sub: Any, common: Any) -> None:
-    """Register ``vlmbind export``."""
-    p = sub.add_parser(
-        "export", parents=[common], help="re-render saved results as png/svg/html figures or csv tables",
-        description="Rebuild the figures (or tidy tables) of a vlmbind result folder from its saved numbers, without "
-                    "loading a model. Sub-folders holding results (e.g. a demo's causal/ and representations/) are "
-                    "exported too, to the same relative paths under --out.",
-    )
-    p.add_argument("result_dir", metavar="RESULT_DIR", help="a folder written by a vlmbind command")
-    p.add_argument("--format", default="html", help=f"one of {', '.join(FORMATS)} (default html)")
-    p.add_argument("--out", default=None, help="output folder (default RESULT_DIR/export)")
-    p.set_defaults(func=cmd_export)
-
-
-def cmd_export(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    """``vlmbind export``: see :func:`export_results`."""
-    report = export_results(args.result_dir, args.format, args.out)
-    kinds = ", ".join(f"{r['dir']} ({r['kind']})" for r in report.results)
-    slowest = max(report.timings, key=lambda t: t["seconds"])
-    text = (f"vlmbind export: {len(report.results)} result folder(s): {kinds}\n"
-            f"  wrote {len(report.files)} {report.format} file(s) to {report.out} in {report.seconds:.1f} s "
-            f"(slowest {slowest['file']}: {slowest['seconds']:.2f} s)")
-    return report.summary(), text, 0

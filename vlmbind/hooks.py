@@ -21,18 +21,27 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from .errors import InterventionError
+from .interventions import (  # noqa: F401  (re-exported: they were defined here before interventions.py)
+    AblateHeads,
+    AddToHeads,
+    Intervention,
+    PatchHeadEntries,
+    PatchHeads,
+    ZeroImageAttention,
+)
 from .sites import Site
 
 if TYPE_CHECKING:
     from .adapters.base import ModelAdapter
     from .tokens import TokenIndex
+
+__all__ = ["AblateHeads", "AddToHeads", "HookSession", "Intervention", "PatchHeadEntries", "PatchHeads",
+           "ZeroImageAttention", "LastQuerySession", "attention_implementation", "ATTENTION_IMPL"]
 
 ATTENTION_IMPL = "vlmbind_eager"
 _PROB_EDITS = "_vlmbind_prob_edits"
@@ -79,247 +88,6 @@ def vlmbind_eager_attention(
 
 AttentionInterface.register(ATTENTION_IMPL, vlmbind_eager_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_IMPL, eager_mask)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Heads and positions
-# ------------------------------------------------------------------------------------------------------------------
-def _as_int_list(values: Any, what: str) -> tuple[int, ...]:
-    if isinstance(values, (int, np.integer)):
-        return (int(values),)
-    try:
-        out = tuple(int(v) for v in values)
-    except (TypeError, ValueError):
-        raise InterventionError(f"{what} must be an int or a list of ints, got {values!r}") from None
-    return out
-
-
-def _positions_tensor(positions: Any, batch: int, seq: int, what: str) -> torch.Tensor:
-    """``B n`` long tensor of positions: a shared list becomes one row per example; negatives count from the end."""
-    pos = torch.as_tensor(np.asarray(positions), dtype=torch.long)
-    if pos.ndim == 0:
-        pos = pos[None]
-    if pos.ndim == 1:
-        pos = pos[None].expand(batch, -1)
-    if pos.ndim != 2 or pos.shape[0] != batch:
-        raise InterventionError(
-            f"{what}: positions must be a list shared by the batch or one list per example ({batch} rows), got shape "
-            f"{tuple(pos.shape)}"
-        )
-    pos = torch.where(pos < 0, pos + seq, pos)
-    if pos.numel() and (pos.min() < 0 or pos.max() >= seq):
-        raise InterventionError(f"{what}: positions {positions!r} fall outside the sequence of length {seq}")
-    return pos
-
-
-@dataclass(frozen=True, kw_only=True)
-class Intervention:
-    """Base class. ``layer`` is a decoder layer, ``heads`` query-head indices."""
-
-    layer: int
-    heads: tuple[int, ...] | list[int] | int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "heads", _as_int_list(self.heads, f"{type(self).__name__}.heads"))
-        if not isinstance(self.layer, (int, np.integer)):
-            raise InterventionError(f"{type(self).__name__}.layer must be an int, got {self.layer!r}")
-
-    def check(self, adapter: ModelAdapter) -> None:
-        name = type(self).__name__
-        if not 0 <= self.layer < adapter.n_layers:
-            raise InterventionError(
-                f"{name}: layer {self.layer} is out of range, the model has layers 0..{adapter.n_layers - 1}"
-            )
-        bad = [h for h in self.heads if not 0 <= h < adapter.n_heads]
-        if bad:
-            raise InterventionError(
-                f"{name}: heads {bad} are out of range, layer {self.layer} has heads 0..{adapter.n_heads - 1}"
-            )
-
-    def needs_pattern(self) -> bool:
-        return False
-
-
-@dataclass(frozen=True, kw_only=True)
-class PatchHeads(Intervention):
-    """Replace heads' outputs z (o_proj input) at chosen positions with given values.
-
-    Attributes:
-        positions: ``n`` positions shared by the batch, or ``B n`` per example; negatives count from the end.
-        values: ``B n h D`` (or broadcastable, e.g. ``n h D``) values for the ``h`` heads in ``heads`` order.
-    """
-
-    positions: Any
-    values: torch.Tensor
-
-    def edit_z(self, z: torch.Tensor, index: Sequence[TokenIndex] | None) -> torch.Tensor:
-        b, p, _, d = z.shape
-        pos = _positions_tensor(self.positions, b, p, "PatchHeads").to(z.device)
-        heads = torch.tensor(self.heads, device=z.device)
-        values = torch.as_tensor(self.values).to(device=z.device, dtype=z.dtype)
-        try:
-            values = values.expand(b, pos.shape[1], len(self.heads), d)
-        except RuntimeError:
-            raise InterventionError(
-                f"PatchHeads: values of shape {tuple(self.values.shape)} do not fit "
-                f"(batch {b}, positions {pos.shape[1]}, heads {len(self.heads)}, d_head {d})"
-            ) from None
-        rows = torch.arange(b, device=z.device)[:, None, None]
-        z[rows, pos[:, :, None], heads[None, None, :]] = values
-        return z
-
-
-@dataclass(frozen=True, kw_only=True)
-class PatchHeadEntries(Intervention):
-    """Write single (row, position, head) entries of z: many independent single-head patches of one layer in one
-    forward, each in its own batch row or its own block of a packed sequence.
-
-    Attributes:
-        heads: ``k`` query head of each entry.
-        rows: ``k`` batch row of each entry.
-        positions: ``k`` position of each entry (non-negative).
-        values: ``k D`` the value written at each entry.
-    """
-
-    rows: Any
-    positions: Any
-    values: torch.Tensor
-
-    def check(self, adapter: ModelAdapter) -> None:
-        super().check(adapter)
-        k = len(self.heads)
-        if len(self.rows) != k or len(self.positions) != k or tuple(self.values.shape[:1]) != (k,):
-            raise InterventionError(
-                f"PatchHeadEntries: heads ({k}), rows ({len(self.rows)}), positions ({len(self.positions)}) and "
-                f"values ({tuple(self.values.shape)}) must describe the same number of entries"
-            )
-
-    def edit_z(self, z: torch.Tensor, index: Sequence[TokenIndex] | None) -> torch.Tensor:
-        b, p, _, d = z.shape
-        rows = torch.as_tensor(self.rows, dtype=torch.long, device=z.device)
-        pos = torch.as_tensor(self.positions, dtype=torch.long, device=z.device)
-        if rows.numel() and (rows.max() >= b or pos.max() >= p or pos.min() < 0):
-            raise InterventionError(f"PatchHeadEntries: entries fall outside a batch of {b} rows x {p} positions")
-        heads = torch.tensor(self.heads, dtype=torch.long, device=z.device)
-        z[rows, pos, heads] = self.values.to(device=z.device, dtype=z.dtype)
-        return z
-
-
-@dataclass(frozen=True, kw_only=True)
-class AblateHeads(Intervention):
-    """Zero- or mean-ablate heads' outputs z.
-
-    Attributes:
-        mode: ``"zero"`` or ``"mean"``.
-        positions: positions to ablate (as in :class:`PatchHeads`); ``None`` ablates every position.
-        means: for ``"mean"``: ``h D`` (one mean per head) or ``P h D`` (per position) mean z, e.g. from
-            :meth:`VLM.head_means`.
-    """
-
-    mode: str = "zero"
-    positions: Any = None
-    means: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.mode not in ("zero", "mean"):
-            raise InterventionError(f"AblateHeads.mode must be 'zero' or 'mean', got {self.mode!r}")
-        if self.mode == "mean" and self.means is None:
-            raise InterventionError("AblateHeads(mode='mean') needs means: pass means=vlm.head_means(batch, layer)")
-
-    def edit_z(self, z: torch.Tensor, index: Sequence[TokenIndex] | None) -> torch.Tensor:
-        b, p, _, d = z.shape
-        heads = torch.tensor(self.heads, device=z.device)
-        if self.mode == "zero":
-            fill = torch.zeros(len(self.heads), d, dtype=z.dtype, device=z.device)
-        else:
-            fill = torch.as_tensor(self.means).to(device=z.device, dtype=z.dtype)
-            if fill.shape[-2:] != (len(self.heads), d) or fill.ndim not in (2, 3):
-                raise InterventionError(
-                    f"AblateHeads: means must have shape (heads, d_head) = ({len(self.heads)}, {d}) or "
-                    f"(positions, heads, d_head), got {tuple(fill.shape)}"
-                )
-        if self.positions is None:
-            if fill.ndim == 3 and fill.shape[0] != p:
-                raise InterventionError(f"AblateHeads: per-position means cover {fill.shape[0]} positions, batch has {p}")
-            z[:, :, heads] = fill.expand(b, p, len(self.heads), d) if fill.ndim == 2 else fill[None].expand(b, -1, -1, -1)
-            return z
-        pos = _positions_tensor(self.positions, b, p, "AblateHeads").to(z.device)
-        rows = torch.arange(b, device=z.device)[:, None, None]
-        if fill.ndim == 3:
-            fill = fill[pos]  # B n h D
-        else:
-            fill = fill.expand(b, pos.shape[1], len(self.heads), d)
-        z[rows, pos[:, :, None], heads[None, None, :]] = fill
-        return z
-
-
-@dataclass(frozen=True, kw_only=True)
-class AddToHeads(Intervention):
-    """Add ``alpha * vector`` to heads' outputs z at chosen positions (VSM's position-ID edit).
-
-    Attributes:
-        positions: as in :class:`PatchHeads`.
-        vector: ``D`` (same for every head) or ``h D``.
-        alpha: scale; ``alpha = 0`` is the identity.
-    """
-
-    positions: Any
-    vector: torch.Tensor
-    alpha: float = 1.0
-
-    def edit_z(self, z: torch.Tensor, index: Sequence[TokenIndex] | None) -> torch.Tensor:
-        b, p, _, d = z.shape
-        pos = _positions_tensor(self.positions, b, p, "AddToHeads").to(z.device)
-        heads = torch.tensor(self.heads, device=z.device)
-        vec = torch.as_tensor(self.vector).to(device=z.device, dtype=z.dtype)
-        if vec.shape[-1] != d or vec.ndim > 2 or (vec.ndim == 2 and vec.shape[0] != len(self.heads)):
-            raise InterventionError(
-                f"AddToHeads: vector must have shape (d_head,) = ({d},) or (heads, d_head), got {tuple(vec.shape)}"
-            )
-        rows = torch.arange(b, device=z.device)[:, None, None]
-        idx = (rows, pos[:, :, None], heads[None, None, :])
-        z[idx] = z[idx] + self.alpha * vec.expand(len(self.heads), d)
-        return z
-
-
-@dataclass(frozen=True, kw_only=True)
-class ZeroImageAttention(Intervention):
-    """Zero heads' attention to image tokens after the softmax (PbP's search-head ablation).
-
-    Attributes:
-        renormalize: if True, rescale each query's remaining attention to sum to one (queries that attended only to
-            image tokens then attend nowhere); if False, leave the remaining weights as they are.
-        query_positions: restrict the edit to these query positions (``None``: every query).
-    """
-
-    renormalize: bool = False
-    query_positions: Any = None
-
-    def needs_pattern(self) -> bool:
-        return True
-
-    def edit_probs(self, weights: torch.Tensor, index: Sequence[TokenIndex]) -> torch.Tensor:
-        b, _, q, k = weights.shape
-        if index is None or len(index) != b:
-            raise InterventionError("ZeroImageAttention needs the batch's TokenIndex (run it through VLM.run)")
-        image = torch.zeros(b, k, dtype=torch.bool, device=weights.device)
-        for row, ti in enumerate(index):
-            image[row, torch.as_tensor(ti.image_positions[ti.image_positions < k], dtype=torch.long)] = True
-        keep = (~image).to(weights.dtype)[:, None, None, :]  # B 1 1 K
-        heads = torch.tensor(self.heads, device=weights.device)
-        sub = weights[:, heads] * keep
-        if self.renormalize:
-            total = sub.sum(-1, keepdim=True)
-            sub = torch.where(total > 0, sub / total.clamp_min(torch.finfo(sub.dtype).tiny), sub)
-        if self.query_positions is not None:
-            qpos = _positions_tensor(self.query_positions, b, q, "ZeroImageAttention").to(weights.device)
-            qmask = torch.zeros(b, q, dtype=torch.bool, device=weights.device)
-            qmask[torch.arange(b, device=weights.device)[:, None], qpos] = True
-            sub = torch.where(qmask[:, None, :, None], sub, weights[:, heads])
-        weights = weights.clone()
-        weights[:, heads] = sub
-        return weights
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -501,3 +269,14 @@ class HookSession:
             self._store(name, weights)
 
         return hook
+
+
+class LastQuerySession(HookSession):
+    """A HookSession that stores only the newest query row of each attention pattern, on the CPU in float32.
+
+    The prefill step's pattern is ``B H P P`` (its last row predicts the first new token); each cached step's is
+    ``B H 1 K``. Keeping ``B H K`` per step makes the capture linear in the trace length.
+    """
+
+    def _store(self, site: str, value: torch.Tensor) -> None:
+        super()._store(site, value[:, :, -1, :].detach().to("cpu", torch.float32))

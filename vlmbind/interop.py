@@ -21,6 +21,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import AutoTokenizer
 
 from .errors import ModelLoadError, UnsupportedModelError
 
@@ -71,8 +72,6 @@ def transformer_lens_bridge(vlm: VLM) -> TransformerBridge:
         ModelLoadError: torchvision is missing (TL would try to install it at run time).
     """
     from transformer_lens.model_bridge import TransformerBridge
-    from transformers import AutoTokenizer
-
     architecture = vlm.adapter.model_class_name
     supported = transformer_lens_architectures()
     if architecture not in supported:
@@ -116,7 +115,7 @@ def bridge_inputs(vlm: VLM, batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]
         ``input_ids`` (``B P``) on the VLM's device, and the keyword arguments for the bridge's forward or
         ``run_with_cache``.
     """
-    inputs = vlm._model_inputs(batch)
+    inputs = vlm.model_inputs(batch)
     input_ids = inputs.pop("input_ids")
     inputs["use_cache"] = False
     if not vlm.adapter.mrope and "position_ids" not in inputs:

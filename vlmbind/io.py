@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import InputError
 
 
@@ -113,8 +115,6 @@ def write_jsonl_atomic(records: list[dict[str, Any]], path: str | os.PathLike) -
 
 def json_default(value: Any) -> Any:
     """JSON for numpy scalars and arrays (``json.dumps(..., default=json_default)``)."""
-    import numpy as np
-
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.floating):

@@ -1,8 +1,4 @@
-"""Loading models and running them: :func:`load` and the :class:`VLM` wrapper.
-
-``load`` accepts a registered name (``tiny-*`` random-weight models built offline, the shipped organisms), a local
-directory or a hub id. Directories and hub ids go through the real ``from_pretrained`` path for model and processor;
-the family is detected from the config's ``model_type``. ``trust_remote_code`` is never set on the user's behalf.
+"""Running models: the :class:`VLM` wrapper (:func:`vlmbind.loading.load` makes one).
 
 A :class:`VLM` holds the HF model, its processor and the family adapter. ``prepare`` turns images and prompts into a
 :class:`Batch` (processor outputs plus one :class:`~vlmbind.tokens.TokenIndex` per row); ``run`` does one real forward
@@ -12,87 +8,24 @@ with chosen sites captured and interventions applied, and removes every hook aft
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 
 from . import adapters as _adapters  # noqa: F401  (registers the families)
-from .adapters.base import ModelAdapter, adapter_class_for_config, supported_families
-from .errors import InputError, ModelLoadError, UnsupportedModelError, close_matches
+from .adapters.base import ModelAdapter, adapter_class_for_config
+from .batches import Batch, RunOutput
+from .decoding import generate_ids
+from .errors import InputError, close_matches
 from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
 from .images import to_rgb
-from .sites import Site, resolve_sites
+from .sites import Site, parse_heads, resolve_sites
 from .tokens import TokenIndex, text_offsets
 
 
 TRAINING_FILE = "vlmbind_training.json"
-
-
-@dataclass
-class Batch:
-    """Processor outputs for a batch plus what every position is.
-
-    Attributes:
-        inputs: the processor's tensors (``input_ids``, ``attention_mask``, ``pixel_values``, ...).
-        index: one TokenIndex per row.
-        prompts: the user prompts (before image placeholders were added).
-        images: the RGB images of each row.
-    """
-
-    inputs: dict[str, torch.Tensor]
-    index: list[TokenIndex]
-    prompts: list[str]
-    images: list[list[Image.Image]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.inputs["input_ids"].shape[1])
-
-    @property
-    def last_positions(self) -> np.ndarray:
-        """``B`` the last real position of each row."""
-        return np.array([ti.last_position for ti in self.index])
-
-
-@dataclass
-class RunOutput:
-    """Logits of one forward and the captured activations (site name -> tensor)."""
-
-    logits: torch.Tensor
-    cache: dict[str, torch.Tensor]
-
-    def __getitem__(self, site: str) -> torch.Tensor:
-        return self.cache[site]
-
-
-def _as_heads(heads: Any) -> list[tuple[int, int]]:
-    """``[(layer, head), ...]`` from pairs, ``"12.3"`` strings or a comma-separated string."""
-    if isinstance(heads, str):
-        heads = [h for h in heads.split(",") if h.strip()]
-    out = []
-    for h in heads:
-        if isinstance(h, str):
-            try:
-                layer, head = (int(p) for p in h.strip().split("."))
-            except ValueError:
-                raise InputError(f"head {h!r} is not LAYER.HEAD, e.g. '12.3'") from None
-        else:
-            try:
-                layer, head = (int(p) for p in h)
-            except (TypeError, ValueError):
-                raise InputError(f"head {h!r} is not a (layer, head) pair") from None
-        out.append((layer, head))
-    return out
 
 
 class VLM:
@@ -112,7 +45,8 @@ class VLM:
         self.adapter: ModelAdapter = adapter_class_for_config(model.config)(model, processor)
         self.name = name
         self.source = source
-        self._active: list[Intervention] = []
+        # the interventions of the open intervene() / ablate() blocks, applied to every run and generate
+        self.active: list[Intervention] = []
         # how the model was trained, for models vlmbind trained (task pools, image size), else None
         self.training: dict[str, Any] | None = None
 
@@ -196,7 +130,7 @@ class VLM:
                 if not isinstance(im, Image.Image):
                     raise InputError(f"example {i}: expected a PIL image, got {type(im).__name__}")
             rows.append([to_rgb(im, f"example {i}'s image") for im in group])
-        texts = [self._text(p, len(r), chat) for p, r in zip(prompts, rows)]
+        texts = [self.prompt_text(p, len(r), chat) for p, r in zip(prompts, rows)]
         tok = self.adapter.tokenizer
         old_side = tok.padding_side
         tok.padding_side = "left"
@@ -208,10 +142,12 @@ class VLM:
         finally:
             tok.padding_side = old_side
         inputs = dict(inputs)
-        index = self._index(inputs, rows)
+        index = self.token_index(inputs, rows)
         return Batch(inputs=inputs, index=index, prompts=prompts, images=rows)
 
-    def _text(self, prompt: str, n_images: int, chat: bool) -> str:
+    def prompt_text(self, prompt: str, n_images: int, chat: bool) -> str:
+        """The text the processor gets for one prompt with ``n_images`` images (raw placeholders, or the chat
+        template's user turn)."""
         if not chat:
             return self.adapter.build_prompt(prompt, n_images)
         if getattr(self.processor, "chat_template", None) is None:
@@ -221,7 +157,8 @@ class VLM:
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )
 
-    def _index(self, inputs: dict[str, torch.Tensor], rows: list[list[Image.Image]]) -> list[TokenIndex]:
+    def token_index(self, inputs: dict[str, torch.Tensor], rows: list[list[Image.Image]]) -> list[TokenIndex]:
+        """One TokenIndex per row of processor ``inputs`` (also of inputs extended by appended tokens)."""
         ids = inputs["input_ids"].cpu().numpy()
         mask = inputs["attention_mask"].cpu().numpy()
         index, next_image = [], 0
@@ -235,7 +172,8 @@ class VLM:
             index.append(TokenIndex(ids[r], roles, grids, offsets, text, sizes))
         return index
 
-    def _model_inputs(self, batch: Batch) -> dict[str, Any]:
+    def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        """The forward's keyword arguments for ``batch``: its tensors on :attr:`device` plus the family's extras."""
         device = self.device
         inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.inputs.items()}
         inputs.update(self.adapter.forward_kwargs(inputs))
@@ -257,13 +195,13 @@ class VLM:
         """
         resolved = self.sites(sites) if sites else []
         session = HookSession(
-            self.adapter, resolved, [*self._active, *interventions], index=batch.index, detach=not grad
+            self.adapter, resolved, [*self.active, *interventions], index=batch.index, detach=not grad
         )
         with contextlib.ExitStack() as stack:
             if not grad:
                 stack.enter_context(torch.no_grad())
             stack.enter_context(session)
-            out = self.model(**self._model_inputs(batch), use_cache=False)
+            out = self.model(**self.model_inputs(batch), use_cache=False)
         cache = {name: (vals[0] if len(vals) == 1 else torch.cat(vals, 0)) for name, vals in session.captured.items()}
         return RunOutput(logits=out.logits, cache=cache)
 
@@ -290,12 +228,12 @@ class VLM:
         interventions = list(interventions)
         for i in interventions:
             i.check(self.adapter)
-        self._active.extend(interventions)
+        self.active.extend(interventions)
         try:
             yield self
         finally:
             for i in interventions:
-                self._active.remove(i)
+                self.active.remove(i)
 
     def ablate(
         self,
@@ -314,7 +252,7 @@ class VLM:
             means: for ``mean``: layer -> ``h D`` means of that layer's listed heads, in the order given.
         """
         by_layer: dict[int, list[int]] = {}
-        for layer, head in _as_heads(heads):
+        for layer, head in parse_heads(heads):
             by_layer.setdefault(layer, []).append(head)
         modes = ("image_attention", "zero", "mean")
         if mode not in modes:
@@ -346,10 +284,8 @@ class VLM:
             The decoded continuations, and site name -> list of per-step captures.
         """
         resolved = self.sites(sites) if sites else []
-        session = HookSession(self.adapter, resolved, [*self._active, *interventions], index=batch.index)
-        kwargs.setdefault("do_sample", False)
-        with torch.no_grad(), session:
-            out = self.model.generate(**self._model_inputs(batch), max_new_tokens=max_new_tokens, **kwargs)
+        session = HookSession(self.adapter, resolved, [*self.active, *interventions], index=batch.index)
+        out = generate_ids(self, batch, max_new_tokens, session, **kwargs)
         new = out[:, batch.seq_len :]
         texts = self.adapter.tokenizer.batch_decode(new, skip_special_tokens=True)
         return texts, session.captured
@@ -374,119 +310,4 @@ class VLM:
         return d
 
 
-# --------------------------------------------------------------------------------------------------------------
-# load
-# --------------------------------------------------------------------------------------------------------------
-def registered_names() -> list[str]:
-    """Names ``load`` accepts besides directories and hub ids."""
-    from . import tiny
-    from .organisms.shipped import shipped_organisms
-
-    from .encoders import ENCODER_NAMES
-
-    return [*shipped_organisms(), *tiny.TINY_NAMES, *ENCODER_NAMES]
-
-
-def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
-    """Load a model by registered name, local directory or hub id.
-
-    Args:
-        name_or_path: ``tiny-<family>``, a directory saved with ``save_pretrained``, or a hub id. Standalone vision
-            encoders (CLIP, SigLIP, DINOv2 vision models; ``tiny-clip``, ``tiny-siglip``, ``tiny-dinov2``) load as a
-            :class:`~vlmbind.encoders.VisionEncoder`.
-        **hf_kwargs: passed to ``from_pretrained`` (``torch_dtype``, ``device_map``, ``attn_implementation``, ...).
-            ``attn_implementation`` defaults to ``"eager"``; attention patterns are available with any choice.
-
-    Raises:
-        UnsupportedModelError: the config's family is not supported (the message lists the supported ones).
-        ModelLoadError: the directory or hub id has no loadable config, weights or processor.
-    """
-    from . import tiny
-
-    from .encoders import ENCODER_NAMES, build_tiny_encoder
-
-    name = os.fspath(name_or_path)
-    if name in ENCODER_NAMES:
-        return build_tiny_encoder(name, seed=int(hf_kwargs.pop("seed", 0)))
-    if name in tiny.TINY_NAMES:
-        seed = int(hf_kwargs.pop("seed", 0))
-        model, processor = tiny.build(name, seed=seed, **hf_kwargs)
-        return VLM(model, processor, name=name, source=f"tiny (random weights, seed {seed})")
-    from .organisms.shipped import ORGANISM_NAMES, organism_dir
-
-    if name in ORGANISM_NAMES:
-        path = organism_dir(name)
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{name} is not shipped with this installation (no {path}); train it with "
-                                 f"python -m vlmbind.organisms.recipes {name} --out DIR and load DIR")
-        vlm = _from_pretrained(str(path), **hf_kwargs)
-        vlm.name, vlm.source = name, f"shipped organism ({path.relative_to(path.parents[3])})"
-        return vlm
-    if name.startswith("tiny-") or name.startswith("organism-"):
-        raise UnsupportedModelError(
-            f"unknown model name {name!r}.{close_matches(name, registered_names())} Registered names: "
-            f"{', '.join(registered_names())}; or pass a directory or hub id."
-        )
-    return _from_pretrained(name, **hf_kwargs)
-
-
-def _refuse_unknown_model_type(path: Path) -> None:
-    """Raise UnsupportedModelError (listing the supported families) when the config at ``path`` names a
-    ``model_type`` that neither transformers nor a vlmbind adapter knows; return quietly otherwise (a missing or
-    malformed config is a load error, reported by the caller)."""
-    from types import SimpleNamespace
-
-    from transformers import CONFIG_MAPPING
-
-    try:
-        model_type = json.loads(path.read_text()).get("model_type")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return
-    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
-        adapter_class_for_config(SimpleNamespace(model_type=model_type))  # raises when no family handles it
-
-
-def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
-    import transformers
-    from transformers import AutoConfig, AutoProcessor
-
-    if hf_kwargs.get("trust_remote_code"):
-        config_kwargs = {"trust_remote_code": True}
-    else:
-        config_kwargs = {}
-    is_dir = Path(name).is_dir()
-    if not is_dir and (Path(name).exists() or name.startswith((".", "/", "~"))):
-        raise ModelLoadError(f"{name!r} is not a model directory; pass a directory saved with save_pretrained")
-    try:
-        config = AutoConfig.from_pretrained(name, **config_kwargs)
-    except (OSError, ValueError) as exc:
-        if is_dir:
-            _refuse_unknown_model_type(Path(name) / "config.json")
-        where = "directory" if is_dir else "hub id"
-        raise ModelLoadError(
-            f"could not read a model config from {where} {name!r}: {str(exc).splitlines()[0]}. "
-            f"Check the path, or that the hub id is downloaded (this machine may have no network)."
-        ) from exc
-    from .encoders import ENCODERS, load_encoder
-
-    if config.model_type in ENCODERS:
-        return load_encoder(name, config, **hf_kwargs)
-    adapter_cls = adapter_class_for_config(config)
-    model_cls = getattr(transformers, adapter_cls.model_class_name)
-    hf_kwargs.setdefault("attn_implementation", "eager")
-    from safetensors import SafetensorError
-
-    try:
-        model = model_cls.from_pretrained(name, **hf_kwargs)
-        processor = AutoProcessor.from_pretrained(name, **config_kwargs)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-        raise ModelLoadError(f"could not load {adapter_cls.display_name} weights or processor from {name!r}: "
-                             f"{str(exc).splitlines()[0]}") from exc
-    vlm = VLM(model, processor, name=name, source=str(Path(name).resolve()) if is_dir else f"hub:{name}")
-    card = Path(name) / TRAINING_FILE
-    if is_dir and card.is_file():
-        vlm.training = json.loads(card.read_text())
-    return vlm
-
-
-__all__ = ["VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families", "UnsupportedModelError"]
+__all__ = ["VLM", "Batch", "RunOutput", "TRAINING_FILE"]

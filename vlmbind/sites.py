@@ -20,11 +20,13 @@ Shapes (``B`` batch, ``P`` positions, ``H`` query heads, ``D`` head dim, ``N`` v
 
 from __future__ import annotations
 
+from typing import Any
+
 import fnmatch
 import re
 from dataclasses import dataclass
 
-from .errors import SiteError, close_matches
+from .errors import InputError, SiteError, close_matches
 
 LM_HOOKS = ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out", "attn.hook_z", "attn.hook_pattern")
 VISION_HOOKS = ("hook_resid_post",)
@@ -131,3 +133,23 @@ def resolve_sites(
             chosen.append(parse_site(pattern, n_layers, n_vision_layers, projector))
     order = {s: i for i, s in enumerate(every)}
     return sorted(set(chosen), key=lambda s: order[s])
+
+
+def parse_heads(heads: Any) -> list[tuple[int, int]]:
+    """``[(layer, head), ...]`` from pairs, ``"12.3"`` strings or a comma-separated string."""
+    if isinstance(heads, str):
+        heads = [h for h in heads.split(",") if h.strip()]
+    out = []
+    for h in heads:
+        if isinstance(h, str):
+            try:
+                layer, head = (int(p) for p in h.strip().split("."))
+            except ValueError:
+                raise InputError(f"head {h!r} is not LAYER.HEAD, e.g. '12.3'") from None
+        else:
+            try:
+                layer, head = (int(p) for p in h)
+            except (TypeError, ValueError):
+                raise InputError(f"head {h!r} is not a (layer, head) pair") from None
+        out.append((layer, head))
+    return out

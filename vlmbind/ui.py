@@ -15,7 +15,6 @@ import base64
 import binascii
 import hashlib
 import io
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -27,8 +26,12 @@ import plotly.graph_objects as go
 import torch
 from PIL import Image
 
+from .analysis import locate
 from .errors import InputError
+from .evaluate import training_defaults
 from .hooks import PatchHeads
+from .stimuli import scene_pairs
+from .viz import attention_overlay, head_heatmap
 
 MODES = ("image_attention", "zero", "mean")
 ACTIONS = ("ablate", "patch")
@@ -165,8 +168,6 @@ class UIController:
 
     # ---- inputs ----------------------------------------------------------------------------------------------
     def _scene_kwargs(self) -> dict[str, Any]:
-        from .evaluate import training_defaults
-
         return training_defaults(self.vlm, "scene", {"n_objects": 3})
 
     def generate_stimulus(self, seed: int) -> tuple[dict[str, Any], str]:
@@ -175,8 +176,6 @@ class UIController:
         Returns:
             ``(state, message)``; ``state``: ``image``, ``cf_image`` (base64 PNG), ``prompt``, ``expected``.
         """
-        from .stimuli import scene_pairs
-
         seed = int(seed or 0)
         if seed < 0:
             raise InputError(f"seed {seed} is negative; pass a seed >= 0")
@@ -308,8 +307,6 @@ class UIController:
 
     def overlay(self, state: dict[str, Any] | None, selected: str | None) -> go.Figure:
         """The selected head's last-token attention over the image grid (layer 0 head 0 when none is selected)."""
-        from .viz import attention_overlay
-
         if not state or not state.get("image"):
             return go.Figure(layout={"title": {"text": "no input yet"}})
         layer, head = _parse_key(selected) if selected else (0, 0)
@@ -333,9 +330,6 @@ class UIController:
         Returns:
             ``(records of layer, head, score, message)``.
         """
-        from .analysis import locate
-        from .stimuli import scene_pairs
-
         pairs = scene_pairs(self.n_pairs, self.condition, int(seed or 0), **self._scene_kwargs())
         with self.lock:
             scores = locate(self.vlm, pairs, method="exact")
@@ -344,8 +338,6 @@ class UIController:
 
     def heatmap(self, records: list[dict[str, Any]], heads: list[str] | None, title: str) -> go.Figure:
         """The scores heatmap with an ``x`` on every active head."""
-        from .viz import head_heatmap
-
         frame = pd.DataFrame(records)
         fig = head_heatmap(frame, "score", title=title, model=self.vlm.name, signed=True)
         pairs = [_parse_key(k) for k in heads or []]
@@ -495,38 +487,3 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str = "
 
     app.vlmbind = ctl
     return app
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vlmbind ui
-# ----------------------------------------------------------------------------------------------------------------
-def add_parser(sub: Any, common: Any) -> None:
-    p = sub.add_parser("ui", parents=[common], help="local web app: click heads to ablate or patch them",
-                       description="Serve a Dash app on 127.0.0.1 (unless --host): generate or upload an image, "
-                                   "click heads of the scores heatmap to ablate or patch them, and see the answer.")
-    p.add_argument("--model", default="organism-p2a", help="registered name or model directory")
-    p.add_argument("--scores", default=None, help="a scores.csv from vlmbind locate (default: locate on demand)")
-    p.add_argument("--condition", choices=CONDITIONS, default="id_selection",
-                   help="counterfactual of generated scenes (patched at the last token)")
-    p.add_argument("--pairs", type=int, default=8, help="pairs for on-demand locate")
-    p.add_argument("--seed", type=int, default=0, help="first scene's seed")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8050)
-    p.set_defaults(func=cmd_ui)
-
-
-def cmd_ui(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from . import load
-
-    if not 0 < args.port < 65536:
-        raise InputError(f"--port {args.port} is not a TCP port; pass 1..65535")
-    if args.pairs < 1:
-        raise InputError(f"--pairs must be at least 1, got {args.pairs}")
-    vlm = load(args.model)
-    app = build_app(vlm, scores=args.scores, seed=args.seed, condition=args.condition, n_pairs=args.pairs)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"vlmbind: warning: serving on {args.host}: anyone who can reach this address can run the model; "
-              "there is no authentication", file=sys.stderr)
-    print(f"vlmbind ui: http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
-    app.run(host=args.host, port=args.port, debug=False, threaded=True)
-    return {"model": vlm.name, "host": args.host, "port": args.port}, "vlmbind ui stopped", 0

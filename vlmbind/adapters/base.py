@@ -91,6 +91,9 @@ class ModelAdapter:
     image_token_attr: ClassVar[str] = "image_token_id"
     bidirectional_image: ClassVar[bool] = False
     mrope: ClassVar[bool] = False
+    # per-token processor outputs besides input_ids and attention_mask (0 on text tokens): they grow with the
+    # sequence when tokens are appended (vlmbind.batches.append_tokens)
+    token_inputs: ClassVar[tuple[str, ...]] = ()
     transformer_lens_bridge: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, processor: Any):

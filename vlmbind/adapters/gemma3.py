@@ -44,6 +44,7 @@ class Gemma3Adapter(ModelAdapter):
     image_placeholder = "<start_of_image>"
     image_token_attr = "image_token_id"
     bidirectional_image = True
+    token_inputs = ("token_type_ids",)
     transformer_lens_bridge = True
 
     @property

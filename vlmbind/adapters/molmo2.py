@@ -94,6 +94,7 @@ class Molmo2Adapter(ModelAdapter):
     # config.image_token_id is an alias of image_patch_id (<im_patch>)
     image_token_attr = "image_token_id"
     bidirectional_image = True
+    token_inputs = ("mm_token_type_ids",)
 
     def image_structure_ids(self) -> list[int]:
         """Ids of the image-structure tokens (``<im_patch>``, ``<im_col>``, start/end, ...) the processor marks as

@@ -21,6 +21,7 @@ class _QwenVLAdapter(ModelAdapter):
     vision_attention = "attn"
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     mrope = True
+    token_inputs = ("mm_token_type_ids",)
 
     @property
     def n_vision_layers(self) -> int:

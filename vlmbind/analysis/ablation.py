@@ -62,7 +62,7 @@ class AblationResult:
         return out
 
 
-def _ranked(scores: Any) -> list[tuple[int, int]]:
+def ranked_heads(scores: Any) -> list[tuple[int, int]]:
     """Heads from the highest to the lowest score, from HeadScores or a frame with layer, head, score columns."""
     frame = scores.to_frame() if hasattr(scores, "to_frame") else scores
     missing = {"layer", "head", "score"} - set(frame.columns)
@@ -86,7 +86,7 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
         raise InputError("the data set is empty: nothing to evaluate the ablations on")
     if not seeds:
         raise InputError("seeds is empty: pass at least one seed for the random-k arm, e.g. seeds=(0, 1, 2)")
-    ranked = _ranked(scores)
+    ranked = ranked_heads(scores)
     n_heads = vlm.n_layers * vlm.n_heads
     if len(set(ranked)) != n_heads or any(not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads) for l, h in ranked):
         raise InputError(f"scores must give each of the model's {vlm.n_layers} x {vlm.n_heads} heads once")
@@ -123,78 +123,3 @@ def _means(vlm: Any, dataset: Any, ranked: list[tuple[int, int]]) -> dict[int, A
     examples = list(dataset)[:64]
     batch = vlm.prepare([e.image for e in examples], [e.prompt for e in examples])
     return {layer: vlm.head_means(batch, layer, list(range(vlm.n_heads))) for layer in range(vlm.n_layers)}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vlmbind ablate
-# ----------------------------------------------------------------------------------------------------------------
-def add_parser(sub: Any, common: Any) -> None:
-    from ..stimuli.commands import parse_range
-
-    p = sub.add_parser("ablate", parents=[common], help="task accuracy with heads ablated (top-k vs random vs bottom)",
-                       description="Ablate heads given by --heads, or the top / random / bottom k of a scores.csv "
-                                   "written by `vlmbind locate`, and report task accuracy for each arm.")
-    p.add_argument("--model", required=True)
-    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"))
-    heads = p.add_mutually_exclusive_group(required=True)
-    heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
-    heads.add_argument("--scores", help="a scores.csv from vlmbind locate")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--mode", choices=MODES, default="image_attention")
-    p.add_argument("--renormalize", action="store_true", help="image_attention: renormalise the remaining attention")
-    p.add_argument("--seeds", type=int, default=3, help="random-k arms (default 3)")
-    p.add_argument("--n", type=int, default=200)
-    p.add_argument("--seed", type=int, default=1, help="stimulus seed")
-    p.add_argument("--objects", type=parse_range)
-    p.add_argument("--out", default=None, help="output directory (default runs/ablate/<model>-<task>)")
-    p.set_defaults(func=cmd_ablate)
-
-
-def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load
-    from ..evaluate import training_defaults
-    from ..models import _as_heads
-    from ..io import check_out_dir
-    from ..stimuli.commands import generate
-
-    if args.n < 1:
-        raise InputError(f"--n must be a positive number of examples, got {args.n}")
-    if args.top_k < 1:
-        raise InputError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.seeds < 1:
-        raise InputError(f"--seeds must be at least 1 (the random-k arms to compare with), got {args.seeds}")
-    out = check_out_dir(args.out or f"runs/ablate/{Path(str(args.model)).name}-{args.task}")
-    vlm = load(args.model)
-    kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
-    dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
-    if args.scores:
-        path = Path(args.scores)
-        if not path.is_file():
-            raise InputError(f"--scores {args.scores!r} does not exist; write one with vlmbind locate")
-        try:
-            scores = pd.read_csv(path)
-        except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-            raise InputError(f"--scores {args.scores!r} is not a readable CSV: {str(exc).splitlines()[0]}; write "
-                             "one with vlmbind locate") from None
-        result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=args.mode,
-                                renormalize=args.renormalize, seeds=tuple(range(args.seeds)))
-    else:
-        heads = _as_heads(args.heads)
-        if not heads:
-            raise InputError(f"--heads {args.heads!r} lists no heads; pass LAYER.HEAD pairs, e.g. 2.1,3.0")
-        bad = [f"{l}.{h}" for l, h in heads if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
-        if bad:
-            raise InputError(f"heads {bad} do not exist: the model has layers 0..{vlm.n_layers - 1} and heads "
-                             f"0..{vlm.n_heads - 1}")
-        ranked = heads + [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads) if (l, h) not in heads]
-        frame = pd.DataFrame([{"layer": l, "head": h, "score": float(len(ranked) - i)} for i, (l, h) in
-                              enumerate(ranked)])
-        result = ablation_study(vlm, dataset, frame, k=len(heads), mode=args.mode, renormalize=args.renormalize,
-                                seeds=tuple(range(args.seeds)))
-    result.save(out)
-    acc = result.summary()["accuracy"]
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
-    text = (f"{vlm.name} on {args.task} (n={args.n}), {args.mode} ablation of {result.k} heads: clean "
-            f"{acc['clean']:.3f}, top {acc['top']:.3f}, random {acc['random']:.3f}, bottom {acc['bottom']:.3f}\n"
-            f"  wrote {out}/results.json")
-    return summary, text, 0

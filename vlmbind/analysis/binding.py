@@ -24,6 +24,9 @@ import pandas as pd
 
 from ..errors import InputError
 from ..io import json_default, write_json_atomic, write_text_atomic
+from ..probes import binding_information, pairwise_probe
+from ..stimuli.colorshape import COLOURS, SHAPES, balanced_color_shape, entropies
+from ..viz import write_html_atomic
 
 PROBE_FAMILIES = ("linear", "quadratic", "dnn", "shared_factor", "attention", "pairwise")
 CHECKPOINT = "probe.partial.json"
@@ -32,8 +35,6 @@ DEFAULT_SITE_CHOICE = ("last vision block", "projector", "middle LM layer")
 
 def colorshape_splits(n_train: int, n_val: int, n_test: int, seed: int = 0) -> tuple[list[Any], np.ndarray]:
     """BalancedColorShape examples of the three splits, in order, and one split label per example."""
-    from ..stimuli.colorshape import balanced_color_shape
-
     examples, labels = [], []
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
         if not isinstance(n, int) or n < 1:
@@ -65,8 +66,6 @@ def codes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def _token_classes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
     """``[n, T]`` object id and colour-shape class of every stored token (-1: background), zero-padded."""
-    from ..stimuli.colorshape import COLOURS, SHAPES
-
     cls = {(c, s): i for i, (c, s) in enumerate((c, s) for c in COLOURS for s in SHAPES)}
     rows = [acts.token_objects(i) for i in range(len(acts))]
     longest = max(len(r) for r in rows)
@@ -109,8 +108,6 @@ class BindingResult:
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``probe.csv``, ``probe.html`` and ``probe.json`` atomically."""
-        from ..viz import write_html_atomic
-
         out = Path(out)
         write_text_atomic(self.frame.to_csv(index=False), out / "probe.csv")
         write_html_atomic(self.figure(), out / "probe.html")
@@ -157,9 +154,6 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
         InputError: an unknown family, a set that is not a BalancedColorShape capture, or a checkpoint of another
             run.
     """
-    from ..probes import binding_information, pairwise_probe
-    from ..stimuli.colorshape import entropies
-
     bad = [f for f in families if f not in PROBE_FAMILIES]
     if bad:
         raise InputError(f"unknown probe families {bad}; families: {', '.join(PROBE_FAMILIES)}")
@@ -216,77 +210,3 @@ def _pairwise_row(res: Any) -> dict[str, Any]:
     keep.pop("seconds", None)  # wall time is in each result, not in the table, so tables of equal runs are equal
     keep.setdefault("n_test", keep.get("n_test_pairs"))
     return keep
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vlmbind probe
-# ----------------------------------------------------------------------------------------------------------------
-def add_parser(sub: Any, common: Any) -> None:
-    p = sub.add_parser("probe", parents=[common], help="binding-information probes on BalancedColorShape",
-                       description="Capture BalancedColorShape (train/val/test splits by feature code) and estimate "
-                                   "each site's binding information in bits (FBP) or IsSameObject accuracy (VOB).")
-    p.add_argument("--model", required=True)
-    p.add_argument("--sites", default=None, help="comma-separated sites or patterns (default: "
-                                                 + ", ".join(DEFAULT_SITE_CHOICE) + ")")
-    p.add_argument("--family", default="linear",
-                   help=f"comma-separated probe families: {', '.join(PROBE_FAMILIES)} (default linear)")
-    p.add_argument("--n-train", type=int, default=1024)
-    p.add_argument("--n-val", type=int, default=256)
-    p.add_argument("--n-test", type=int, default=256)
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (FBP: 1e-3; small sets want ~1e-2)")
-    p.add_argument("--batch-size", type=int, default=512, help="probe mini-batch (FBP: 512)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true",
-                   help=f"continue an interrupted run: its capture in OUT/activations and the probes in OUT/{CHECKPOINT}")
-    p.add_argument("--out", default=None, help="output directory (default runs/probe/<model>)")
-    from ..parallel import add_capture_arguments
-
-    add_capture_arguments(p)
-    p.set_defaults(func=cmd_probe)
-
-
-def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load, parallel
-    from ..probes import ProbeConfig
-
-    families = tuple(f.strip() for f in args.family.split(",") if f.strip())
-    bad = [f for f in families if f not in PROBE_FAMILIES]
-    if bad or not families:
-        raise InputError(f"--family {args.family!r}: unknown {bad}; families: {', '.join(PROBE_FAMILIES)}")
-    if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
-        raise InputError(f"--epochs and --batch-size must be at least 1 and --lr positive, got {args.epochs}, "
-                         f"{args.batch_size}, {args.lr}")
-    from ..io import check_out_dir
-
-    out = check_out_dir(args.out or f"runs/probe/{Path(str(args.model)).name}")
-    checkpoint = out / CHECKPOINT
-    if checkpoint.is_file() and not args.resume:
-        raise InputError(f"{out} holds an interrupted run ({CHECKPOINT}); pass --resume to continue it, or choose "
-                         "another --out")
-    examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed)
-    parallel.check_shards(len(examples), args.shard_size, parallel.world_size(args.processes))
-    with parallel.session(args.processes, command[1:], quiet=True) as group:
-        vlm = load(args.model, **group.load_kwargs())
-        sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
-        sites = [s.name for s in vlm.sites(sites)]
-        acts = parallel.capture(group, vlm, examples, sites, out / "activations", resume=args.resume,
-                                shard_size=args.shard_size, progress=group.is_main and not args.json)
-        if not group.is_main:
-            return parallel.rank_done(group, out)
-    config = ProbeConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
-    result = probe_sites(acts, split, families=families, config=config, checkpoint=checkpoint)
-    result.save(out)
-    checkpoint.unlink(missing_ok=True)
-    summary = {"model": vlm.name, "rows": result.frame.to_dict(orient="records"), "out": str(out),
-               "command": " ".join(command), "recipe": {"epochs": args.epochs, "lr": args.lr,
-                                                        "batch_size": args.batch_size}}
-    lines = [f"{vlm.name}: probes on BalancedColorShape ({args.n_train}/{args.n_val}/{args.n_test} images)"]
-    for _, r in result.frame.iterrows():
-        if r["family"] == "pairwise":
-            lines.append(f"  {r['site']} pairwise: accuracy {r.get('accuracy', float('nan')):.3f}")
-        else:
-            lines.append(f"  {r['site']} {r['family']}: B_O {r['B_O']:.2f} bits (beta {r['beta_O']:.3f}), "
-                         f"B*_OF {r['B_star_OF']:.2f} bits")
-    lines.append(f"  wrote {out}/probe.csv, probe.html")
-    return summary, "\n".join(lines), 0

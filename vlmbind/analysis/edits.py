@@ -36,53 +36,19 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import InputError, InterventionError
-from ..evaluate import score
-from ..hooks import AddToHeads, _positions_tensor
+from ..decoding import greedy_decode
+from ..errors import InputError
+from ..evaluate import score, training_defaults
+from ..interventions import AddToHeadRows
 from ..io import write_json_atomic
-from ..models import Batch, _as_heads
+from ..sites import parse_heads
+from ..stimuli import scene_description
+from ..viz import write_html_atomic
 
 Cell = tuple[int, int]
 
-# per-token processor outputs that must grow with the sequence when answer tokens are appended; text tokens are
-# 0 in the type ids (Gemma-3 token_type_ids, Qwen / Molmo2 mm_token_type_ids)
-SEQUENCE_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 EDIT_ARMS = ("edit", "control")
 REPAIR_ARMS = ("repair", "control")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# The per-row edit
-# ------------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class AddToHeadRows(AddToHeads):
-    """:class:`~vlmbind.hooks.AddToHeads` whose vector may differ per batch row.
-
-    Attributes:
-        positions: ``n`` positions shared by the batch, or ``B n`` per row; negatives count from the end.
-        vector: ``B h D`` (row ``r`` adds ``alpha * vector[r]`` to the ``h`` heads), or ``D`` / ``h D`` as in
-            ``AddToHeads``.
-        alpha: scale; ``alpha = 0`` is the identity.
-    """
-
-    def edit_z(self, z: torch.Tensor, index: Any) -> torch.Tensor:
-        """Add the scaled per-row vectors to ``z`` (``B P H D``) at the rows' positions."""
-        vec = torch.as_tensor(self.vector)
-        if vec.ndim != 3:
-            return super().edit_z(z, index)
-        b, p, _, d = z.shape
-        if tuple(vec.shape) != (b, len(self.heads), d):
-            raise InterventionError(
-                f"AddToHeadRows: a per-row vector must have shape (batch, heads, d_head) = ({b}, {len(self.heads)}, "
-                f"{d}), got {tuple(vec.shape)}"
-            )
-        pos = _positions_tensor(self.positions, b, p, "AddToHeadRows").to(z.device)
-        heads = torch.tensor(self.heads, device=z.device)
-        vec = vec.to(device=z.device, dtype=z.dtype)
-        rows = torch.arange(b, device=z.device)[:, None, None]
-        idx = (rows, pos[:, :, None], heads[None, None, :])  # B n h
-        z[idx] = z[idx] + (self.alpha * vec)[:, None].expand(b, pos.shape[1], len(self.heads), d)
-        return z
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -94,7 +60,7 @@ def check_heads(vlm: Any, heads: Any) -> list[tuple[int, int]]:
     Raises:
         InputError: a malformed head, a head the model lacks, a repeated head, or no heads.
     """
-    parsed = _as_heads(heads)
+    parsed = parse_heads(heads)
     if not parsed:
         raise InputError("no heads given: pass LAYER.HEAD pairs, e.g. '2.1,3.0'")
     bad = [f"{l}.{h}" for l, h in parsed if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
@@ -154,7 +120,7 @@ def _chunks(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _check_positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
     for name, v in values.items():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise InputError(f"{name} must be a positive int, got {v!r}")
@@ -260,7 +226,7 @@ def estimate_position_ids(vlm: Any, examples: Sequence[Any], heads: Any, *, min_
     heads = check_heads(vlm, heads)
     examples = list(examples)
     _check_scene_examples(examples, "estimate_position_ids")
-    _check_positive(min_count=min_count, batch_size=batch_size)
+    check_positive(min_count=min_count, batch_size=batch_size)
     sums: dict[Cell, torch.Tensor] = {}
     counts: Counter[Cell] = Counter()
     norm_sum = torch.zeros(len(heads), dtype=torch.float64)
@@ -281,73 +247,6 @@ def estimate_position_ids(vlm: Any, examples: Sequence[Any], heads: Any, *, min_
         counts=[counts[c] for c in kept], skipped_cells={c: n for c, n in counts.items() if n < min_count},
         min_count=min_count, z_norm=(norm_sum / len(examples)).numpy(), n_examples=len(examples),
     )
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Decoding
-# ------------------------------------------------------------------------------------------------------------------
-def _eos_ids(vlm: Any) -> list[int]:
-    eos = getattr(getattr(vlm.model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = vlm.adapter.tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def _append_tokens(inputs: dict[str, Any], tokens: torch.Tensor) -> dict[str, Any]:
-    """The inputs with one token per row (``B``) appended to every per-token tensor."""
-    out = dict(inputs)
-    ids = inputs["input_ids"]
-    for key in SEQUENCE_KEYS:
-        value = inputs.get(key)
-        if not isinstance(value, torch.Tensor):
-            continue
-        if key == "input_ids":
-            col = tokens.to(value.device, value.dtype)
-        elif key == "attention_mask":
-            col = torch.ones(len(tokens), dtype=value.dtype, device=value.device)
-        else:
-            col = torch.zeros(len(tokens), dtype=value.dtype, device=value.device)
-        if value.shape[:2] != ids.shape[:2]:
-            raise InputError(f"{key} has shape {tuple(value.shape)}, not (batch, sequence) like input_ids; cannot "
-                             f"append answer tokens")
-        out[key] = torch.cat([value, col[:, None]], 1)
-    return out
-
-
-def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_new_tokens: int = 3) -> list[str]:
-    """Greedy continuation of each row by full forwards (no key/value cache), interventions applied in every one.
-
-    Position-bound interventions keep their absolute positions as tokens are appended (the batch is left-padded,
-    so the prompt's positions do not move). A row that emits an end-of-sequence token stops there, as in
-    ``generate``.
-
-    Args:
-        vlm: a loaded VLM.
-        batch: a prepared batch (``vlm.prepare``).
-        interventions: applied in every forward.
-        max_new_tokens: tokens to generate.
-
-    Returns:
-        The decoded continuations (special tokens dropped), one per row.
-    """
-    eos = _eos_ids(vlm)
-    inputs = dict(batch.inputs)
-    done = torch.zeros(len(batch), dtype=torch.bool)
-    new: list[torch.Tensor] = []
-    for step in range(max_new_tokens):
-        step_batch = Batch(inputs=inputs, index=batch.index, prompts=batch.prompts, images=batch.images)
-        nxt = vlm.run(step_batch, interventions=interventions).logits[:, -1].argmax(-1).cpu()
-        if eos:
-            nxt = torch.where(done, torch.tensor(eos[0]), nxt)
-            done |= torch.isin(nxt, torch.tensor(eos))
-        new.append(nxt)
-        if done.all() or step == max_new_tokens - 1:
-            break
-        inputs = _append_tokens(inputs, nxt)
-    ids = torch.stack(new, 1) if new else torch.zeros(len(batch), 0, dtype=torch.long)
-    return vlm.adapter.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
 def _answer_budget(vlm: Any, examples: Sequence[Any]) -> int:
@@ -382,12 +281,10 @@ def _parsed(output: str) -> str:
 # Results
 # ------------------------------------------------------------------------------------------------------------------
 def _stimulus_kwargs(vlm: Any, n_objects: Any, entropy: str, stimulus: dict[str, Any] | None) -> dict[str, Any]:
-    from ..evaluate import training_defaults
-
     return training_defaults(vlm, "scene", {"n_objects": n_objects, "entropy": entropy, **(stimulus or {})})
 
 
-def _alpha_label(alpha: float) -> str:
+def alpha_label(alpha: float) -> str:
     return f"{alpha:g}"
 
 
@@ -535,8 +432,8 @@ class EditResult:
             "edit": "z_h += alpha * (d_t - d_o) at the last prompt position; t a described object's cell",
             "control": "z_h += alpha * (d_c - d_o), c a random empty cell (no object) of the scene; efficacy still "
                        "counts outputs naming the object at t",
-            "efficacy": {_alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "edit"},
-            "control_efficacy": {_alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "control"},
+            "efficacy": {alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "edit"},
+            "control_efficacy": {alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "control"},
             "clean_accuracy": self.clean_accuracy, "clean_names_t": self.clean_names_t,
             "alpha0_identical": self.alpha0_identical, "n_estimate": self.n_estimate, "n_eval": self.n_eval,
             "n_used": self.n_used, "skipped": self.skipped, "rows": self.rows, "estimate": self.estimate,
@@ -598,8 +495,6 @@ def _lookup(rows: list[dict[str, Any]], alpha: float, arm: str, column: str) -> 
 
 
 def _save(out: str | os.PathLike, summary: dict[str, Any], figure: Any) -> Path:
-    from ..viz import write_html_atomic
-
     out = Path(out)
     write_json_atomic(summary, out / "results.json")
     write_html_atomic(figure, out / "curve.html")
@@ -649,11 +544,9 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
     Raises:
         InputError: bad heads, alphas or sizes, impossible stimuli, or no evaluation example left.
     """
-    from ..stimuli import scene_description
-
     start = time.perf_counter()
     heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
-    _check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
+    check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
     data = scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, entropy, stimulus))
     examples = list(data)
     ids = estimate_position_ids(vlm, examples[:n_estimate], heads, min_count=min_count, batch_size=batch_size,
@@ -752,11 +645,9 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
     Raises:
         InputError: bad heads, alphas or sizes, impossible stimuli, or no evaluation example left.
     """
-    from ..stimuli import scene_description
-
     start = time.perf_counter()
     heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
-    _check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
+    check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
     high = list(scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, "high", stimulus)))
     low_data = scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, "low", stimulus))
     low = list(low_data)
@@ -832,81 +723,3 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
         estimates={"high": ids_high.summary(), "low": ids_low.summary()}, norms=norms, params=low_data.params,
         seed=seed, seconds=time.perf_counter() - start,
     )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vlmbind edit
-# ----------------------------------------------------------------------------------------------------------------
-def add_parser(sub: Any, common: Any) -> None:
-    from ..stimuli.commands import parse_range
-
-    p = sub.add_parser("edit", parents=[common], help="position-ID additive edits (VSM) and entropy repair",
-                       description="Estimate position IDs at chosen heads, add alpha * (d_t - d_o) at the last "
-                                   "prompt token, and report how often the answer switches to the object at t "
-                                   "(with an empty-cell control); --repair adds the entropy-repair experiment.")
-    p.add_argument("--model", required=True)
-    heads = p.add_mutually_exclusive_group(required=True)
-    heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
-    heads.add_argument("--scores", help="a scores.csv from vlmbind locate (with --top-k)")
-    p.add_argument("--top-k", type=int, default=3, help="with --scores: edit the k best heads (default 3)")
-    p.add_argument("--alpha", default="0,0.5,1,2,4,8", help="comma-separated alphas (0 is always added)")
-    p.add_argument("--n-estimate", type=int, default=512, help="estimation examples (default 512)")
-    p.add_argument("--n-eval", type=int, default=64, help="evaluation examples (default 64)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
-    p.add_argument("--repair", action="store_true", help="also run entropy repair (high-entropy IDs into "
-                                                          "low-entropy scenes)")
-    p.add_argument("--out", default=None, help="output directory (default runs/edit/<model>)")
-    p.set_defaults(func=cmd_edit)
-
-
-def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, int]]:
-    from .ablation import _ranked
-
-    path = Path(path_text)
-    if not path.is_file():
-        raise InputError(f"--scores {path_text!r} does not exist; write one with vlmbind locate")
-    try:
-        frame = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise InputError(f"--scores {path_text!r} is not a readable CSV: {str(exc).splitlines()[0]}") from None
-    ranked = _ranked(frame)
-    if not 1 <= top_k <= len(ranked):
-        raise InputError(f"--top-k {top_k} must be between 1 and the {len(ranked)} heads in {path_text!r}")
-    return check_heads(vlm, ranked[:top_k])
-
-
-def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load
-
-    alphas = check_alphas(args.alpha)
-    _check_positive(**{"--n-estimate": args.n_estimate, "--n-eval": args.n_eval})
-    if args.heads is not None:
-        _as_heads(args.heads)  # malformed heads fail before the model loads
-    from ..io import check_out_dir
-
-    out = check_out_dir(args.out or f"runs/edit/{Path(str(args.model)).name}")
-    vlm = load(args.model)
-    heads = _heads_from_scores(args.scores, args.top_k, vlm) if args.scores else check_heads(vlm, args.heads)
-    options = dict(n_estimate=args.n_estimate, n_eval=args.n_eval, seed=args.seed, n_objects=args.objects or 3,
-                   progress=not args.json)
-    result = edit_study(vlm, heads, alphas, **options)
-    if args.repair:
-        result.repair = entropy_repair(vlm, heads, alphas, **options)
-    result.save(out)
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
-    eff = ", ".join(f"{_alpha_label(a)}: {result.efficacy(a):.3f}/{result.efficacy(a, 'control'):.3f}"
-                    for a in alphas)
-    lines = [f"{vlm.name}, position-ID edit at heads {', '.join(f'{l}.{h}' for l, h in heads)} "
-             f"(n={result.n_used}, clean accuracy {result.clean_accuracy:.3f}, {result.seconds:.1f} s)",
-             f"  efficacy / empty-cell control per alpha: {eff}"]
-    if sum(result.skipped.values()):
-        lines.append(f"  skipped evaluation examples: {result.skipped}")
-    if result.repair is not None:
-        rep = result.repair
-        change = ", ".join(f"{_alpha_label(a)}: {rep.accuracy(a) - rep.accuracy(0.0):+.3f}/"
-                           f"{rep.accuracy(a, 'control') - rep.accuracy(0.0, 'control'):+.3f}" for a in alphas)
-        lines.append(f"  entropy repair (oracle, correct ID / wrong-cell ID), low-entropy accuracy "
-                     f"{rep.clean_accuracy:.3f} (high {rep.high_accuracy:.3f}), change per alpha: {change}")
-    lines.append(f"  wrote {out}/results.json and curve.html")
-    return summary, "\n".join(lines), 0

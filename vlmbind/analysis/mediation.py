@@ -22,18 +22,23 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from safetensors import safe_open
+from safetensors.numpy import save
+from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
 from ..errors import InputError
-from .patching import METHOD_FUNCTIONS, PatchTask
-from ..io import write_json_atomic, write_text_atomic
+from ..io import write_bytes_atomic, write_json_atomic, write_text_atomic
+from ..patching import METHOD_FUNCTIONS, PatchTask
+from ..stimuli.scenes import check_alignment
+from ..viz import head_heatmap, write_html_atomic
 
 METHODS = tuple(METHOD_FUNCTIONS)
 CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval", "attention_swap")
@@ -118,8 +123,6 @@ class HeadScores:
         return [tuple(int(v) for v in np.unravel_index(i, self.scores.shape)) for i in order]
 
     def figure(self) -> Any:
-        from ..viz import head_heatmap
-
         return head_heatmap(self.to_frame(), value="score", title=f"{self.condition} mediation ({self.method})",
                             model=self.model, n=self.n, signed=True)
 
@@ -135,11 +138,18 @@ class HeadScores:
             out["verified"] = [{"head": f"{l}.{h}", "attribution": float(self.scores[l, h]),
                                 "exact": float(exact[l, h])} for l, h in heads]
             if len(heads) > 2:
-                from scipy.stats import spearmanr
-
                 out["verified_spearman"] = float(spearmanr([self.scores[h] for h in heads],
                                                            [exact[h] for h in heads]).statistic)
         return out
+
+    @classmethod
+    def concat(cls, parts: Sequence[HeadScores], *, seconds: float = 0.0, skipped: Sequence[str] = ()) -> HeadScores:
+        """One result from results on consecutive blocks of the same run's pairs (a sweep's ranks), in order."""
+        first = parts[0]
+        verified = None if first.verified is None else np.concatenate([p.verified for p in parts])
+        return cls(condition=first.condition, method=first.method, model=first.model,
+                   per_pair=np.concatenate([p.per_pair for p in parts]), seconds=seconds,
+                   pair_ids=[i for p in parts for i in p.pair_ids], verified=verified, skipped=list(skipped))
 
     def recall(self, reference: HeadScores, k: int = 10) -> float:
         """Share of ``reference``'s top-``k`` heads that are also in this result's top-``k``."""
@@ -147,8 +157,6 @@ class HeadScores:
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``scores.csv``, ``heatmap.html`` and ``summary.json`` atomically."""
-        from ..viz import write_html_atomic
-
         out = Path(out)
         write_text_atomic(self.to_frame().to_csv(index=False), out / "scores.csv")
         write_html_atomic(self.figure(), out / "heatmap.html")
@@ -168,8 +176,6 @@ def _extended(pair: Any, prefix_text: str) -> Any:
 def scene_task(vlm: Any, pair: Any, layers: Sequence[int]) -> PatchTask:
     """The :class:`PatchTask` of one scene pair: aligned clean prompt, its patch positions, the counterfactual's z of
     ``layers`` there, and the first differing answer tokens (shared leading tokens appended to the prompt)."""
-    from ..stimuli.scenes import check_alignment
-
     prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual)
     pair = _extended(pair, vlm.adapter.tokenizer.decode(prefix) if prefix else "")
     aligned = check_alignment(vlm, [pair])
@@ -182,7 +188,7 @@ def scene_task(vlm: Any, pair: Any, layers: Sequence[int]) -> PatchTask:
 
 def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | None = None,
            progress: bool = False, verify_top: int = 10, checkpoint: str | os.PathLike | None = None,
-           **method_kwargs: Any) -> HeadScores:
+           gather: Callable[[np.ndarray], np.ndarray] | None = None, **method_kwargs: Any) -> HeadScores:
     """Score every head (or those of ``layers``) on counterfactual pairs.
 
     Args:
@@ -198,6 +204,8 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
         checkpoint: a file the per-pair scores are written to (atomically) after every pair; an existing one from
             the same run (model, method, condition, layers, pairs) is continued from, so a killed run resumes where
             it stopped and ends with the same numbers. It is removed when the run completes.
+        gather: ``attribution``: maps these pairs' ``N L H`` estimates to the estimates the verification candidates
+            are chosen from (a sweep's ranks pool theirs through it, :func:`vlmbind.sweeps.locate`); None: their own.
         method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``).
 
     Raises:
@@ -237,7 +245,7 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
             _save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
     verified = None
     if method == "attribution" and verify_top > 0:
-        candidates = top_candidates(per_pair, heads, verify_top)
+        candidates = top_candidates(per_pair if gather is None else gather(per_pair), heads, verify_top)
         verified = verify_heads(vlm, pairs, layers, candidates, per_pair.shape[1:], tasks)
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
@@ -276,10 +284,6 @@ def verify_heads(vlm: Any, pairs: Sequence[Any], layers: Sequence[int], candidat
 
 def _save_checkpoint(path: str | os.PathLike, run_key: dict[str, Any], done: np.ndarray) -> None:
     """The finished pairs' scores, exactly (float64), with what identifies the run."""
-    from safetensors.numpy import save
-
-    from ..io import write_bytes_atomic
-
     write_bytes_atomic(save({"per_pair": np.ascontiguousarray(done)}, metadata={"run": json.dumps(run_key)}), path)
 
 
@@ -291,8 +295,6 @@ def _resume(path: str | os.PathLike | None, run_key: dict[str, Any], per_pair: n
     """
     if path is None or not Path(path).is_file():
         return 0
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="numpy") as f:
         saved = json.loads(f.metadata()["run"])
         done = f.get_tensor("per_pair")
@@ -302,78 +304,3 @@ def _resume(path: str | os.PathLike | None, run_key: dict[str, Any], per_pair: n
                          "output directory")
     per_pair[: len(done)] = done
     return len(done)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vlmbind locate
-# ----------------------------------------------------------------------------------------------------------------
-def add_parser(sub: Any, common: Any) -> None:
-    from ..stimuli.commands import parse_range
-
-    p = sub.add_parser("locate", parents=[common], help="head-level causal mediation on counterfactual scene pairs",
-                       description="Score every attention head by patching its output from counterfactual scenes.")
-    p.add_argument("--model", required=True)
-    p.add_argument("--condition", required=True, choices=CONDITIONS,
-                   help="scene pairs (VSM's three) or attention_swap (PbP: the model's own pointing traces)")
-    p.add_argument("--n-pairs", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
-    p.add_argument("--entropy", choices=("high", "low"), default="high")
-    p.add_argument("--method", choices=METHODS, default="exact",
-                   help="exact (fast, equal to naive), naive (one forward per head), attribution (estimate)")
-    p.add_argument("--verify-top", type=int, default=10, help="attribution: run exact on this many top candidates")
-    p.add_argument("--trace-task", choices=("count", "search"), default="count",
-                   help="attention_swap: displays the traces are generated on")
-    p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run from OUT/locate.partial.safetensors (same arguments)")
-    p.add_argument("--processes", type=int, default=1,
-                   help="split the pairs over N worker processes (default 1; implied by torchrun / accelerate launch)")
-    p.set_defaults(func=cmd_locate)
-
-
-def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load, parallel
-    from ..evaluate import training_defaults
-    from ..stimuli import scene_pairs
-
-    if args.n_pairs < 1:
-        raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
-    if args.verify_top < 0:
-        raise InputError(f"--verify-top must be 0 or more, got {args.verify_top}")
-    from ..io import check_out_dir
-
-    out = check_out_dir(args.out or f"runs/locate/{Path(str(args.model)).name}-{args.condition}")
-    checkpoint = out / CHECKPOINT
-    world = parallel.world_size(args.processes)
-    if args.n_pairs < world:
-        raise InputError(f"--n-pairs {args.n_pairs} cannot be shared by {world} processes; pass --processes "
-                         f"{args.n_pairs} or more pairs")
-    parallel.check_leftovers(out, "locate", checkpoint, world, args.resume)
-    with parallel.session(args.processes, command[1:], quiet=True) as group:
-        vlm = load(args.model, **group.load_kwargs())
-        if args.condition == "attention_swap":
-            from .traces import point_swap_pairs
-
-            extra = {"objects": args.objects} if args.objects else {}
-            pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task, **extra)
-        else:
-            kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
-            pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
-        if group.world == 1:
-            scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
-                            checkpoint=checkpoint)
-        else:
-            scores = parallel.locate(group, vlm, pairs, out, method=args.method, verify_top=args.verify_top,
-                                     progress=group.is_main and not args.json)
-            if not group.is_main:
-                return parallel.rank_done(group, out)
-    scores.save(out)
-    parallel.remove_parts(out, "locate")
-    summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
-    if group.world > 1:
-        summary["processes"] = group.world
-    top = ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})" for l, h in scores.top(5))
-    text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}: {scores.seconds:.1f} s\n"
-            f"  top heads: {top}\n  wrote {out}/scores.csv, heatmap.html, summary.json")
-    return summary, text, 0

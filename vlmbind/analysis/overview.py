@@ -23,8 +23,21 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..activations import capture
 from ..errors import InputError
+from ..evaluate import training_defaults
 from ..io import write_json_atomic, write_text_atomic
+from ..probes import ProbeConfig
+from ..stimuli import counting, scene_description, scene_pairs
+from ..stimuli.core import object_token_positions
+from ..viz import frame_to_html_table
+from .ablation import ablation_study
+from .binding import colorshape_splits, default_sites, probe_sites
+from .edits import edit_study
+from .mediation import locate
+from .rsa import rsa, rsa_stimuli
+from .traces import point_swap_pairs
+from .tracking import track, tracking_dataset
 
 SCENE_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
 
@@ -39,8 +52,6 @@ def object_attention(vlm: Any, examples: Any, heads: list[tuple[int, int]]) -> p
     Raises:
         InputError: no examples, or examples that are not scene descriptions.
     """
-    from ..stimuli.core import object_token_positions
-
     examples = list(examples)
     if not examples or any("target" not in e.fields or "described" not in e.fields for e in examples):
         raise InputError("object_attention needs scene-description examples (fields 'target' and 'described')")
@@ -120,8 +131,6 @@ class CausalOverview:
 
     def html(self) -> str:
         """Report sections (plotly.js must already be on the page)."""
-        from ..viz import frame_to_html_table
-
         esc = html.escape
         parts = ["<h2>Located heads (exact head-level mediation)</h2>",
                  "<p>Each head's mean score over counterfactual pairs: the patched run's logit difference between the "
@@ -184,13 +193,6 @@ def causal_overview(vlm: Any, *, n_pairs: int = 16, n_eval: int = 64, n_estimate
         alphas: edit scales.
         progress: progress bars.
     """
-    from ..evaluate import training_defaults
-    from ..stimuli import counting, scene_description, scene_pairs
-    from .ablation import ablation_study
-    from .edits import edit_study
-    from .mediation import locate
-    from .traces import point_swap_pairs
-
     for name, value in (("n_pairs", n_pairs), ("n_eval", n_eval), ("n_estimate", n_estimate), ("k", k)):
         if not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive int, got {value!r}")
@@ -293,8 +295,6 @@ class RepresentationOverview:
         write_json_atomic(self.summary(), out / "summary.json")
 
     def html(self) -> str:
-        from ..viz import frame_to_html_table
-
         esc = html.escape
         parts = []
         if self.rsa is not None:
@@ -330,12 +330,6 @@ def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, 
                             n_train: int = 512, n_val: int = 128, n_test: int = 128, epochs: int = 40,
                             permutations: int = 200) -> RepresentationOverview:
     """RSA by layer, the centroid RMSE curve (visual search traces) and linear probes at the default sites."""
-    from ..activations import capture
-    from ..probes import ProbeConfig
-    from .binding import colorshape_splits, default_sites, probe_sites
-    from .rsa import rsa, rsa_stimuli
-    from .tracking import track, tracking_dataset
-
     result = RepresentationOverview(vlm.name)
     model_arg = vlm.source if os.path.isdir(str(vlm.source)) else vlm.name
     clock = time.perf_counter()

@@ -26,9 +26,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy import stats
+from sklearn.decomposition import PCA
 
 from ..errors import InputError
 from ..io import write_json_atomic, write_text_atomic
+from ..stimuli import rsa_set
+from ..stimuli.core import Canvas
+from ..viz import write_html_atomic
 
 MODEL_MATRICES = ("conjunctive", "compositional", "position")
 SIMILARITIES = ("pearson", "cosine")
@@ -170,8 +174,6 @@ class RSAResult:
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``rsa.csv``, ``rsa.html`` and ``rsa.json`` atomically."""
-        from ..viz import write_html_atomic
-
         out = Path(out)
         write_text_atomic(self.frame.to_csv(index=False), out / "rsa.csv")
         write_html_atomic(self.figure(), out / "rsa.html")
@@ -211,8 +213,6 @@ def rsa(acts: Any, sites: list[str] | None = None, *, similarity: str = "pearson
 def pca(acts: Any, site: str, n_components: int = 2) -> pd.DataFrame:
     """Object representations at ``site`` projected on their first principal components (scikit-learn), with each
     object's colour, shape, cell and the explained variance ratio of each component (``evr1``, ...)."""
-    from sklearn.decomposition import PCA
-
     objects, x = _objects_of(acts, site)
     k = min(n_components, x.shape[0], x.shape[1])
     fit = PCA(n_components=k).fit(x)
@@ -250,39 +250,14 @@ def pca_figure(frames: list[pd.DataFrame], colour_by: str = "cell", title: str =
     return fig
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# vlmbind rsa
-# ----------------------------------------------------------------------------------------------------------------
 DEFAULT_SITES = "vision.blocks.*.hook_resid_post,projector.hook_out,blocks.*.hook_resid_post"
-
-
-def add_parser(sub: Any, common: Any) -> None:
-    p = sub.add_parser("rsa", parents=[common], help="RSA and PCA of object representations on the single-object set",
-                       description="Capture the single-object RSA set, then compare each site's object similarity "
-                                   "matrix with the conjunctive, compositional and position model matrices.")
-    p.add_argument("--model", required=True)
-    p.add_argument("--sites", default=DEFAULT_SITES, help=f"comma-separated sites or patterns (default {DEFAULT_SITES})")
-    p.add_argument("--positions", type=int, default=4, help="cells per colour-shape conjunction (default 4)")
-    p.add_argument("--similarity", choices=SIMILARITIES, default="pearson")
-    p.add_argument("--permutations", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue an interrupted capture in OUT/activations")
-    p.add_argument("--out", default=None, help="output directory (default runs/rsa/<model>)")
-    from ..parallel import add_capture_arguments
-
-    add_capture_arguments(p)
-    p.set_defaults(func=cmd_rsa)
 
 
 def rsa_stimuli(vlm: Any, n_positions: int, seed: int) -> Any:
     """The single-object RSA set on the model's own canvas and pools when it records them (organisms), else PbP's."""
-    from ..stimuli import rsa_set
-
     training = getattr(vlm, "training", None)
     if not training:
         return rsa_set(seed, positions_per_conjunction=n_positions)
-    from ..stimuli.core import Canvas
-
     options = training.get("task_options", {}).get("scene", {})
     kwargs: dict[str, Any] = {"canvas": Canvas(image_size=int(training["image_size"]), grid=int(training["grid"]))}
     if options.get("colours"):
@@ -290,41 +265,3 @@ def rsa_stimuli(vlm: Any, n_positions: int, seed: int) -> Any:
     if options.get("shapes"):
         kwargs["shapes"] = tuple(options["shapes"])
     return rsa_set(seed, positions_per_conjunction=n_positions, **kwargs)
-
-
-def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load, parallel
-
-    if args.positions < 1:
-        raise InputError(f"--positions must be at least 1, got {args.positions}")
-    if args.permutations < 0:
-        raise InputError(f"--permutations must be 0 or more, got {args.permutations}")
-    from ..io import check_out_dir
-
-    out = check_out_dir(args.out or f"runs/rsa/{Path(str(args.model)).name}")
-    with parallel.session(args.processes, command[1:], quiet=True) as group:
-        vlm = load(args.model, **group.load_kwargs())
-        sites = [s.strip() for s in args.sites.split(",") if s.strip()]
-        vlm.sites(sites)  # a misspelt site fails here, before anything is written
-        data = rsa_stimuli(vlm, args.positions, args.seed)
-        acts = parallel.capture(group, vlm, data, sites, out / "activations", resume=args.resume,
-                                shard_size=args.shard_size, progress=group.is_main and not args.json)
-        if not group.is_main:
-            return parallel.rank_done(group, out)
-    result = rsa(acts, similarity=args.similarity, permutations=args.permutations, seed=args.seed)
-    result.save(out)
-    from ..viz import write_html_atomic
-
-    lm = [s for s in acts.sites if s.startswith("blocks.")]
-    frames = [pca(acts, s) for s in lm]
-    if frames:
-        for colour_by in ("cell", "colour"):
-            write_html_atomic(pca_figure(frames, colour_by), out / f"pca_by_{colour_by}.html")
-    frame = result.frame
-    best = frame.loc[frame.groupby("site")["r"].idxmax().dropna()]
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command), "n_objects": len(data)}
-    lines = [f"{vlm.name}: RSA on {len(data)} single-object images ({args.similarity}, {args.permutations} permutations)"]
-    for _, row in best.iterrows():
-        lines.append(f"  {row['site']}: best {row['model_matrix']} r={row['r']:.3f} (p={row['p']:.3g})")
-    lines.append(f"  wrote {out}/rsa.csv, rsa.html, pca_by_cell.html, pca_by_colour.html")
-    return summary, "\n".join(lines), 0

@@ -22,32 +22,29 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..batches import Batch, append_tokens
+from ..decoding import generate_ids
 from ..errors import InputError
-from .patching import PatchTask
+from ..evaluate import training_defaults
+from ..patching import PatchTask
+from ..stimuli import counting, visual_search
+from ..stimuli.points import point_spans
 
 _OPEN = re.compile(r"\(\s*")
 
 
 def extend_batch(vlm: Any, batch: Any, ids: list[int]) -> Any:
     """A one-row batch with ``ids`` appended as text tokens (attention 1, token types 0)."""
-    from ..models import Batch
-
     if len(batch) != 1:
         raise InputError(f"extend_batch takes a one-row batch, got {len(batch)} rows")
-    inputs = dict(batch.inputs)
-    shape = inputs["input_ids"].shape
-    extra = torch.as_tensor(ids, dtype=inputs["input_ids"].dtype)[None]
-    for key, value in batch.inputs.items():
-        if isinstance(value, torch.Tensor) and value.shape == shape:
-            fill = extra if key == "input_ids" else torch.full_like(extra, 1 if key == "attention_mask" else 0)
-            inputs[key] = torch.cat([value, fill.to(value.dtype)], 1)
-    return Batch(inputs=inputs, index=vlm._index(inputs, batch.images), prompts=batch.prompts, images=batch.images)
+    extra = torch.as_tensor(ids, dtype=batch.inputs["input_ids"].dtype)[None]
+    inputs = append_tokens(vlm.adapter, batch.inputs, extra)
+    return Batch(inputs=inputs, index=vlm.token_index(inputs, batch.images), prompts=batch.prompts,
+                 images=batch.images)
 
 
 def x_token_steps(tokenizer: Any, ids: list[int]) -> list[int]:
     """For each ``(x, y)`` point of the decoded ``ids``, the index of the token holding x's first character."""
-    from ..stimuli.points import point_spans
-
     ends = [len(tokenizer.decode(ids[: k + 1])) for k in range(len(ids))]
     text = tokenizer.decode(ids)
     steps = []
@@ -131,9 +128,6 @@ def point_swap_pairs(vlm: Any, n: int, seed: int = 0, *, task: str = "count", ma
     Raises:
         InputError: bad arguments, or no example gave a usable pair.
     """
-    from ..evaluate import training_defaults
-    from ..stimuli import counting, visual_search
-
     if not isinstance(n, int) or n < 1:
         raise InputError(f"n must be a positive number of pairs, got {n!r}")
     if task not in ("count", "search"):
@@ -154,8 +148,7 @@ def point_swap_pairs(vlm: Any, n: int, seed: int = 0, *, task: str = "count", ma
         if len(pairs) == n:
             break
         batch = vlm.prepare([ex.image], [ex.prompt])
-        with torch.no_grad():
-            out = vlm.model.generate(**vlm._model_inputs(batch), max_new_tokens=max_new_tokens, do_sample=False)
+        out = generate_ids(vlm, batch, max_new_tokens)
         trace = out[0, batch.seq_len :].tolist()
         steps = x_token_steps(tokenizer, trace)
         pick = next(((b, a) for b, a in zip(steps, steps[1:]) if trace[a] != trace[b]), None)

@@ -41,9 +41,15 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from ..decoding import generate_ids
 from ..errors import InputError, close_matches
-from ..hooks import HookSession
+from ..evaluate import max_new_tokens_for, training_defaults
+from ..hooks import LastQuerySession
 from ..io import json_default, write_text_atomic
+from ..stimuli import counting, visual_search
+from ..stimuli.points import point_spans
+from ..viz import image_data_uri, write_html_atomic
+from ..viz.figures import _full_title
 
 __all__ = [
     "CentroidResult", "TrackResult", "centroid", "grid_to_pixels", "pixels_to_canvas", "grid_to_point_frame",
@@ -176,8 +182,6 @@ def point_token_steps(tokenizer: Any, ids: Sequence[int]) -> tuple[list[tuple[li
         ``[(steps, (x, y)), ...]`` in order of appearance, and the number of point-bearing spans that were skipped
         (tags holding no point or several points, whose tokens cannot be attributed to one point).
     """
-    from ..stimuli.points import point_spans
-
     ids = [int(i) for i in ids]
     ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
     starts = [0, *ends[:-1]]
@@ -198,17 +202,6 @@ def point_token_steps(tokenizer: Any, ids: Sequence[int]) -> tuple[list[tuple[li
 # ----------------------------------------------------------------------------------------------------------------
 # Capture
 # ----------------------------------------------------------------------------------------------------------------
-class _LastQuerySession(HookSession):
-    """A HookSession that stores only the newest query row of each attention pattern, on the CPU in float32.
-
-    The prefill step's pattern is ``B H P P`` (its last row predicts the first new token); each cached step's is
-    ``B H 1 K``. Keeping ``B H K`` per step makes the capture linear in the trace length.
-    """
-
-    def _store(self, site: str, value: torch.Tensor) -> None:
-        super()._store(site, value[:, :, -1, :].detach().to("cpu", torch.float32))
-
-
 def _trace(vlm: Any, batch: Any, max_new_tokens: int, query: str) -> list[tuple[list[int], np.ndarray]]:
     """Greedy generation with every layer's attention captured, one map per generated token.
 
@@ -224,9 +217,8 @@ def _trace(vlm: Any, batch: Any, max_new_tokens: int, query: str) -> list[tuple[
     """
     sites = vlm.sites(PATTERN_SITES)
     extra = 1 if query == "self" else 0  # a token's own query runs one step after it is produced
-    session = _LastQuerySession(vlm.adapter, sites, [*vlm._active], index=batch.index)
-    with torch.no_grad(), session:
-        out = vlm.model.generate(**vlm._model_inputs(batch), max_new_tokens=max_new_tokens + extra, do_sample=False)
+    session = LastQuerySession(vlm.adapter, sites, [*vlm.active], index=batch.index)
+    out = generate_ids(vlm, batch, max_new_tokens + extra, session)
     p = batch.seq_len
     new = out[:, p:].cpu()
     steps = len(session.captured[sites[0].name])
@@ -395,8 +387,6 @@ class TrackResult:
         """Plotly figure: RMSE by layer for head-averaged maps, every head's RMSE, and the best head per layer."""
         import plotly.graph_objects as go
 
-        from ..viz.figures import _full_title
-
         layers = list(range(self.n_layers))
         heads = self.rmse_heads
         fig = go.Figure()
@@ -441,8 +431,6 @@ class TrackResult:
             InputError: ``i`` or ``layer`` out of range, or the result holds no images (e.g. rebuilt from JSON).
         """
         import plotly.graph_objects as go
-
-        from ..viz import image_data_uri
 
         if not 0 <= i < len(self.examples):
             raise InputError(f"example {i} is out of range; this result has examples 0..{len(self.examples) - 1}")
@@ -493,8 +481,6 @@ class TrackResult:
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``rmse.csv``, ``rmse.html``, ``centroids.json`` and ``summary.json`` atomically."""
-        from ..viz import write_html_atomic
-
         out = Path(out)
         write_text_atomic(self.to_frame().to_csv(index=False), out / "rmse.csv")
         write_html_atomic(self.figure(), out / "rmse.html")
@@ -539,8 +525,6 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
         InputError: bad arguments, examples that are not Point-to-Answer count / search, images that do not match
             the canvas, or no example whose trace holds a point.
     """
-    from ..evaluate import max_new_tokens_for
-
     start = time.perf_counter()
     if query not in QUERIES:
         raise InputError(f"query {query!r} is not one of {QUERIES}.{close_matches(str(query), QUERIES)}")
@@ -622,9 +606,6 @@ def tracking_dataset(vlm: Any, task: str, n: int, seed: int = 1, *, objects: Any
     Raises:
         InputError: unknown task or impossible stimulus parameters.
     """
-    from ..evaluate import training_defaults
-    from ..stimuli import counting, visual_search
-
     if task not in TASKS:
         raise InputError(f"track needs Point-to-Answer traces: task must be one of {TASKS}, got {task!r}."
                          f"{close_matches(str(task), TASKS)}")
@@ -642,54 +623,3 @@ def tracking_dataset(vlm: Any, task: str, n: int, seed: int = 1, *, objects: Any
     if objects is not None:
         kwargs["n_objects"] = objects
     return visual_search(n, seed, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vlmbind track
-# ----------------------------------------------------------------------------------------------------------------
-def add_parser(sub: Any, common: Any) -> None:
-    from ..stimuli.commands import parse_range
-
-    p = sub.add_parser("track", parents=[common], help="attention-centroid tracking of Point-to-Answer traces (PbP)",
-                       description="Generate Point-to-Answer traces, take every layer's and head's attention to "
-                                   "the image while each point is written, and report the thresholded centroid's "
-                                   "RMSE against the point per layer and head.")
-    p.add_argument("--model", required=True, help="registered name, model directory or hub id")
-    p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--n", type=int, default=32, help="number of examples (default 32)")
-    p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1)")
-    p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH (default: training range)")
-    p.add_argument("--threshold", type=float, default=0.9, help="centroid threshold, fraction of the max (0.9)")
-    p.add_argument("--query", choices=QUERIES, default="emit",
-                   help="emit: the step producing each token (default); self: the step where it is the query")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--out", default=None, help="output directory (default runs/track/<model>-<task>)")
-    p.set_defaults(func=cmd_track)
-
-
-def cmd_track(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    from .. import load
-
-    if args.n < 1:
-        raise InputError(f"--n must be a positive number of examples, got {args.n}")
-    if args.seed < 0:
-        raise InputError(f"--seed must be 0 or more, got {args.seed}")
-    if not 0.0 <= args.threshold < 1.0:
-        raise InputError(f"--threshold must be in [0, 1), got {args.threshold}")
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
-    from ..io import check_out_dir
-
-    out = check_out_dir(args.out or f"runs/track/{Path(str(args.model)).name}-{args.task}")
-    vlm = load(args.model)
-    dataset = tracking_dataset(vlm, args.task, args.n, args.seed, objects=args.objects)
-    result = track(vlm, dataset, threshold=args.threshold, query=args.query, batch_size=args.batch_size,
-                   progress=not args.json)
-    result.save(out)
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
-    rmse = ", ".join(f"L{l} {v:.3f}" for l, v in enumerate(result.rmse_mean))
-    best = ", ".join(f"L{l}.H{h} {r:.3f}" for l, h, r in result.best_heads())
-    text = (f"{vlm.name}, {args.task}, {len(result.examples)} examples, {result.n_points} points "
-            f"({result.seconds:.1f} s)\n  RMSE (head-averaged): {rmse}\n  best head per layer: {best}\n"
-            f"  valley layer: {result.valley_layer}\n  wrote {out}/rmse.csv, rmse.html, centroids.json, summary.json")
-    return summary, text, 0

@@ -5,7 +5,7 @@ image size whose 28 px cells match the stimuli grid); :mod:`.data` draws trainin
 generators as a pure function of ``(seed, step, row)`` and turns them into batches without the processor;
 :mod:`.train` runs AdamW on answer tokens with atomic, resumable safetensors checkpoints; :mod:`.recipes` holds the
 staged curricula of the shipped organisms; :mod:`.lora` fine-tunes any supported family with LoRA adapters on the
-text attention projections (the PbP experiment on real checkpoints). :mod:`.shipped` knows where the trained weights
+text attention projections (the PbP experiment on real checkpoints). :mod:`vlmbind.shipped` knows where the trained weights
 live inside the package. LoRA (peft) loads on first use.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
+from ..shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
 from .train import TrainConfig, TrainResult, train  # eager: the function `train` must win over the submodule name
 
 _LAZY = {

@@ -31,7 +31,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import TrainingError
-from ..models import VLM, Batch, load
+from ..batches import Batch
+from ..loading import load
+from ..models import VLM
 from ..stimuli.core import Dataset, Example
 from .data import IGNORE_INDEX, TaskMixture, TrainingExample, answer_loss
 from .train import cosine_lr
@@ -213,7 +215,7 @@ def finetune_lora(
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(step, steps=steps, lr=lr, warmup=warmup)
             batch, labels = lora_batch(vlm, examples_at(step))
-            inputs = vlm._model_inputs(batch)
+            inputs = vlm.model_inputs(batch)
             logits = peft_model(**inputs, use_cache=False).logits
             loss = answer_loss(logits, labels.to(logits.device), "example")
             loss.backward()

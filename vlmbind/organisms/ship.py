@@ -7,16 +7,19 @@ half-copied organism is never loadable.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 from ..errors import TrainingError
 from ..models import TRAINING_FILE
 from .recipes import RECIPES, stages
-from .shipped import organism_dir
+from ..shipped import organism_dir
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "processor_config.json", "chat_template.jinja")
@@ -121,10 +124,6 @@ def model_card(record: dict[str, Any], config: dict[str, Any], params: int,
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m vlmbind.organisms.ship NAME RUN_DIR [--results circuits/p2a_vs_direct/results/results.json]``."""
-    import argparse
-
-    from safetensors import safe_open
-
     parser = argparse.ArgumentParser(prog="python -m vlmbind.organisms.ship")
     parser.add_argument("name", choices=sorted(RECIPES))
     parser.add_argument("run_dir")

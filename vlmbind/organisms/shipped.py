@@ -1,18 +1,3 @@
-"""Where the shipped organisms' weights live: ``vlmbind/organisms/weights/<name>/`` (a ``save_pretrained`` directory
-with a model card), loaded through the same ``from_pretrained`` path as any checkpoint."""
+"""Moved to :mod:`vlmbind.shipped`; this name stays for code that imports it from here."""
 
-from __future__ import annotations
-
-from pathlib import Path
-
-ORGANISM_NAMES = ("organism-p2a", "organism-direct")
-WEIGHTS_DIR = Path(__file__).parent / "weights"
-
-
-def organism_dir(name: str) -> Path:
-    return WEIGHTS_DIR / name
-
-
-def shipped_organisms() -> list[str]:
-    """The organisms whose weights are in this installation."""
-    return [n for n in ORGANISM_NAMES if (organism_dir(n) / "config.json").is_file()]
+from ..shipped import ORGANISM_NAMES, WEIGHTS_DIR, organism_dir, shipped_organisms  # noqa: F401

@@ -34,10 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
-from ..errors import TrainingError, close_matches
+from ..errors import TrainingError, VlmbindError, close_matches
 from .data import REGIMES, TASKS, BatchBuilder, TaskMixture, TaskSpec, TrainBatch, answer_correct, answer_loss
 from .model import OrganismSize, build_organism, grid_side
 
@@ -267,8 +269,6 @@ def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
 @contextlib.contextmanager
 def _quiet_hf() -> Iterator[None]:
     """Silence transformers' own progress bars (weight writing / loading) under the trainer's bar."""
-    from transformers.utils import logging as hf_logging
-
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -284,8 +284,6 @@ def load_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
     Raises:
         TrainingError: the directory has no loadable weights, or they do not fit ``model``'s architecture.
     """
-    import transformers
-
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise TrainingError(f"{str(directory)!r} is not a saved model directory (no config.json); pass a "
@@ -554,8 +552,6 @@ def train(
 
 
 def _transformers_version() -> str:
-    import transformers
-
     return transformers.__version__
 
 
@@ -572,8 +568,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a busy machine)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    from ..errors import VlmbindError
-
     try:
         config = TrainConfig.from_json(args.config)
         result = train(config, args.out, resume=args.resume, progress=not args.quiet, until=args.until,

@@ -11,28 +11,14 @@ adapter) are re-initialised so that the image matters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ..errors import UnsupportedModelError, close_matches
+from . import qwen, llava, gemma3, molmo2  # noqa: F401  (each registers its builders; this order is the listing's)
+from .registry import TINY_BUILDERS, register_tiny
 
-TINY_BUILDERS: dict[str, Callable[..., tuple[Any, Any]]] = {}
-
-
-def register_tiny(name: str) -> Callable:
-    def deco(fn: Callable) -> Callable:
-        TINY_BUILDERS[name] = fn
-        return fn
-
-    return deco
-
-
-from . import gemma3, llava, molmo2, qwen  # noqa: E402,F401  (register the builders)
-
-TINY_NAMES = tuple(
-    n for n in ("tiny-qwen2_5_vl", "tiny-qwen2_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-molmo2")
-    if n in TINY_BUILDERS
-)
+# registration order: the order `vlmbind models` lists them in
+TINY_NAMES = tuple(TINY_BUILDERS)
 
 
 def build(name: str, seed: int = 0, **kwargs: Any) -> tuple[Any, Any]:

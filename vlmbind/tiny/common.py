@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "cyan", "gray", "black", "white", "pink", "brown"]
@@ -52,8 +52,6 @@ def build_tokenizer(
     )
     tok.train_from_iterator(_corpus(), trainer)
     if add_bos and bos_token is not None:
-        from tokenizers import processors
-
         bos_id = tok.token_to_id(bos_token)
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, bos_id)]

@@ -22,7 +22,7 @@ from transformers import (
     Gemma3Processor,
 )
 
-from . import register_tiny
+from .registry import register_tiny
 from .common import build_tokenizer, rescale_linear_weights, seeded
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",

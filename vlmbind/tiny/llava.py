@@ -35,7 +35,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from . import register_tiny
+from .registry import register_tiny
 from .common import build_tokenizer, rescale_linear_weights, seeded
 
 # ---- LLaVA-1.5 ------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from transformers import (
     Molmo2VideoProcessor,
 )
 
-from . import register_tiny
+from .registry import register_tiny
 from .common import build_tokenizer, rescale_linear_weights, seeded
 
 # The processor looks these eight up by name (``Molmo2Processor.image_token_ids``); every one of them is marked as an

@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-from . import register_tiny
+from .registry import register_tiny
 from .common import build_tokenizer, rescale_linear_weights, seeded
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",

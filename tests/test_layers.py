@@ -1,0 +1,194 @@
+"""The package's layers, enforced: imports go down (or stay in their layer), never up, and no import circle exists.
+
+Every import counts, also one inside a function, and importing ``vlmbind.a.b`` also runs the package ``vlmbind.a``
+(its ``__init__``), so that is an import of ``vlmbind.a`` too (except from inside ``vlmbind.a`` and for the root
+package, which every import runs). A module that no layer claims fails the test, so a new module gets a place on
+purpose. The layers and what each may import are described in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vlmbind"
+
+# bottom to top; a module may import modules of its own layer and of the layers below. Longest prefix wins.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("vlmbind.errors", "vlmbind.version", "vlmbind.io", "vlmbind.images", "vlmbind.sites",
+              "vlmbind.tokens", "vlmbind.shipped")),
+    ("data", ("vlmbind.stimuli", "vlmbind.probes", "vlmbind.viz")),
+    ("models", ("vlmbind.adapters", "vlmbind.tiny", "vlmbind.organisms.model")),
+    ("engine", ("vlmbind.interventions", "vlmbind.hooks", "vlmbind.batches", "vlmbind.decoding", "vlmbind.models",
+                "vlmbind.encoders", "vlmbind.loading", "vlmbind.patching", "vlmbind.activations", "vlmbind.interop",
+                "vlmbind.parallel")),
+    ("analyses", ("vlmbind.analysis", "vlmbind.evaluate", "vlmbind.sweeps", "vlmbind.organisms", "vlmbind.results")),
+    ("top", ("vlmbind", "vlmbind.commands", "vlmbind.cli", "vlmbind.ui", "vlmbind.export", "vlmbind.report",
+             "vlmbind.__main__")),
+)
+ROOT = "vlmbind"
+
+
+def module_names(package: Path) -> dict[str, Path]:
+    """``dotted name -> file`` of every module under ``package`` (``__init__`` files name their package)."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph(package: Path) -> dict[str, dict[str, int]]:
+    """``module -> {imported module: line}`` for imports of the package's own modules, function-local ones
+    included, plus the packages those imports run (see the module docstring)."""
+    modules = module_names(package)
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    stem = base[: len(base) - node.level + 1] + ([node.module] if node.module else [])
+                    mod = ".".join(stem)
+                else:
+                    mod = node.module or ""
+                if mod.split(".")[0] != ROOT:
+                    continue
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.split(".")[0] == ROOT]
+            for target in targets:
+                while target not in modules and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                chain = target.split(".")
+                # the target and every package above it that the import runs
+                for k in range(len(chain), 1, -1):
+                    dep = ".".join(chain[:k])
+                    if dep != name and not (k < len(chain) and name.startswith(dep + ".")):
+                        edges.setdefault(dep, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def layer_of(module: str) -> int | None:
+    best, found = -1, None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), rank
+    return found
+
+
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """One line per import that goes to a higher layer."""
+    bad = []
+    for module, edges in sorted(graph.items()):
+        for dep, line in sorted(edges.items()):
+            if layer_of(dep) > layer_of(module):
+                bad.append(f"{module}:{line} imports {dep} ({LAYERS[layer_of(module)][0]} -> "
+                           f"{LAYERS[layer_of(dep)][0]})")
+    return bad
+
+
+def import_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in module_names(PACKAGE) if layer_of(m) is None]
+    assert not unplaced, f"give these modules a layer in tests/test_layers.py and docs/architecture.md: {unplaced}"
+
+
+def test_imports_go_down_only():
+    assert upward_imports(import_graph(PACKAGE)) == []
+
+
+def test_no_import_circles():
+    assert import_circles(import_graph(PACKAGE)) == []
+
+
+def test_imports_are_at_the_top_of_modules():
+    """No function-local import of vlmbind's own modules (a module's header says what it depends on); deferral is
+    kept for the optional heavy dependencies only."""
+    deferred_ok = ("plotly", "dash", "peft", "nnsight", "kaleido", "transformer_lens", "torchvision")
+    local = []
+    for name, path in module_names(PACKAGE).items():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom):
+                    top = "vlmbind" if node.level else (node.module or "").split(".")[0]
+                elif isinstance(node, ast.Import):
+                    top = node.names[0].name.split(".")[0]
+                else:
+                    continue
+                if top not in deferred_ok:
+                    local.append(f"{name}:{node.lineno} ({top})")
+    assert local == []
+
+
+@pytest.mark.parametrize("where, source", [
+    ("top", "from .commands import main\n"),
+    ("function", "def _sneaky():\n    from .analysis.mediation import locate\n    return locate\n"),
+    ("package", "import vlmbind.organisms.train\n"),
+])
+def test_the_checks_catch_an_upward_import(tmp_path, where, source):
+    """The same checks on a copy of the package with one upward import added to the engine's hooks module: at the
+    top, inside a function, or through a package whose ``__init__`` sits higher."""
+    copy = tmp_path / "vlmbind"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    hooks = copy / "hooks.py"
+    hooks.write_text(hooks.read_text() + "\n" + source)
+    bad = upward_imports(import_graph(copy))
+    assert len(bad) >= 1 and all(line.startswith("vlmbind.hooks:") for line in bad), bad
+    assert "engine -> " in bad[0]
+
+
+def test_the_circle_check_catches_a_circle(tmp_path):
+    copy = tmp_path / "vlmbind"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    errors = copy / "errors.py"
+    errors.write_text(errors.read_text() + "\nfrom .io import write_text_atomic  # noqa\n")
+    assert ["vlmbind.errors", "vlmbind.io"] in import_circles(import_graph(copy))

@@ -1,0 +1,79 @@
+"""``vlmbind ablate``: task accuracy with heads ablated (top-k vs random-k vs bottom-k of a scores.csv)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..analysis.ablation import MODES, ablation_study
+from ..errors import InputError
+from ..evaluate import training_defaults
+from ..sites import parse_heads
+from ..stimuli.tasks import generate
+from .arguments import load_model, out_dir, parse_range
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("ablate", parents=[common], help="task accuracy with heads ablated (top-k vs random vs bottom)",
+                       description="Ablate heads given by --heads, or the top / random / bottom k of a scores.csv "
+                                   "written by `vlmbind locate`, and report task accuracy for each arm.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"))
+    heads = p.add_mutually_exclusive_group(required=True)
+    heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
+    heads.add_argument("--scores", help="a scores.csv from vlmbind locate")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--mode", choices=MODES, default="image_attention")
+    p.add_argument("--renormalize", action="store_true", help="image_attention: renormalise the remaining attention")
+    p.add_argument("--seeds", type=int, default=3, help="random-k arms (default 3)")
+    p.add_argument("--n", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1, help="stimulus seed")
+    p.add_argument("--objects", type=parse_range)
+    p.add_argument("--out", default=None, help="output directory (default runs/ablate/<model>-<task>)")
+    p.set_defaults(func=cmd_ablate)
+
+
+def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    if args.n < 1:
+        raise InputError(f"--n must be a positive number of examples, got {args.n}")
+    if args.top_k < 1:
+        raise InputError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.seeds < 1:
+        raise InputError(f"--seeds must be at least 1 (the random-k arms to compare with), got {args.seeds}")
+    out = out_dir(args, "ablate", args.task)
+    vlm = load_model(args)
+    kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
+    dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
+    if args.scores:
+        path = Path(args.scores)
+        if not path.is_file():
+            raise InputError(f"--scores {args.scores!r} does not exist; write one with vlmbind locate")
+        try:
+            scores = pd.read_csv(path)
+        except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+            raise InputError(f"--scores {args.scores!r} is not a readable CSV: {str(exc).splitlines()[0]}; write "
+                             "one with vlmbind locate") from None
+        result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=args.mode,
+                                renormalize=args.renormalize, seeds=tuple(range(args.seeds)))
+    else:
+        heads = parse_heads(args.heads)
+        if not heads:
+            raise InputError(f"--heads {args.heads!r} lists no heads; pass LAYER.HEAD pairs, e.g. 2.1,3.0")
+        bad = [f"{l}.{h}" for l, h in heads if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
+        if bad:
+            raise InputError(f"heads {bad} do not exist: the model has layers 0..{vlm.n_layers - 1} and heads "
+                             f"0..{vlm.n_heads - 1}")
+        ranked = heads + [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads) if (l, h) not in heads]
+        frame = pd.DataFrame([{"layer": l, "head": h, "score": float(len(ranked) - i)} for i, (l, h) in
+                              enumerate(ranked)])
+        result = ablation_study(vlm, dataset, frame, k=len(heads), mode=args.mode, renormalize=args.renormalize,
+                                seeds=tuple(range(args.seeds)))
+    result.save(out)
+    acc = result.summary()["accuracy"]
+    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
+    text = (f"{vlm.name} on {args.task} (n={args.n}), {args.mode} ablation of {result.k} heads: clean "
+            f"{acc['clean']:.3f}, top {acc['top']:.3f}, random {acc['random']:.3f}, bottom {acc['bottom']:.3f}\n"
+            f"  wrote {out}/results.json")
+    return summary, text, 0

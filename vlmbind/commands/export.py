@@ -1,0 +1,33 @@
+"""``vlmbind export``: re-render saved results as figures or tidy tables, without a model."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..export import FORMATS, export_results
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    """Register ``vlmbind export``."""
+    p = sub.add_parser(
+        "export", parents=[common], help="re-render saved results as png/svg/html figures or csv tables",
+        description="Rebuild the figures (or tidy tables) of a vlmbind result folder from its saved numbers, without "
+                    "loading a model. Sub-folders holding results (e.g. a demo's causal/ and representations/) are "
+                    "exported too, to the same relative paths under --out.",
+    )
+    p.add_argument("result_dir", metavar="RESULT_DIR", help="a folder written by a vlmbind command")
+    p.add_argument("--format", default="html", help=f"one of {', '.join(FORMATS)} (default html)")
+    p.add_argument("--out", default=None, help="output folder (default RESULT_DIR/export)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    """``vlmbind export``: see :func:`export_results`."""
+    report = export_results(args.result_dir, args.format, args.out)
+    kinds = ", ".join(f"{r['dir']} ({r['kind']})" for r in report.results)
+    slowest = max(report.timings, key=lambda t: t["seconds"])
+    text = (f"vlmbind export: {len(report.results)} result folder(s): {kinds}\n"
+            f"  wrote {len(report.files)} {report.format} file(s) to {report.out} in {report.seconds:.1f} s "
+            f"(slowest {slowest['file']}: {slowest['seconds']:.2f} s)")
+    return report.summary(), text, 0

@@ -1,0 +1,73 @@
+"""``vlmbind locate``: head-level causal mediation on counterfactual scene pairs (or the model's pointing traces)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import parallel, sweeps
+from ..analysis.mediation import CHECKPOINT, CONDITIONS, METHODS, locate
+from ..analysis.traces import point_swap_pairs
+from ..errors import InputError
+from ..evaluate import training_defaults
+from ..stimuli import scene_pairs
+from .arguments import model_session, out_dir, parse_range, rank_done
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("locate", parents=[common], help="head-level causal mediation on counterfactual scene pairs",
+                       description="Score every attention head by patching its output from counterfactual scenes.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--condition", required=True, choices=CONDITIONS,
+                   help="scene pairs (VSM's three) or attention_swap (PbP: the model's own pointing traces)")
+    p.add_argument("--n-pairs", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
+    p.add_argument("--entropy", choices=("high", "low"), default="high")
+    p.add_argument("--method", choices=METHODS, default="exact",
+                   help="exact (fast, equal to naive), naive (one forward per head), attribution (estimate)")
+    p.add_argument("--verify-top", type=int, default=10, help="attribution: run exact on this many top candidates")
+    p.add_argument("--trace-task", choices=("count", "search"), default="count",
+                   help="attention_swap: displays the traces are generated on")
+    p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from OUT/locate.partial.safetensors (same arguments)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="split the pairs over N worker processes (default 1; implied by torchrun / accelerate launch)")
+    p.set_defaults(func=cmd_locate)
+
+
+def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    if args.n_pairs < 1:
+        raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
+    if args.verify_top < 0:
+        raise InputError(f"--verify-top must be 0 or more, got {args.verify_top}")
+    out = out_dir(args, "locate", args.condition)
+    checkpoint = out / CHECKPOINT
+    world = parallel.world_size(args.processes)
+    if args.n_pairs < world:
+        raise InputError(f"--n-pairs {args.n_pairs} cannot be shared by {world} processes; pass --processes "
+                         f"{args.n_pairs} or more pairs")
+    with model_session(args, command, out, sweep="locate", checkpoint=checkpoint) as (group, vlm):
+        if args.condition == "attention_swap":
+            extra = {"objects": args.objects} if args.objects else {}
+            pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task, **extra)
+        else:
+            kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
+            pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
+        if group.world == 1:
+            scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
+                            checkpoint=checkpoint)
+        else:
+            scores = sweeps.locate(group, vlm, pairs, out, method=args.method, verify_top=args.verify_top,
+                                   progress=group.is_main and not args.json)
+            if not group.is_main:
+                return rank_done(group, out)
+    scores.save(out)
+    parallel.remove_parts(out, "locate")
+    summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
+    if group.world > 1:
+        summary["processes"] = group.world
+    top = ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})" for l, h in scores.top(5))
+    text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}: {scores.seconds:.1f} s\n"
+            f"  top heads: {top}\n  wrote {out}/scores.csv, heatmap.html, summary.json")
+    return summary, text, 0

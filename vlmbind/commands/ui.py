@@ -1,0 +1,41 @@
+"""``vlmbind ui``: the local web app (click heads to ablate or patch them)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ..analysis.mediation import CONDITIONS
+from ..errors import InputError
+from ..ui import build_app
+from .arguments import load_model
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("ui", parents=[common], help="local web app: click heads to ablate or patch them",
+                       description="Serve a Dash app on 127.0.0.1 (unless --host): generate or upload an image, "
+                                   "click heads of the scores heatmap to ablate or patch them, and see the answer.")
+    p.add_argument("--model", default="organism-p2a", help="registered name or model directory")
+    p.add_argument("--scores", default=None, help="a scores.csv from vlmbind locate (default: locate on demand)")
+    p.add_argument("--condition", choices=CONDITIONS, default="id_selection",
+                   help="counterfactual of generated scenes (patched at the last token)")
+    p.add_argument("--pairs", type=int, default=8, help="pairs for on-demand locate")
+    p.add_argument("--seed", type=int, default=0, help="first scene's seed")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8050)
+    p.set_defaults(func=cmd_ui)
+
+
+def cmd_ui(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port {args.port} is not a TCP port; pass 1..65535")
+    if args.pairs < 1:
+        raise InputError(f"--pairs must be at least 1, got {args.pairs}")
+    vlm = load_model(args)
+    app = build_app(vlm, scores=args.scores, seed=args.seed, condition=args.condition, n_pairs=args.pairs)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"vlmbind: warning: serving on {args.host}: anyone who can reach this address can run the model; "
+              "there is no authentication", file=sys.stderr)
+    print(f"vlmbind ui: http://{args.host}:{args.port}/ (Ctrl-C stops)", file=sys.stderr)
+    app.run(host=args.host, port=args.port, debug=False, threaded=True)
+    return {"model": vlm.name, "host": args.host, "port": args.port}, "vlmbind ui stopped", 0
