@@ -172,7 +172,7 @@ class _Recorder:
             self.ids.append(real_estimate(*args, **kwargs))
             return self.ids[-1]
 
-        monkeypatch.setattr(S, "scene_description", scenes)
+        monkeypatch.setattr(edits, "scene_description", scenes)
         monkeypatch.setattr(edits, "estimate_position_ids", estimate)
 
 

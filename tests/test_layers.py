@@ -21,12 +21,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vlmbind"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("vlmbind.errors", "vlmbind.version", "vlmbind.io", "vlmbind.images", "vlmbind.sites",
               "vlmbind.tokens", "vlmbind.shipped")),
-    ("data", ("vlmbind.stimuli", "vlmbind.probes", "vlmbind.viz")),
+    ("data", ("vlmbind.stimuli", "vlmbind.probes", "vlmbind.viz", "vlmbind.results")),
     ("models", ("vlmbind.adapters", "vlmbind.tiny", "vlmbind.organisms.model")),
     ("engine", ("vlmbind.interventions", "vlmbind.hooks", "vlmbind.batches", "vlmbind.decoding", "vlmbind.models",
                 "vlmbind.encoders", "vlmbind.loading", "vlmbind.patching", "vlmbind.activations", "vlmbind.interop",
                 "vlmbind.parallel")),
-    ("analyses", ("vlmbind.analysis", "vlmbind.evaluate", "vlmbind.sweeps", "vlmbind.organisms", "vlmbind.results")),
+    ("analyses", ("vlmbind.analysis", "vlmbind.evaluate", "vlmbind.sweeps", "vlmbind.organisms")),
     ("top", ("vlmbind", "vlmbind.commands", "vlmbind.cli", "vlmbind.ui", "vlmbind.export", "vlmbind.report",
              "vlmbind.__main__")),
 )

@@ -1,0 +1,158 @@
+"""The result contract: what every saved analysis result can do, and the one table of result kinds.
+
+Every result class (``HeadScores``, ``AblationResult``, ``EditResult``, ``RepairResult``, ``RSAResult``,
+``TrackResult``, ``BindingResult``, ``EvalResult``, ``AttentionMass``, ``CausalOverview``,
+``RepresentationOverview``) derives from :class:`Result` and is registered with :func:`register_result`:
+
+* ``kind``: its name in this table (``locate``, ``ablate``, ...), the names ``vlmbind export`` reports;
+* ``to_frame()``: a tidy table; ``figure()``: its plotly figure (built by :mod:`vlmbind.viz`), or None;
+* ``save(dir)``: its files, atomically; ``load(dir)``: the result back from those files (``from_dict`` where the
+  result is one JSON document);
+* ``matches(dir)``: whether a folder holds a saved result of this kind (by the files ``save`` writes), so
+  :func:`detect` needs no guessing outside the classes; folders written by older versions keep matching because the
+  file names have not changed;
+* ``exports()``: the figures (file stem -> builder) and tables (CSV name -> frame) ``vlmbind export`` writes.
+
+A loaded result holds what its files hold: :class:`~vlmbind.analysis.HeadScores` saves the per-head means, standard
+errors and counts (not the per-pair scores), and comes back with exactly those.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from .errors import InputError
+
+RESULTS: dict[str, type[Result]] = {}
+
+
+class Result:
+    """Base of the result classes (they are dataclasses; this adds the contract and its defaults)."""
+
+    kind: ClassVar[str]
+    # what export names the figure and the table of a result that has one of each
+    figure_name: ClassVar[str | None] = None
+    table_name: ClassVar[str | None] = None
+
+    def to_frame(self) -> pd.DataFrame:
+        raise NotImplementedError
+
+    def figure(self) -> Any:
+        return None
+
+    def save(self, out: str | Path) -> Path:
+        raise NotImplementedError
+
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return False
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Result:
+        raise NotImplementedError
+
+    def exports(self) -> tuple[dict[str, Callable[[], Any]], dict[str, pd.DataFrame]]:
+        """``(figures, tables)`` for ``vlmbind export``: file stem -> figure builder, CSV name -> frame."""
+        figures = {self.figure_name: self.figure} if self.figure_name else {}
+        tables = {self.table_name: self.to_frame()} if self.table_name else {}
+        return figures, tables
+
+
+def register_result(cls: type[Result]) -> type[Result]:
+    """Class decorator: add a result class to :data:`RESULTS` under its ``kind``."""
+    if cls.kind in RESULTS and RESULTS[cls.kind] is not cls:
+        raise ValueError(f"result kind {cls.kind!r} registered twice")
+    RESULTS[cls.kind] = cls
+    return cls
+
+
+def detect(directory: Path) -> type[Result] | None:
+    """The result class whose saved files ``directory`` holds, or None.
+
+    Raises:
+        InputError: two kinds match (a folder holding two results' files), or a marker file is damaged.
+    """
+    found = [cls for cls in RESULTS.values() if cls.matches(directory)]
+    if len(found) > 1:
+        raise InputError(f"{str(directory)!r} holds the files of several results ({', '.join(c.kind for c in found)}); "
+                         "keep one result per folder")
+    return found[0] if found else None
+
+
+def load_result(directory: str | Path) -> Result:
+    """The saved result in ``directory``, whatever its kind.
+
+    Raises:
+        InputError: the folder holds no vlmbind result, or its files are damaged.
+    """
+    directory = Path(directory)
+    cls = detect(directory)
+    if cls is None:
+        raise InputError(f"{str(directory)!r} holds no vlmbind result (kinds: {', '.join(RESULTS)})")
+    return cls.load(directory)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading saved files (every error names the file and what is wrong with it)
+# ----------------------------------------------------------------------------------------------------------------
+def has_files(directory: Path, *names: str) -> bool:
+    return all((Path(directory) / name).is_file() for name in names)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``.
+
+    Raises:
+        InputError: unreadable, not JSON, or not an object.
+    """
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read {str(path)!r} as JSON ({exc}); re-run the command that wrote it") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{str(path)!r} holds a JSON {type(value).__name__}, not an object; it is not a vlmbind result")
+    return value
+
+
+def read_csv_columns(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
+    """A CSV with (at least) ``columns``, floats parsed exactly as written.
+
+    Raises:
+        InputError: unreadable, not CSV, or a column missing.
+    """
+    try:
+        # round_trip: the parsed floats are exactly the written ones (hover texts show repr())
+        frame = pd.read_csv(path, float_precision="round_trip")
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise InputError(f"cannot read {str(path)!r} as CSV ({exc}); re-run the command that wrote it") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise InputError(f"{str(path)!r} has no column(s) {missing} (it has {list(frame.columns)}); it is not the "
+                         f"file vlmbind wrote")
+    return frame
+
+
+def require_keys(data: dict[str, Any], keys: tuple[str, ...], path: Path) -> None:
+    """Raise InputError naming ``path`` when ``data`` lacks one of ``keys``."""
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise InputError(f"{str(path)!r} has no key(s) {missing}; it is not the file vlmbind wrote")
+
+
+def results_json_has(directory: Path, *keys: str) -> bool:
+    """Whether ``directory/results.json`` exists and has every key in ``keys`` (the ablate / edit / repair / eval
+    results share that file name).
+
+    Raises:
+        InputError: it exists but is not a JSON object (a damaged result is reported, never skipped).
+    """
+    path = Path(directory) / "results.json"
+    if not path.is_file():
+        return False
+    data = read_json_object(path)
+    return all(k in data for k in keys)
