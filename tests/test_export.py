@@ -20,14 +20,15 @@ MODEL = "organism-p2a"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """A small demo (locate, ablate, rsa, track, probe folders inside) and an edit run with repair."""
+    """A small demo (locate, ablate, rsa, track, probe folders inside), an edit run with repair and an eval run."""
     base = tmp_path_factory.mktemp("export")
-    demo, edit = base / "demo", base / "edit"
+    demo, edit, evaluation = base / "demo", base / "edit", base / "eval"
     assert cli.main(["demo", "--model", MODEL, "--out", str(demo), "--pairs", "2", "--eval-n", "8",
                      "--probe-n", "32"]) == 0
     assert cli.main(["edit", "--model", MODEL, "--heads", "2.1", "--alpha", "0,1", "--n-estimate", "256",
                      "--n-eval", "8", "--repair", "--out", str(edit)]) == 0
-    return {"demo": demo, "edit": edit}
+    assert cli.main(["eval", "--model", MODEL, "--task", "scene", "--n", "6", "--out", str(evaluation)]) == 0
+    return {"demo": demo, "edit": edit, "eval": evaluation}
 
 
 def _figure_json(html: str) -> list:
@@ -175,3 +176,77 @@ def test_signed_scores_always_get_a_diverging_scale_centred_at_zero():
     assert fig.data[0].zmid == 0.0
     masses = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "mass": [0.2, 0.7]})
     assert head_heatmap(masses, "mass").data[0].zmid is None  # a mass is not signed: sequential
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the result contract (vlmbind.results): every kind loads back what it saved
+# ----------------------------------------------------------------------------------------------------------------
+# per kind, the files whose bytes save(load(folder)) must reproduce (the others hold what is not saved: timings per
+# probe, attribution's verified scores, per-example records)
+EXACT_FILES = {
+    "demo": ("attention_mass.csv", "heatmap.html"), "locate": ("scores.csv", "heatmap.html"),
+    "ablate": ("results.json",), "edit": ("results.json", "curve.html"), "rsa": ("rsa.csv", "rsa.json", "rsa.html"),
+    "track": ("rmse.csv", "centroids.json", "rmse.html"), "probe": ("probe.csv", "probe.html"),
+    "eval": ("answers.jsonl", "results.json"), "causal": ("object_attention.csv",),
+}
+
+
+def test_every_kind_is_registered_with_the_contract():
+    from vlmbind.results import RESULTS, Result
+
+    assert set(EXACT_FILES) | {"repair", "representations"} == set(RESULTS)
+    for kind, cls in RESULTS.items():
+        assert issubclass(cls, Result) and cls.kind == kind
+        for method in ("to_frame", "figure", "save", "load", "matches", "exports"):
+            assert callable(getattr(cls, method)), (kind, method)
+        assert cls.load is not Result.load and cls.save is not Result.save, kind
+
+
+def test_saved_results_load_back_and_save_the_same_files(runs, tmp_path):
+    from vlmbind.results import detect, load_result
+
+    seen = set()
+    for name, root in runs.items():
+        exports = [m.parent for m in root.rglob(MANIFEST)]  # what other tests exported here: not results
+        for folder in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+            if any(folder == e or e in folder.parents for e in exports):
+                continue
+            cls = detect(folder)
+            if cls is None:
+                continue
+            result = load_result(folder)
+            assert type(result) is cls and isinstance(result.to_frame(), pd.DataFrame)
+            again = tmp_path / name / folder.relative_to(root)
+            result.save(again)
+            for file in EXACT_FILES[cls.kind]:
+                assert (again / file).read_bytes() == (folder / file).read_bytes(), (folder, file)
+            seen.add(cls.kind)
+    assert seen == set(EXACT_FILES)
+
+
+def test_loaded_scores_keep_means_stderr_and_ranking(runs):
+    from vlmbind.analysis import HeadScores
+
+    folder = runs["demo"] / "causal/locate/id_selection"
+    loaded = HeadScores.load(folder)
+    frame = pd.read_csv(folder / "scores.csv", float_precision="round_trip")
+    assert loaded.per_pair is None and loaded.n == int(frame["n"].iloc[0])
+    np.testing.assert_array_equal(loaded.scores, frame.pivot(index="layer", columns="head", values="score"))
+    np.testing.assert_array_equal(loaded.stderr, frame.pivot(index="layer", columns="head", values="stderr"))
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [f"{l}.{h}" for l, h in loaded.top(10)] == summary["top_heads"]
+
+
+def test_a_folder_with_two_results_or_none_is_named(tmp_path, runs):
+    import shutil
+
+    from vlmbind.results import detect, load_result
+
+    both = tmp_path / "both"
+    shutil.copytree(runs["demo"] / "causal/locate/id_selection", both)
+    shutil.copy(runs["demo"] / "representations/rsa/rsa.csv", both / "rsa.csv")
+    with pytest.raises(InputError, match="several results.*locate.*rsa|several results.*rsa.*locate"):
+        detect(both)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="holds no vlmbind result"):
+        load_result(tmp_path / "empty")

@@ -192,3 +192,33 @@ def test_the_circle_check_catches_a_circle(tmp_path):
     errors = copy / "errors.py"
     errors.write_text(errors.read_text() + "\nfrom .io import write_text_atomic  # noqa\n")
     assert ["vlmbind.errors", "vlmbind.io"] in import_circles(import_graph(copy))
+
+
+def test_every_command_module_is_in_the_table():
+    """A subcommand is one module in vlmbind/commands plus its entry in COMMANDS (the architecture recipe)."""
+    from vlmbind import commands
+
+    modules = {p.stem for p in (PACKAGE / "commands").glob("*.py")} - {"__init__", "arguments"}
+    assert {c.__name__.rsplit(".", 1)[1] for c in commands.COMMANDS} == modules
+    parser = commands.build_parser()
+    names = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
+    assert names == {"models", "demo", "stimuli", "eval", "locate", "track", "rsa", "probe", "ablate", "edit",
+                     "export", "ui"}
+
+
+def test_a_new_analysis_module_registers_its_result_kind(tmp_path):
+    """The recipe's claim: a result class in a new analysis module is in the table of kinds (and so known to
+    vlmbind export) with no other file touched."""
+    import subprocess
+
+    copy = tmp_path / "vlmbind"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    (copy / "analysis" / "planted.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from ..results import Result, register_result\n\n\n"
+        "@register_result\n@dataclass\nclass Planted(Result):\n    kind = 'planted'\n")
+    code = "import vlmbind.export, vlmbind.results as r; print(sorted(r.RESULTS))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'planted'" in done.stdout and "'locate'" in done.stdout

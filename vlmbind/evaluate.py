@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from .errors import InputError
 from .io import json_default, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from .results import Result, has_files, read_json_object, register_result, require_keys, results_json_has
 from .stimuli.core import Canvas, Dataset, Example
 from .stimuli.points import parse_count, parse_points, parse_yes_no
 
@@ -66,8 +67,9 @@ def max_new_tokens_for(example: Example, tokenizer: Any) -> int:
     return len(tokenizer(example.answer, add_special_tokens=False)["input_ids"]) + 4
 
 
+@register_result
 @dataclass
-class EvalResult:
+class EvalResult(Result):
     """Accuracy of one model on one data set.
 
     Attributes:
@@ -81,6 +83,34 @@ class EvalResult:
     task: str
     records: list[dict[str, Any]]
     params: dict[str, Any] = field(default_factory=dict)
+
+    kind = "eval"
+    table_name = "answers.csv"
+
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return has_files(directory, "answers.jsonl") and results_json_has(directory, "accuracy", "per_count")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> EvalResult:
+        """The answers and parameters saved in ``answers.jsonl`` and ``results.json``."""
+        directory = Path(directory)
+        summary = read_json_object(directory / "results.json")
+        require_keys(summary, ("model", "task"), directory / "results.json")
+        path = directory / "answers.jsonl"
+        records = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{str(path)!r} line {number} is not JSON ({exc}); re-run vlmbind eval") from None
+            if not isinstance(record, dict) or "correct" not in record or "n_objects" not in record:
+                raise InputError(f"{str(path)!r} line {number} is not an answer record (no 'correct' or "
+                                 f"'n_objects'); re-run vlmbind eval")
+            records.append(record_from_json(record))
+        return cls(model=summary["model"], task=summary["task"], records=records, params=summary.get("params", {}))
 
     @property
     def n(self) -> int:

@@ -79,3 +79,86 @@ the image positions). The overlay shows the head with the largest mass, <b>L{cho
 </body>
 </html>
 """
+
+
+def causal_sections(overview: Any) -> str:
+    """The causal overview's report sections (plotly.js must already be on the page)."""
+    esc = html.escape
+    parts = ["<h2>Located heads (exact head-level mediation)</h2>",
+             "<p>Each head's mean score over counterfactual pairs: the patched run's logit difference between the "
+             "counterfactual and the clean answer, minus the clean run's (methods.md section 4), computed with "
+             "the exact fast method. Attribution patching's top-k recall against it is listed beside.</p>",
+             '<div class="figs">']
+    for condition, scores in overview.scores.items():
+        parts.append(f'<div class="fig">{scores.figure().to_html(full_html=False, include_plotlyjs=False)}</div>')
+    parts.append("</div>")
+    table = pd.DataFrame([
+        {"condition": c, "pairs": s.n, "top heads": ", ".join(f"{l}.{h} ({s.scores[l, h]:+.3f})"
+                                                               for l, h in s.top(5)),
+         "attribution recall@5": overview.recall.get(c, {}).get("top5", float("nan")),
+         "attribution recall@10": overview.recall.get(c, {}).get("top10", float("nan"))}
+        for c, s in overview.scores.items()])
+    parts.append(frame_to_html_table(table, index=False, float_format="{:.2f}"))
+    if overview.looks is not None:
+        parts += ["<h2>Where the top heads look</h2>",
+                  "<p>From the last prompt token of scene descriptions: the head's attention mass on the image, "
+                  "and the share of it on the missing object versus one described object. A ratio near 1 means no "
+                  "preference for the missing object: such a head can change the answer when patched without "
+                  "retrieving anything by position (e.g. by summing the colours in view).</p>",
+                  frame_to_html_table(overview.looks, index=False, float_format="{:.3f}")]
+    if overview.ablations:
+        rows = []
+        for name, r in overview.ablations.items():
+            acc = r.summary()["accuracy"]
+            rows.append({"study": name, "mode": r.mode, "k": r.k, "top heads": ", ".join(r.arms[1]["heads"]),
+                         **{f"{arm} accuracy": acc[arm] for arm in ("clean", "top", "random", "bottom")}})
+        parts += ["<h2>Ablation: top-k located heads vs random-k vs bottom-k</h2>",
+                  "<p>Task accuracy with the heads' attention to image tokens zeroed after the softmax (not "
+                  "renormalised); random-k is the mean over three seeds.</p>",
+                  frame_to_html_table(pd.DataFrame(rows), index=False, float_format="{:.3f}")]
+    if overview.edit is not None:
+        parts += ["<h2>Position-ID edit</h2>",
+                  f"<p>z_h += alpha (d_t - d_o) at heads {esc(', '.join(overview.edit.summary()['heads']))}, at the "
+                  "last prompt token; efficacy is the share of outputs that switch to the object at cell t. The "
+                  "control adds an empty cell's ID instead.</p>",
+                  f'<div class="fig">{overview.edit.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
+    if overview.skipped:
+        parts += ["<h2>Skipped</h2>", "<ul>"] + [f"<li><b>{esc(k)}</b>: {esc(v)}</li>"
+                                                 for k, v in overview.skipped.items()] + ["</ul>"]
+    if overview.commands:
+        parts += ["<h2>Commands that regenerate these parts</h2>", "<ul>"] + [
+            f"<li>{esc(k)}: <code>{esc(v)}</code></li>" for k, v in overview.commands.items()] + ["</ul>"]
+    return "\n".join(parts)
+
+
+def representation_sections(overview: Any) -> str:
+    """The representational overview's report sections (plotly.js must already be on the page)."""
+    esc = html.escape
+    parts = []
+    if overview.rsa is not None:
+        parts += ["<h2>RSA by layer (single-object set)</h2>",
+                  "<p>Pearson r between each site's object-similarity matrix and the compositional, conjunctive "
+                  "and position model matrices (methods.md section 2); p-values from a permutation test.</p>",
+                  f'<div class="fig">{overview.rsa.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
+    if overview.track is not None:
+        parts += ["<h2>Attention-centroid tracking</h2>",
+                  f"<p>RMSE (canvas cells) between each layer's thresholded attention centroid and the point the "
+                  f"model writes, over {overview.track.n_points} points; valley at layer {overview.track.valley_layer}.</p>",
+                  f'<div class="fig">{overview.track.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
+    if overview.probes is not None:
+        cols = [c for c in ("site", "family", "CE_O", "CE_F", "B_O", "B_star_OF", "beta_O", "beta_star_OF",
+                            "n_test") if c in overview.probes.frame.columns]
+        parts += ["<h2>Binding information (BalancedColorShape probes)</h2>",
+                  "<p>B_O = H(O) - CE_O and B*_OF = H(O|F) - (CE_O - CE_F) in bits, with the test split's exact "
+                  "entropies; CE is the probe's test cross-entropy (methods.md section 6), so each B is a lower "
+                  "bound: a negative value means this probe found no information it could generalise to the "
+                  "test split's unseen feature codes (a probe that only knows the codes' structure scores "
+                  "CE_F = 2 log2 28 = 9.6 bits).</p>",
+                  frame_to_html_table(overview.probes.frame[cols], index=False, float_format="{:.3f}")]
+    if overview.skipped:
+        parts += ["<h2>Skipped (representations)</h2>", "<ul>"] + [
+            f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in overview.skipped.items()] + ["</ul>"]
+    if overview.commands:
+        parts += ["<h2>Commands that regenerate the representational parts</h2>", "<ul>"] + [
+            f"<li>{esc(k)}: <code>{esc(v)}</code></li>" for k, v in overview.commands.items()] + ["</ul>"]
+    return "\n".join(parts)

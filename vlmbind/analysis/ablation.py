@@ -19,12 +19,15 @@ import pandas as pd
 from ..errors import InputError
 from ..evaluate import evaluate
 from ..io import write_json_atomic
+from ..results import Result, read_json_object, register_result, require_keys, results_json_has
+from ..viz.ablation import ablation_figure
 
 MODES = ("image_attention", "zero", "mean")
 
 
+@register_result
 @dataclass
-class AblationResult:
+class AblationResult(Result):
     """Accuracy with no heads ablated and with each arm's heads ablated.
 
     Attributes:
@@ -39,6 +42,41 @@ class AblationResult:
     k: int
     renormalize: bool
     arms: list[dict[str, Any]] = field(default_factory=list)
+
+    kind = "ablate"
+    figure_name = "ablation"
+
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return results_json_has(directory, "arms")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AblationResult:
+        return cls(model=data["model"], task=data["task"], mode=data["mode"], k=data["k"],
+                   renormalize=data["renormalize"], arms=data["arms"])
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> AblationResult:
+        path = Path(directory) / "results.json"
+        data = read_json_object(path)
+        require_keys(data, ("model", "task", "mode", "k", "renormalize", "arms"), path)
+        return cls.from_dict(data)
+
+    def figure(self) -> Any:
+        """Accuracy per arm (random arms per seed)."""
+        return ablation_figure({"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
+                                "renormalize": self.renormalize, "arms": self.arms})
+
+    def arms_frame(self) -> pd.DataFrame:
+        """One row per arm, with the run's settings repeated (heads joined by spaces)."""
+        rows = [{"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
+                 "renormalize": self.renormalize, "arm": a["arm"], "seed": a.get("seed"),
+                 "heads": " ".join(a.get("heads", [])), "accuracy": a["accuracy"], "n": a["n"]} for a in self.arms]
+        return pd.DataFrame(rows, columns=["model", "task", "mode", "k", "renormalize", "arm", "seed", "heads",
+                                           "accuracy", "n"])
+
+    def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
+        return {"ablation": self.figure}, {"arms.csv": self.arms_frame()}
 
     def accuracy(self, arm: str) -> float:
         """Accuracy of an arm (the mean over seeds for ``random``)."""

@@ -26,7 +26,9 @@ from ..errors import InputError
 from ..io import json_default, write_json_atomic, write_text_atomic
 from ..probes import binding_information, pairwise_probe
 from ..stimuli.colorshape import COLOURS, SHAPES, balanced_color_shape, entropies
+from ..results import Result, has_files, read_csv_columns, read_json_object, register_result
 from ..viz import write_html_atomic
+from ..viz.probes import binding_figure
 
 PROBE_FAMILIES = ("linear", "quadratic", "dnn", "shared_factor", "attention", "pairwise")
 CHECKPOINT = "probe.partial.json"
@@ -80,31 +82,40 @@ def _token_classes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
     return owner, klass
 
 
+@register_result
 @dataclass
-class BindingResult:
+class BindingResult(Result):
     """Probe results per (site, family): a tidy frame plus the raw results."""
 
     model: str
     frame: pd.DataFrame
     results: dict[tuple[str, str], Any] = field(default_factory=dict)
 
-    def figure(self) -> Any:
-        import plotly.graph_objects as go
+    kind = "probe"
+    figure_name = "probe"
+    table_name = "probe.csv"
 
-        part = self.frame[self.frame["family"] != "pairwise"]
-        fig = go.Figure()
-        for family in dict.fromkeys(part["family"]):
-            rows = part[part["family"] == family]
-            fig.add_trace(go.Bar(x=rows["site"], y=rows["B_O"], name=family,
-                                 customdata=np.stack([rows["beta_O"], rows["B_star_OF"]], -1),
-                                 hovertemplate="%{x}<br>B_O %{y:.2f} bits<br>beta_O %{customdata[0]:.3f}<br>"
-                                               "B*_OF %{customdata[1]:.2f} bits<extra>" + family + "</extra>"))
-        h_o = float(part["H_O"].iloc[0]) if len(part) else float("nan")
-        fig.update_layout(barmode="group", template="plotly_white",
-                          title=f"Binding information B_O = H(O) - CE_O (H(O) = {h_o:.2f} bits)<br><sup>{self.model}, "
-                                f"n_test={int(part['n_test'].max()) if len(part) else 0}</sup>",
-                          xaxis_title="site", yaxis_title="bits")
-        return fig
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return has_files(directory, "probe.csv")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> BindingResult:
+        """The probe table and model from ``probe.csv`` and ``probe.json`` (the fitted probes are not saved)."""
+        directory = Path(directory)
+        frame = read_csv_columns(directory / "probe.csv", ("site", "family", "B_O", "beta_O", "B_star_OF", "H_O",
+                                                           "n_test"))
+        meta = read_json_object(directory / "probe.json") if (directory / "probe.json").is_file() else {}
+        if "model" not in meta:
+            raise InputError(f"{str(directory)!r} has probe.csv but no probe.json naming the model; re-run vlmbind "
+                             f"probe")
+        return cls(meta["model"], frame)
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame
+
+    def figure(self) -> Any:
+        return binding_figure(self.frame, model=self.model)
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``probe.csv``, ``probe.html`` and ``probe.json`` atomically."""

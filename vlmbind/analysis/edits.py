@@ -41,9 +41,11 @@ from ..errors import InputError
 from ..evaluate import score, training_defaults
 from ..interventions import AddToHeadRows
 from ..io import write_json_atomic
+from ..results import Result, read_json_object, register_result, results_json_has
 from ..sites import parse_heads
 from ..stimuli import scene_description
 from ..viz import write_html_atomic
+from ..viz.edits import edit_figure, edit_traces, repair_figure, repair_traces
 
 Cell = tuple[int, int]
 
@@ -288,8 +290,9 @@ def alpha_label(alpha: float) -> str:
     return f"{alpha:g}"
 
 
+@register_result
 @dataclass
-class RepairResult:
+class RepairResult(Result):
     """Accuracy on low-entropy scenes with the correct cell's high-entropy ID injected, per alpha.
 
     Attributes:
@@ -329,6 +332,30 @@ class RepairResult:
     seed: int
     seconds: float = 0.0
 
+    kind = "repair"
+    figure_name = "curve"
+    table_name = "rows.csv"
+
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return results_json_has(directory, "rows", "injects")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RepairResult:
+        """The result from its ``results.json`` (:meth:`summary`); per-example records are not saved there."""
+        return cls(
+            model=data["model"], heads=parse_heads(data["heads"]), alphas=[float(a) for a in data["alphas"]],
+            rows=data["rows"], records=[], clean_accuracy=data["clean_accuracy"],
+            high_accuracy=data["high_entropy_accuracy"], alpha0_identical=data["alpha0_identical"],
+            n_estimate=data["n_estimate"], n_eval=data["n_eval"], n_used=data["n_used"], skipped=data["skipped"],
+            estimates=data.get("estimates", {}), norms=data.get("norms", {}), params=data.get("params", {}),
+            seed=data.get("seed", 0), seconds=data.get("seconds", 0.0),
+        )
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> RepairResult:
+        return _load_results_json(cls, Path(directory))
+
     def accuracy(self, alpha: float, arm: str = "repair") -> float:
         return _lookup(self.rows, alpha, arm, "accuracy")
 
@@ -347,38 +374,24 @@ class RepairResult:
         }
 
     def traces(self) -> list[Any]:
-        import plotly.graph_objects as go
-
-        out = []
-        for arm, dash in (("repair", "solid"), ("control", "dash")):
-            frame = [r for r in self.rows if r["arm"] == arm]
-            out.append(go.Scatter(
-                x=[r["alpha"] for r in frame], y=[r["accuracy"] for r in frame], mode="lines+markers",
-                name="low-entropy accuracy, correct ID" if arm == "repair" else "low-entropy accuracy, wrong-cell ID",
-                line={"dash": dash}, text=[repr(r["accuracy"]) for r in frame],
-                hovertemplate="alpha %{x}<br>accuracy %{text}<extra></extra>",
-            ))
-        out.append(go.Scatter(x=[min(self.alphas), max(self.alphas)], y=[self.high_accuracy] * 2, mode="lines",
-                              name="high-entropy accuracy (unedited)", line={"dash": "dot", "color": "gray"}))
-        return out
+        return repair_traces(self.rows, self.alphas, self.high_accuracy)
 
     def figure(self) -> Any:
-        import plotly.graph_objects as go
+        return repair_figure(self.rows, self.alphas, self.high_accuracy, model=self.model,
+                             heads=[f"{l}.{h}" for l, h in self.heads], n_used=self.n_used)
 
-        fig = go.Figure(self.traces())
-        heads = ", ".join(f"{l}.{h}" for l, h in self.heads)
-        fig.update_layout(title=f"Entropy repair (oracle: correct cell's ID), heads {heads}<br><sup>{self.model}, "
-                                f"n={self.n_used}</sup>", xaxis_title="alpha", yaxis_title="accuracy",
-                          yaxis_range=[-0.02, 1.02], template="plotly_white")
-        return fig
+    def panel(self) -> dict[str, Any]:
+        """What :func:`vlmbind.viz.edits.edit_figure` draws the repair panel from."""
+        return {"rows": self.rows, "alphas": self.alphas, "high_accuracy": self.high_accuracy, "n_used": self.n_used}
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``results.json`` and ``curve.html`` atomically."""
         return _save(out, self.summary(), self.figure())
 
 
+@register_result
 @dataclass
-class EditResult:
+class EditResult(Result):
     """Efficacy of the position-ID edit per alpha, with the empty-cell control.
 
     Attributes:
@@ -420,6 +433,37 @@ class EditResult:
     seconds: float = 0.0
     repair: RepairResult | None = None
 
+    kind = "edit"
+    figure_name = "curve"
+    table_name = "rows.csv"
+
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return results_json_has(directory, "rows", "efficacy")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EditResult:
+        """The result from its ``results.json`` (:meth:`summary`); per-example records are not saved there."""
+        return cls(
+            model=data["model"], heads=parse_heads(data["heads"]), alphas=[float(a) for a in data["alphas"]],
+            rows=data["rows"], records=[], clean_accuracy=data["clean_accuracy"],
+            clean_names_t=data["clean_names_t"], alpha0_identical=data["alpha0_identical"],
+            n_estimate=data["n_estimate"], n_eval=data["n_eval"], n_used=data["n_used"], skipped=data["skipped"],
+            estimate=data.get("estimate", {}), norms=data.get("norms", {}), params=data.get("params", {}),
+            seed=data.get("seed", 0), seconds=data.get("seconds", 0.0),
+            repair=RepairResult.from_dict(data["repair"]) if data.get("repair") else None,
+        )
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> EditResult:
+        return _load_results_json(cls, Path(directory))
+
+    def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
+        figures, tables = super().exports()
+        if self.repair is not None:
+            tables["repair_rows.csv"] = self.repair.to_frame()
+        return figures, tables
+
     def efficacy(self, alpha: float, arm: str = "edit") -> float:
         return _lookup(self.rows, alpha, arm, "efficacy")
 
@@ -444,47 +488,25 @@ class EditResult:
         return out
 
     def traces(self) -> list[Any]:
-        import plotly.graph_objects as go
-
-        out = []
-        for arm, column, name, dash in (("edit", "efficacy", "efficacy (switch to t)", "solid"),
-                                        ("control", "efficacy", "control: empty-cell ID, names t", "dash"),
-                                        ("edit", "original", "edit: still names the missing object", "dot")):
-            frame = [r for r in self.rows if r["arm"] == arm]
-            out.append(go.Scatter(
-                x=[r["alpha"] for r in frame], y=[r[column] for r in frame], mode="lines+markers", name=name,
-                line={"dash": dash}, text=[repr(r[column]) for r in frame],
-                hovertemplate="alpha %{x}<br>share %{text}<extra></extra>",
-            ))
-        return out
+        return edit_traces(self.rows)
 
     def figure(self) -> Any:
         """Efficacy against alpha with the control (plus the repair curve beside it when attached)."""
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
-
-        heads = ", ".join(f"{l}.{h}" for l, h in self.heads)
-        title = f"Position-ID edit at heads {heads}<br><sup>{self.model}, n={self.n_used}</sup>"
-        if self.repair is None:
-            fig = go.Figure(self.traces())
-            fig.update_xaxes(title_text="alpha")
-            fig.update_yaxes(title_text="share of examples", range=[-0.02, 1.02])
-        else:
-            fig = make_subplots(rows=1, cols=2, subplot_titles=(
-                "edit: switch to t", f"entropy repair (oracle), n={self.repair.n_used}"))
-            for trace in self.traces():
-                fig.add_trace(trace, row=1, col=1)
-            for trace in self.repair.traces():
-                fig.add_trace(trace, row=1, col=2)
-            fig.update_xaxes(title_text="alpha")
-            fig.update_yaxes(title_text="share of examples", range=[-0.02, 1.02], row=1, col=1)
-            fig.update_yaxes(title_text="accuracy", range=[-0.02, 1.02], row=1, col=2)
-        fig.update_layout(title=title, template="plotly_white")
-        return fig
+        return edit_figure(self.rows, model=self.model, heads=[f"{l}.{h}" for l, h in self.heads],
+                           n_used=self.n_used, repair=None if self.repair is None else self.repair.panel())
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``results.json`` (with the repair section when attached) and ``curve.html`` atomically."""
         return _save(out, self.summary(), self.figure())
+
+
+def _load_results_json(cls: Any, directory: Path) -> Any:
+    path = directory / "results.json"
+    try:
+        return cls.from_dict(read_json_object(path))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{str(path)!r} lacks {exc} or holds a bad value; it is not the file vlmbind edit "
+                         f"wrote") from None
 
 
 def _lookup(rows: list[dict[str, Any]], alpha: float, arm: str, column: str) -> float:

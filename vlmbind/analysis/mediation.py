@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from ..errors import InputError
 from ..io import write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..patching import METHOD_FUNCTIONS, PatchTask
+from ..results import Result, has_files, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli.scenes import check_alignment
 from ..viz import head_heatmap, write_html_atomic
 
@@ -59,8 +60,9 @@ def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str) -> tuple[list[
     raise InputError(f"answers {answer!r} and {answer_cf!r} have no differing token: nothing to score")
 
 
+@register_result
 @dataclass
-class HeadScores:
+class HeadScores(Result):
     """Per-head mediation scores.
 
     Attributes:
@@ -72,29 +74,65 @@ class HeadScores:
         pair_ids: the pairs, in order.
         verified: ``attribution`` only: ``N L H`` exact scores of the top candidates (NaN elsewhere).
         skipped: examples that gave no pair (attention_swap traces without two usable points).
+        table: a result loaded from its files (:meth:`load`): the saved per-head table; ``per_pair`` is then None
+            and the means, standard errors and counts come from the table.
     """
+
+    kind = "locate"
+    figure_name = "heatmap"
+    table_name = "scores.csv"
 
     condition: str
     method: str
     model: str
-    per_pair: np.ndarray
+    per_pair: np.ndarray | None
     seconds: float = 0.0
     pair_ids: list[str] = field(default_factory=list)
     verified: np.ndarray | None = None
     skipped: list[str] = field(default_factory=list)
+    table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return has_files(directory, "scores.csv", "summary.json")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> HeadScores:
+        """The scores saved in ``directory`` (``scores.csv`` and ``summary.json``): per-head means, standard errors
+        and counts, without the per-pair scores (they are not saved)."""
+        directory = Path(directory)
+        frame = read_csv_columns(directory / "scores.csv", ("layer", "head", "score", "stderr", "n"))
+        summary = read_json_object(directory / "summary.json")
+        require_keys(summary, ("condition", "method", "model", "n"), directory / "summary.json")
+        return cls(condition=summary["condition"], method=summary["method"], model=summary["model"], per_pair=None,
+                   seconds=summary.get("seconds", 0.0), pair_ids=summary.get("pair_ids", []),
+                   skipped=summary.get("skipped_examples", []), table=frame)
+
+    def _saved(self, column: str) -> np.ndarray:
+        """``L H`` of one column of the loaded table (NaN where a head has no row)."""
+        t = self.table
+        grid = np.full((int(t["layer"].max()) + 1, int(t["head"].max()) + 1), np.nan)
+        grid[t["layer"].to_numpy(int), t["head"].to_numpy(int)] = t[column].to_numpy(float)
+        return grid
 
     @property
     def n(self) -> int:
+        if self.per_pair is None:
+            return int(self.table["n"].iloc[0]) if len(self.table) else 0
         return int(self.per_pair.shape[0])
 
     @property
     def scores(self) -> np.ndarray:
         """``L H`` mean score."""
+        if self.per_pair is None:
+            return self._saved("score")
         return self.per_pair.mean(0)
 
     @property
     def stderr(self) -> np.ndarray:
         """``L H`` standard error of the mean (0 with one pair)."""
+        if self.per_pair is None:
+            return self._saved("stderr")
         if self.n < 2:
             return np.zeros(self.per_pair.shape[1:])
         return self.per_pair.std(0, ddof=1) / math.sqrt(self.n)
@@ -102,9 +140,13 @@ class HeadScores:
     @property
     def verified_scores(self) -> np.ndarray | None:
         """``L H`` mean exact score of the verified heads (NaN for the others), or None."""
+        if self.per_pair is None and "exact_score" in self.table.columns:
+            return self._saved("exact_score")
         return None if self.verified is None else self.verified.mean(0)
 
     def to_frame(self) -> pd.DataFrame:
+        if self.per_pair is None:
+            return self.table.copy()
         layers, heads = self.scores.shape
         rows = [
             {"layer": layer, "head": head, "score": float(self.scores[layer, head]),

@@ -13,7 +13,6 @@ the reason, never silently.
 
 from __future__ import annotations
 
-import html
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,17 +26,17 @@ from ..activations import capture
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..io import write_json_atomic, write_text_atomic
+from ..results import Result, has_files, read_csv_columns, read_json_object, register_result
 from ..probes import ProbeConfig
 from ..stimuli import counting, scene_description, scene_pairs
 from ..stimuli.core import object_token_positions
-from ..viz import frame_to_html_table
-from .ablation import ablation_study
-from .binding import colorshape_splits, default_sites, probe_sites
-from .edits import edit_study
-from .mediation import locate
-from .rsa import rsa, rsa_stimuli
+from .ablation import AblationResult, ablation_study
+from .binding import BindingResult, colorshape_splits, default_sites, probe_sites
+from .edits import EditResult, edit_study
+from .mediation import HeadScores, locate
+from .rsa import RSAResult, rsa, rsa_stimuli
 from .traces import point_swap_pairs
-from .tracking import track, tracking_dataset
+from .tracking import TrackResult, track, tracking_dataset
 
 SCENE_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
 
@@ -78,8 +77,9 @@ def object_attention(vlm: Any, examples: Any, heads: list[tuple[int, int]]) -> p
     return pd.DataFrame(out)
 
 
+@register_result
 @dataclass
-class CausalOverview:
+class CausalOverview(Result):
     """Everything :func:`causal_overview` measured (see the module docstring)."""
 
     model: str
@@ -109,74 +109,66 @@ class CausalOverview:
             out["edit"] = {k: s[k] for k in ("heads", "efficacy", "control_efficacy", "clean_accuracy", "n_used")}
         return out
 
-    def save(self, out: str | os.PathLike) -> list[str]:
-        """Write every part under ``out`` (one folder per part) and ``summary.json``; returns the relative paths."""
+    kind = "causal"
+    table_name = "object_attention.csv"
+
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return has_files(directory, "object_attention.csv")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> CausalOverview:
+        """The overview saved in ``directory``: ``object_attention.csv``, ``summary.json`` and every part folder
+        present (``locate/<condition>``, ``ablation/<name>``, ``edit``); the attribution runs are not saved."""
+        directory = Path(directory)
+        summary = read_json_object(directory / "summary.json") if (directory / "summary.json").is_file() else {}
+        looks = read_csv_columns(directory / "object_attention.csv", ())
+
+        def parts(sub: str) -> list[Path]:
+            folder = directory / sub
+            return sorted(d for d in folder.iterdir() if d.is_dir()) if folder.is_dir() else []
+
+        return cls(
+            model=summary.get("model", ""), looks=looks,
+            scores={d.name: HeadScores.load(d) for d in parts("locate") if HeadScores.matches(d)},
+            ablations={d.name: AblationResult.load(d) for d in parts("ablation") if AblationResult.matches(d)},
+            edit=EditResult.load(directory / "edit") if EditResult.matches(directory / "edit") else None,
+            recall=summary.get("attribution_recall", {}), skipped=summary.get("skipped", {}),
+            seconds=summary.get("seconds", {}), commands=summary.get("commands", {}),
+        )
+
+    def to_frame(self) -> pd.DataFrame:
+        """Where the top heads look (:func:`object_attention`); empty when that part was skipped."""
+        return self.looks if self.looks is not None else pd.DataFrame()
+
+    def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
+        return {}, ({} if self.looks is None else {"object_attention.csv": self.looks})
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write every part under ``out`` (one folder per part) and ``summary.json``; :meth:`files` lists them."""
         out = Path(out)
-        written = []
         for condition, scores in self.scores.items():
             scores.save(out / "locate" / condition)
-            written += [f"locate/{condition}/{f}" for f in ("scores.csv", "heatmap.html", "summary.json")]
         for name, result in self.ablations.items():
             result.save(out / "ablation" / name)
-            written.append(f"ablation/{name}/results.json")
         if self.looks is not None:
             write_text_atomic(self.looks.to_csv(index=False), out / "object_attention.csv")
-            written.append("object_attention.csv")
         if self.edit is not None:
             self.edit.save(out / "edit")
-            written += ["edit/results.json", "edit/curve.html"]
         write_json_atomic(self.summary(), out / "summary.json")
-        written.append("summary.json")
-        return written
+        return out
 
-    def html(self) -> str:
-        """Report sections (plotly.js must already be on the page)."""
-        esc = html.escape
-        parts = ["<h2>Located heads (exact head-level mediation)</h2>",
-                 "<p>Each head's mean score over counterfactual pairs: the patched run's logit difference between the "
-                 "counterfactual and the clean answer, minus the clean run's (methods.md section 4), computed with "
-                 "the exact fast method. Attribution patching's top-k recall against it is listed beside.</p>",
-                 '<div class="figs">']
-        for condition, scores in self.scores.items():
-            parts.append(f'<div class="fig">{scores.figure().to_html(full_html=False, include_plotlyjs=False)}</div>')
-        parts.append("</div>")
-        table = pd.DataFrame([
-            {"condition": c, "pairs": s.n, "top heads": ", ".join(f"{l}.{h} ({s.scores[l, h]:+.3f})"
-                                                                   for l, h in s.top(5)),
-             "attribution recall@5": self.recall.get(c, {}).get("top5", float("nan")),
-             "attribution recall@10": self.recall.get(c, {}).get("top10", float("nan"))}
-            for c, s in self.scores.items()])
-        parts.append(frame_to_html_table(table, index=False, float_format="{:.2f}"))
+    def files(self) -> list[str]:
+        """The files :meth:`save` writes, relative to its folder."""
+        written = []
+        for condition in self.scores:
+            written += [f"locate/{condition}/{f}" for f in ("scores.csv", "heatmap.html", "summary.json")]
+        written += [f"ablation/{name}/results.json" for name in self.ablations]
         if self.looks is not None:
-            parts += ["<h2>Where the top heads look</h2>",
-                      "<p>From the last prompt token of scene descriptions: the head's attention mass on the image, "
-                      "and the share of it on the missing object versus one described object. A ratio near 1 means no "
-                      "preference for the missing object: such a head can change the answer when patched without "
-                      "retrieving anything by position (e.g. by summing the colours in view).</p>",
-                      frame_to_html_table(self.looks, index=False, float_format="{:.3f}")]
-        if self.ablations:
-            rows = []
-            for name, r in self.ablations.items():
-                acc = r.summary()["accuracy"]
-                rows.append({"study": name, "mode": r.mode, "k": r.k, "top heads": ", ".join(r.arms[1]["heads"]),
-                             **{f"{arm} accuracy": acc[arm] for arm in ("clean", "top", "random", "bottom")}})
-            parts += ["<h2>Ablation: top-k located heads vs random-k vs bottom-k</h2>",
-                      "<p>Task accuracy with the heads' attention to image tokens zeroed after the softmax (not "
-                      "renormalised); random-k is the mean over three seeds.</p>",
-                      frame_to_html_table(pd.DataFrame(rows), index=False, float_format="{:.3f}")]
+            written.append("object_attention.csv")
         if self.edit is not None:
-            parts += ["<h2>Position-ID edit</h2>",
-                      f"<p>z_h += alpha (d_t - d_o) at heads {esc(', '.join(self.edit.summary()['heads']))}, at the "
-                      "last prompt token; efficacy is the share of outputs that switch to the object at cell t. The "
-                      "control adds an empty cell's ID instead.</p>",
-                      f'<div class="fig">{self.edit.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
-        if self.skipped:
-            parts += ["<h2>Skipped</h2>", "<ul>"] + [f"<li><b>{esc(k)}</b>: {esc(v)}</li>"
-                                                     for k, v in self.skipped.items()] + ["</ul>"]
-        if self.commands:
-            parts += ["<h2>Commands that regenerate these parts</h2>", "<ul>"] + [
-                f"<li>{esc(k)}: <code>{esc(v)}</code></li>" for k, v in self.commands.items()] + ["</ul>"]
-        return "\n".join(parts)
+            written += ["edit/results.json", "edit/curve.html"]
+        return [*written, "summary.json"]
 
 
 def causal_overview(vlm: Any, *, n_pairs: int = 16, n_eval: int = 64, n_estimate: int = 256, seed: int = 0,
@@ -258,8 +250,9 @@ def causal_overview(vlm: Any, *, n_pairs: int = 16, n_eval: int = 64, n_estimate
 # ----------------------------------------------------------------------------------------------------------------
 # the representational half: RSA by layer, the centroid RMSE curve, the probe table
 # ----------------------------------------------------------------------------------------------------------------
+@register_result
 @dataclass
-class RepresentationOverview:
+class RepresentationOverview(Result):
     """RSA on the single-object set, centroid tracking on pointing traces, probes on BalancedColorShape."""
 
     model: str
@@ -284,7 +277,26 @@ class RepresentationOverview:
             out["probes"] = self.probes.frame.to_dict(orient="records")
         return out
 
-    def save(self, out: str | os.PathLike) -> None:
+    # a folder of parts: the parts are found on their own (by export, load_result); load this one explicitly
+    kind = "representations"
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> RepresentationOverview:
+        """The overview saved in ``directory``: ``summary.json`` and the ``rsa``, ``track`` and ``probe`` parts
+        present."""
+        directory = Path(directory)
+        summary = read_json_object(directory / "summary.json")
+        part = lambda kind, name: kind.load(directory / name) if kind.matches(directory / name) else None  # noqa: E731
+        return cls(model=summary.get("model", ""), rsa=part(RSAResult, "rsa"), track=part(TrackResult, "track"),
+                   probes=part(BindingResult, "probe"), skipped=summary.get("skipped", {}),
+                   seconds=summary.get("seconds", {}), commands=summary.get("commands", {}))
+
+    def to_frame(self) -> pd.DataFrame:
+        """The RSA table (empty when RSA was skipped)."""
+        return self.rsa.frame if self.rsa is not None else pd.DataFrame()
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write each part in its folder (``rsa``, ``track``, ``probe``) and ``summary.json``."""
         out = Path(out)
         if self.rsa is not None:
             self.rsa.save(out / "rsa")
@@ -293,37 +305,7 @@ class RepresentationOverview:
         if self.probes is not None:
             self.probes.save(out / "probe")
         write_json_atomic(self.summary(), out / "summary.json")
-
-    def html(self) -> str:
-        esc = html.escape
-        parts = []
-        if self.rsa is not None:
-            parts += ["<h2>RSA by layer (single-object set)</h2>",
-                      "<p>Pearson r between each site's object-similarity matrix and the compositional, conjunctive "
-                      "and position model matrices (methods.md section 2); p-values from a permutation test.</p>",
-                      f'<div class="fig">{self.rsa.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
-        if self.track is not None:
-            parts += ["<h2>Attention-centroid tracking</h2>",
-                      f"<p>RMSE (canvas cells) between each layer's thresholded attention centroid and the point the "
-                      f"model writes, over {self.track.n_points} points; valley at layer {self.track.valley_layer}.</p>",
-                      f'<div class="fig">{self.track.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
-        if self.probes is not None:
-            cols = [c for c in ("site", "family", "CE_O", "CE_F", "B_O", "B_star_OF", "beta_O", "beta_star_OF",
-                                "n_test") if c in self.probes.frame.columns]
-            parts += ["<h2>Binding information (BalancedColorShape probes)</h2>",
-                      "<p>B_O = H(O) - CE_O and B*_OF = H(O|F) - (CE_O - CE_F) in bits, with the test split's exact "
-                      "entropies; CE is the probe's test cross-entropy (methods.md section 6), so each B is a lower "
-                      "bound: a negative value means this probe found no information it could generalise to the "
-                      "test split's unseen feature codes (a probe that only knows the codes' structure scores "
-                      "CE_F = 2 log2 28 = 9.6 bits).</p>",
-                      frame_to_html_table(self.probes.frame[cols], index=False, float_format="{:.3f}")]
-        if self.skipped:
-            parts += ["<h2>Skipped (representations)</h2>", "<ul>"] + [
-                f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in self.skipped.items()] + ["</ul>"]
-        if self.commands:
-            parts += ["<h2>Commands that regenerate the representational parts</h2>", "<ul>"] + [
-                f"<li>{esc(k)}: <code>{esc(v)}</code></li>" for k, v in self.commands.items()] + ["</ul>"]
-        return "\n".join(parts)
+        return out
 
 
 def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, n_track: int = 32,

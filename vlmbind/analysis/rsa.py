@@ -30,11 +30,12 @@ from sklearn.decomposition import PCA
 
 from ..errors import InputError
 from ..io import write_json_atomic, write_text_atomic
+from ..results import Result, has_files, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli import rsa_set
 from ..stimuli.core import Canvas
 from ..viz import write_html_atomic
+from ..viz.rsa import MODEL_MATRICES, pca_figure, rsa_figure  # noqa: F401  (MODEL_MATRICES, pca_figure: public here before viz)
 
-MODEL_MATRICES = ("conjunctive", "compositional", "position")
 SIMILARITIES = ("pearson", "cosine")
 
 
@@ -131,9 +132,14 @@ def _object_vectors(acts: Any, site: str) -> tuple[pd.DataFrame, np.ndarray]:
     return pd.DataFrame(rows), np.stack(vectors)
 
 
+@register_result
 @dataclass
-class RSAResult:
+class RSAResult(Result):
     """RSA per site: a tidy frame (site, component, layer, model_matrix, r, spearman, p, n_objects)."""
+
+    kind = "rsa"
+    figure_name = "rsa"
+    table_name = "rsa.csv"
 
     model: str
     similarity: str
@@ -142,31 +148,23 @@ class RSAResult:
 
     def figure(self) -> Any:
         """r by layer, one panel per component (vision tower, projector, language model), one line per model matrix."""
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
+        return rsa_figure(self.frame, similarity=self.similarity, model=self.model)
 
-        components = [c for c in ("vision", "projector", "lm") if c in set(self.frame["component"])]
-        titles = {"vision": "vision tower", "projector": "projector", "lm": "language model"}
-        fig = make_subplots(rows=1, cols=len(components), subplot_titles=[titles[c] for c in components],
-                            shared_yaxes=True)
-        colours = {"conjunctive": "#d62728", "compositional": "#1f77b4", "position": "#7f7f7f"}
-        for k, component in enumerate(components, start=1):
-            part = self.frame[self.frame["component"] == component]
-            for matrix in MODEL_MATRICES:
-                rows = part[part["model_matrix"] == matrix].sort_values("layer", na_position="first")
-                x = rows["layer"].fillna(0).astype(int).tolist() if component != "projector" else ["out"] * len(rows)
-                fig.add_trace(go.Scatter(
-                    x=x, y=rows["r"], mode="lines+markers", name=matrix, legendgroup=matrix, showlegend=k == 1,
-                    line={"color": colours[matrix]},
-                    customdata=np.stack([rows["p"], rows["spearman"]], -1) if len(rows) else None,
-                    hovertemplate="layer %{x}<br>r %{y:.4f}<br>p %{customdata[0]:.4g}<br>"
-                                  "Spearman %{customdata[1]:.4f}<extra>" + matrix + "</extra>"), row=1, col=k)
-            fig.update_xaxes(title_text="layer", row=1, col=k)
-        n = int(self.frame["n_objects"].max()) if len(self.frame) else 0
-        fig.update_yaxes(title_text="Pearson r with the model matrix", row=1, col=1)
-        fig.update_layout(title=f"RSA ({self.similarity} similarity)<br><sup>{self.model}, n={n} objects</sup>",
-                          template="plotly_white")
-        return fig
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return has_files(directory, "rsa.csv")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> RSAResult:
+        directory = Path(directory)
+        frame = read_csv_columns(directory / "rsa.csv", ("site", "component", "layer", "model_matrix", "r",
+                                                         "spearman", "p", "n_objects"))
+        meta = read_json_object(directory / "rsa.json")
+        require_keys(meta, ("model", "similarity", "permutations"), directory / "rsa.json")
+        return cls(meta["model"], meta["similarity"], int(meta["permutations"]), frame)
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame
 
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "similarity": self.similarity, "permutations": self.permutations,
@@ -224,30 +222,6 @@ def pca(acts: Any, site: str, n_components: int = 2) -> pd.DataFrame:
     frame["cell"] = [f"({r}, {c})" for r, c in zip(frame["row"], frame["col"])]
     frame["site"] = site
     return frame
-
-
-def pca_figure(frames: list[pd.DataFrame], colour_by: str = "cell", title: str = "PCA of object representations") -> Any:
-    """One panel per site (PC1 vs PC2), points coloured by ``cell`` (position), ``colour`` or ``shape``."""
-    import plotly.express as px
-    from plotly.subplots import make_subplots
-
-    if colour_by not in ("cell", "colour", "shape"):
-        raise InputError(f"colour_by must be cell, colour or shape, got {colour_by!r}")
-    fig = make_subplots(rows=1, cols=len(frames), subplot_titles=[
-        f"{f['site'].iloc[0]} ({100 * (f['evr1'].iloc[0] + f.get('evr2', pd.Series([0])).iloc[0]):.0f}% var)"
-        for f in frames])
-    seen = set()
-    for k, frame in enumerate(frames, start=1):
-        sub = px.scatter(frame, x="pc1", y="pc2", color=colour_by, hover_data=["colour", "shape", "cell"])
-        for trace in sub.data:
-            trace.showlegend = trace.name not in seen
-            seen.add(trace.name)
-            trace.legendgroup = trace.name
-            fig.add_trace(trace, row=1, col=k)
-        fig.update_xaxes(title_text="PC1", row=1, col=k)
-        fig.update_yaxes(title_text="PC2", row=1, col=k)
-    fig.update_layout(title=f"{title}, coloured by {colour_by}", template="plotly_white")
-    return fig
 
 
 DEFAULT_SITES = "vision.blocks.*.hook_resid_post,projector.hook_out,blocks.*.hook_resid_post"

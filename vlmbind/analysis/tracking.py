@@ -46,10 +46,11 @@ from ..errors import InputError, close_matches
 from ..evaluate import max_new_tokens_for, training_defaults
 from ..hooks import LastQuerySession
 from ..io import json_default, write_text_atomic
+from ..results import Result, has_files, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli import counting, visual_search
 from ..stimuli.points import point_spans
-from ..viz import image_data_uri, write_html_atomic
-from ..viz.figures import _full_title
+from ..viz import write_html_atomic
+from ..viz.tracking import points_figure, rmse_figure
 
 __all__ = [
     "CentroidResult", "TrackResult", "centroid", "grid_to_pixels", "pixels_to_canvas", "grid_to_point_frame",
@@ -255,6 +256,12 @@ def _rmse(centroids: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.nda
     return np.where(n > 0, np.sqrt(total / np.maximum(n, 1)), np.nan), n
 
 
+def _nan_array(value: Any, shape_tail: tuple[int, ...]) -> np.ndarray:
+    """Nested lists with None for NaN (as :func:`_json_xy` wrote them) -> a float array (``0 ...`` when empty)."""
+    array = np.array(value, dtype=float)  # numpy turns None into NaN for float arrays
+    return array.reshape(0, *shape_tail) if array.size == 0 else array
+
+
 def _json_xy(a: np.ndarray) -> Any:
     """Nested lists with NaN as None (JSON has no NaN)."""
     if a.ndim == 1:
@@ -262,8 +269,9 @@ def _json_xy(a: np.ndarray) -> Any:
     return [_json_xy(x) for x in a]
 
 
+@register_result
 @dataclass
-class TrackResult:
+class TrackResult(Result):
     """Attention-centroid tracking of one model on Point-to-Answer examples.
 
     Attributes:
@@ -285,7 +293,11 @@ class TrackResult:
         skipped_spans: point-bearing spans that could not be attributed to one point.
         seconds: wall time.
         images: the examples' images (for :meth:`example_figure`; not saved).
+        saved_rmse: a result loaded from its files (:meth:`load`): ``rmse.csv`` as saved.
     """
+
+    kind = "track"
+    figure_name = "rmse"
 
     model: str
     task: str
@@ -304,6 +316,63 @@ class TrackResult:
     skipped_spans: int = 0
     seconds: float = 0.0
     images: list[Image.Image] = field(default_factory=list, repr=False)
+    saved_rmse: pd.DataFrame | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def matches(cls, directory: Path) -> bool:
+        return has_files(directory, "rmse.csv", "centroids.json")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> TrackResult:
+        """The result from ``centroids.json`` (points ``N 2``, centroids ``N L 2`` and ``N L H 2``), checked against
+        ``rmse.csv`` so a stale pair of files is not silently re-rendered; images are not saved.
+
+        Raises:
+            InputError: a file is unreadable or lacks what its writer writes, or the two files disagree.
+        """
+        directory = Path(directory)
+        rmse = read_csv_columns(directory / "rmse.csv", ("layer", "head", "rmse", "n_points"))
+        centroids = read_json_object(directory / "centroids.json")
+        require_keys(centroids, ("model", "task", "threshold", "query", "grid", "canvas", "examples"),
+                     directory / "centroids.json")
+        try:
+            result = cls._from_saved(centroids, rmse)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{str(directory / 'centroids.json')!r} lacks {exc} or holds a bad value; re-run "
+                             f"vlmbind track") from None
+        rebuilt = result.to_frame()
+        same = (len(rebuilt) == len(rmse)
+                and np.allclose(rebuilt["rmse"].to_numpy(float), rmse["rmse"].to_numpy(float), equal_nan=True))
+        if not same:
+            raise InputError(f"{str(directory / 'centroids.json')!r} and rmse.csv disagree (different runs?); re-run "
+                             f"vlmbind track to write both")
+        return result
+
+    @classmethod
+    def _from_saved(cls, centroids: dict[str, Any], rmse: pd.DataFrame) -> TrackResult:
+        heads = rmse[rmse["head"].astype(str) != "mean"]
+        n_layers = int(rmse["layer"].max()) + 1 if len(rmse) else 0
+        n_heads = int(heads["head"].astype(int).max()) + 1 if len(heads) else 0
+        points, means, per_head, owner, tokens, examples = [], [], [], [], [], []
+        for i, ex in enumerate(centroids["examples"]):
+            examples.append({k: v for k, v in ex.items() if k != "points"})
+            for p in ex.get("points", []):
+                points.append(p["point"])
+                means.append(p["centroid_mean"])
+                per_head.append(p["centroid_heads"])
+                owner.append(i)
+                tokens.append(p["tokens"])
+        return cls(
+            model=centroids["model"], task=centroids["task"], threshold=float(centroids["threshold"]),
+            query=centroids["query"], grid=centroids["grid"], canvas=centroids["canvas"],
+            points=_nan_array(points, (2,)), mean_centroids=_nan_array(means, (n_layers, 2)),
+            head_centroids=_nan_array(per_head, (n_layers, n_heads, 2)), point_example=np.array(owner, dtype=int),
+            point_tokens=tokens, examples=examples, saved_rmse=rmse,
+        )
+
+    def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
+        table = self.saved_rmse if self.saved_rmse is not None else self.to_frame()
+        return {"rmse": self.figure}, {"rmse.csv": table}
 
     @property
     def n_points(self) -> int:
@@ -385,43 +454,9 @@ class TrackResult:
 
     def figure(self) -> Any:
         """Plotly figure: RMSE by layer for head-averaged maps, every head's RMSE, and the best head per layer."""
-        import plotly.graph_objects as go
-
-        layers = list(range(self.n_layers))
-        heads = self.rmse_heads
-        fig = go.Figure()
-        xs = [l for l in layers for _ in range(self.n_heads)]
-        fig.add_trace(go.Scatter(
-            x=xs, y=heads.reshape(-1).tolist(), mode="markers", name="each head",
-            marker={"color": "rgba(120,120,120,0.55)", "size": 7},
-            customdata=[[h, repr(float(v))] for row in heads for h, v in enumerate(row)],
-            hovertemplate="layer %{x}, head %{customdata[0]}<br>rmse = %{customdata[1]}<extra></extra>",
-        ))
-        best = self.best_heads()
-        fig.add_trace(go.Scatter(
-            x=[b[0] for b in best], y=[b[2] for b in best], mode="lines+markers", name="best head",
-            line={"dash": "dash", "color": "#2ca02c"},
-            customdata=[[b[1], repr(b[2])] for b in best],
-            hovertemplate="layer %{x}: best head %{customdata[0]}<br>rmse = %{customdata[1]}<extra></extra>",
-        ))
-        mean = self.rmse_mean
-        fig.add_trace(go.Scatter(
-            x=layers, y=mean.tolist(), mode="lines+markers", name="head-averaged maps",
-            line={"color": "#1f77b4", "width": 3},
-            customdata=[repr(float(v)) for v in mean],
-            hovertemplate="layer %{x}<br>rmse = %{customdata}<extra></extra>",
-        ))
-        valley = self.valley_layer
-        title = f"Attention-centroid RMSE by layer ({self.task}, threshold {self.threshold:g}, query {self.query})"
-        if valley is not None:
-            title += f"; valley at layer {valley}"
-        fig.update_layout(
-            title={"text": _full_title(title, self.model, self.n_points)},
-            xaxis={"title": {"text": "layer"}, "dtick": 1 if self.n_layers <= 48 else None},
-            yaxis={"title": {"text": "RMSE (canvas cells)"}, "rangemode": "tozero"},
-            template="plotly_white", width=760, height=460,
-        )
-        return fig
+        return rmse_figure(self.rmse_heads, self.rmse_mean, self.best_heads(), task=self.task,
+                           threshold=self.threshold, query=self.query, valley_layer=self.valley_layer,
+                           model=self.model, n_points=self.n_points)
 
     def example_figure(self, i: int, layer: int | None = None) -> Any:
         """One example's generated points and its head-averaged centroids at ``layer`` (default: the valley layer),
@@ -430,8 +465,6 @@ class TrackResult:
         Raises:
             InputError: ``i`` or ``layer`` out of range, or the result holds no images (e.g. rebuilt from JSON).
         """
-        import plotly.graph_objects as go
-
         if not 0 <= i < len(self.examples):
             raise InputError(f"example {i} is out of range; this result has examples 0..{len(self.examples) - 1}")
         if not self.images:
@@ -440,44 +473,10 @@ class TrackResult:
         if layer is None or not 0 <= layer < self.n_layers:
             raise InputError(f"layer {layer} is out of range; the model has layers 0..{self.n_layers - 1}")
         size, (rows, cols) = _canvas_geometry(self.canvas)
-        cw, ch = size / cols, size / rows
-        image = self.images[i]
         sel = np.flatnonzero(self.point_example == i)
-        pts = self.points[sel]
-        cen = self.mean_centroids[sel, layer]
-        to_px = lambda a: ((a[:, 0] + 0.5) * cw, (a[:, 1] + 0.5) * ch)  # noqa: E731
-        px, py = to_px(pts) if len(sel) else ([], [])
-        cx, cy = to_px(cen) if len(sel) else ([], [])
-        fig = go.Figure()
-        for k in range(len(sel)):
-            if np.isfinite(cen[k]).all():
-                fig.add_trace(go.Scatter(x=[px[k], cx[k]], y=[py[k], cy[k]], mode="lines", showlegend=False,
-                                         line={"color": "rgba(0,0,0,0.5)", "width": 1}, hoverinfo="skip"))
-        labels = [str(k + 1) for k in range(len(sel))]
-        fig.add_trace(go.Scatter(
-            x=list(px), y=list(py), mode="markers+text", name="generated point", text=labels,
-            textposition="top center", marker={"symbol": "x", "size": 12, "color": "#d62728"},
-            customdata=[[f"({p[0]:g}, {p[1]:g})"] for p in pts],
-            hovertemplate="point %{text}: %{customdata[0]}<extra></extra>",
-        ))
-        fig.add_trace(go.Scatter(
-            x=list(cx), y=list(cy), mode="markers", name=f"centroid, layer {layer} (head-averaged)",
-            marker={"symbol": "circle-open", "size": 12, "color": "#1f77b4", "line": {"width": 2}},
-            customdata=[[str(k + 1), repr(float(c[0])), repr(float(c[1]))] for k, c in enumerate(cen)],
-            hovertemplate="point %{customdata[0]}: centroid (%{customdata[1]}, %{customdata[2]})<extra></extra>",
-        ))
-        width, height = image.size
         ex = self.examples[i]
-        fig.update_layout(
-            title={"text": f"{ex['id']}: {ex['output'].strip()[:80]}<br><sup>{self.model}, layer {layer}</sup>"},
-            images=[{"source": image_data_uri(image), "xref": "x", "yref": "y", "x": 0, "y": 0, "sizex": width,
-                     "sizey": height, "sizing": "stretch", "layer": "below"}],
-            xaxis={"range": [0, width], "showgrid": False, "zeroline": False, "title": {"text": "x (pixels)"}},
-            yaxis={"range": [height, 0], "showgrid": False, "zeroline": False, "scaleanchor": "x",
-                   "title": {"text": "y (pixels)"}},
-            template="plotly_white", width=640, height=620,
-        )
-        return fig
+        return points_figure(self.images[i], self.points[sel], self.mean_centroids[sel, layer], size=size, rows=rows,
+                             cols=cols, layer=layer, example_id=ex["id"], output=ex["output"], model=self.model)
 
     def save(self, out: str | os.PathLike) -> Path:
         """Write ``rmse.csv``, ``rmse.html``, ``centroids.json`` and ``summary.json`` atomically."""

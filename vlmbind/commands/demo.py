@@ -12,24 +12,23 @@ import json
 import platform
 import shlex
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import plotly
 import torch
 import transformers
 from PIL import Image, ImageDraw
 
+from ..analysis.attention import AttentionMass, last_token_attention
 from ..analysis.overview import causal_overview, representation_overview
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..io import check_out_dir
-from ..report import demo_report_html
+from ..report import causal_sections, demo_report_html, representation_sections
 from ..stimuli import scene_description
 from ..version import __version__
-from ..viz import attention_overlay, head_heatmap, write_bytes_atomic, write_html_atomic, write_text_atomic
+from ..viz import attention_overlay, write_bytes_atomic, write_html_atomic, write_text_atomic
 from .arguments import load_model, non_negative_int, positive_int
 
 # the shipped organism trained with Point-to-Answer answers (see vlmbind/organisms/weights/organism-p2a/README.md)
@@ -106,19 +105,6 @@ def _draw_scene(seed: int, size: int = 224) -> tuple[Image.Image, list[dict[str,
     return image, objects
 
 
-def last_token_attention(patterns: Sequence[torch.Tensor], last: int) -> np.ndarray:
-    """Every head's attention from one query position, gathered over layers.
-
-    Args:
-        patterns: one ``B H P P`` attention pattern per layer (batch row 0 is used).
-        last: the query position (the last real token).
-
-    Returns:
-        ``L H P`` float64 attention weights from ``last`` to every key position.
-    """
-    return torch.stack([p[0, :, last, :].detach().to("cpu", torch.float64) for p in patterns]).numpy()
-
-
 def _versions() -> dict[str, str]:
     return {
         "vlmbind": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -158,11 +144,8 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         raise InputError(f"{vlm.name} put no image tokens in the prompt; the demo needs an image-conditioned prompt")
     patterns = [run.cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(vlm.n_layers)]
     attn = last_token_attention(patterns, last)  # L H P
-    mass = attn[:, :, image_positions].sum(-1)  # L H
-    frame = pd.DataFrame(
-        [(layer, head, float(mass[layer, head])) for layer in range(mass.shape[0]) for head in range(mass.shape[1])],
-        columns=["layer", "head", "mass"],
-    )
+    attention = AttentionMass.from_attention(vlm.name, attn, image_positions)
+    frame, mass = attention.frame, attention.mass  # mass: L H
     layer, head = (int(v) for v in np.unravel_index(int(np.argmax(mass)), mass.shape))
     grid = index.grid(image=0)  # the first grid of the image (families with several grids: the first one)
     weights = attn[layer, head][grid.positions]  # rows cols
@@ -175,9 +158,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         for p, i in zip(top.values.tolist(), top.indices.tolist())
     ]
 
-    heatmap = head_heatmap(
-        frame, "mass", title="Attention mass from the last token to the image tokens", model=vlm.name, n=1
-    )
+    heatmap = attention.figure()
     overlay = attention_overlay(
         image, grid.positions, grid.boxes, weights,
         title=f"L{layer}.H{head}: last-token attention over the {grid.name} grid "
@@ -224,8 +205,8 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "scene.png": lambda p: write_bytes_atomic(_png_bytes(image), p),
         "summary.json": lambda p: write_text_atomic(json.dumps(summary, indent=2) + "\n", p),
         "report.html": lambda p: write_text_atomic(
-            demo_report_html(summary, frame, heatmap, overlay, (causal.html() if causal else "")
-                         + (representations.html() if representations else "")), p),
+            demo_report_html(summary, frame, heatmap, overlay, (causal_sections(causal) if causal else "")
+                             + (representation_sections(representations) if representations else "")), p),
     }
     written = []
     if causal is not None:

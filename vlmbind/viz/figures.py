@@ -5,7 +5,8 @@ Design: every builder takes plain data (a tidy pandas frame, numpy arrays, a PIL
 same figure from the same table. Hover text always shows the exact stored value (``repr`` of the float), because
 reading a number off a colour bar is not good enough to compare heads. Colour scales are chosen from the data: a
 diverging scale centred at zero for signed values (effects, differences), a sequential one for non-negative values
-(attention mass, probabilities). Images travel inside the figure as PNG data URIs, so every HTML file written here
+(attention mass, probabilities). plotly is imported by the builders when they run, so importing vlmbind does not
+load it. Images travel inside the figure as PNG data URIs, so every HTML file written here
 is readable offline. Writers go through a temporary file in the target directory and ``os.replace``, so a reader
 never sees a half-written file and an interrupted run leaves the previous file intact.
 """
@@ -16,15 +17,17 @@ import base64
 import io
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
-from plotly.colors import sample_colorscale
 from PIL import Image
 
 from ..errors import InputError
 from ..io import write_bytes_atomic, write_text_atomic  # noqa: F401  (re-exported by vlmbind.viz)
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 SEQUENTIAL_SCALE = "Viridis"
 DIVERGING_SCALE = "RdBu_r"
@@ -53,7 +56,7 @@ def write_html_atomic(
 # ------------------------------------------------------------------------------------------------------------------
 # Figures
 # ------------------------------------------------------------------------------------------------------------------
-def _full_title(title: str, model: str | None, n: int | None) -> str:
+def full_title(title: str, model: str | None, n: int | None) -> str:
     extras = [part for part in (model, None if n is None else f"n={n}") if part]
     # model and n go on a smaller second line so long titles are not clipped by narrow figures
     return f"{title}<br><sup>{', '.join(extras)}</sup>" if extras else title
@@ -86,6 +89,8 @@ def head_heatmap(
     Raises:
         InputError: a column is missing, the table is empty, or a (layer, head) occurs twice.
     """
+    import plotly.graph_objects as go
+
     missing = [c for c in ("layer", "head", value) if c not in frame.columns]
     if missing:
         raise InputError(
@@ -123,7 +128,7 @@ def head_heatmap(
     )
     fig = go.Figure(heatmap)
     fig.update_layout(
-        title={"text": _full_title(title, model, n)},
+        title={"text": full_title(title, model, n)},
         xaxis={"title": {"text": "head"}, "dtick": 1 if n_heads <= 32 else None},
         yaxis={"title": {"text": "layer"}, "dtick": 1 if n_layers <= 48 else None},
         template="plotly_white",
@@ -177,6 +182,9 @@ def attention_overlay(
     Raises:
         InputError: the shapes of positions, boxes and weights do not agree, or a weight is not finite.
     """
+    import plotly.graph_objects as go
+    from plotly.colors import sample_colorscale
+
     positions = np.asarray(grid_positions)
     boxes = np.asarray(boxes, dtype=float)
     weights = np.asarray(weights, dtype=float)

@@ -1,0 +1,28 @@
+"""The binding-information figure: B_O per site and probe family, from a probe table (``probe.csv``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+
+def binding_figure(frame: pd.DataFrame, *, model: str) -> Any:
+    """B_O in bits per site, one bar group per probe family (pairwise probes, which report accuracy, are left out)."""
+    import plotly.graph_objects as go
+
+    part = frame[frame["family"] != "pairwise"]
+    fig = go.Figure()
+    for family in dict.fromkeys(part["family"]):
+        rows = part[part["family"] == family]
+        fig.add_trace(go.Bar(x=rows["site"], y=rows["B_O"], name=family,
+                             customdata=np.stack([rows["beta_O"], rows["B_star_OF"]], -1),
+                             hovertemplate="%{x}<br>B_O %{y:.2f} bits<br>beta_O %{customdata[0]:.3f}<br>"
+                                           "B*_OF %{customdata[1]:.2f} bits<extra>" + family + "</extra>"))
+    h_o = float(part["H_O"].iloc[0]) if len(part) else float("nan")
+    fig.update_layout(barmode="group", template="plotly_white",
+                      title=f"Binding information B_O = H(O) - CE_O (H(O) = {h_o:.2f} bits)<br><sup>{model}, "
+                            f"n_test={int(part['n_test'].max()) if len(part) else 0}</sup>",
+                      xaxis_title="site", yaxis_title="bits")
+    return fig
