@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from .errors import InputError
 from .io import json_default, write_json_atomic, write_jsonl_atomic, write_text_atomic
-from .results import Result, has_files, read_json_object, register_result, require_keys, results_json_has
+from .results import Result, read_json_object, register_result, require_keys
 from .stimuli.core import Canvas, Dataset, Example
 from .stimuli.points import parse_count, parse_points, parse_yes_no
 
@@ -85,11 +85,9 @@ class EvalResult(Result):
     params: dict[str, Any] = field(default_factory=dict)
 
     kind = "eval"
+    marker_files = ("answers.jsonl",)
+    marker_keys = ("accuracy", "per_count")
     table_name = "answers.csv"
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return has_files(directory, "answers.jsonl") and results_json_has(directory, "accuracy", "per_count")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> EvalResult:

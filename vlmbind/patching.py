@@ -65,6 +65,18 @@ class PatchTask:
     a: int
     a_star: int
 
+    @classmethod
+    def from_counterfactual(cls, vlm: Any, clean: Any, counterfactual: Any, positions: Any, layers: Sequence[int],
+                            a: int, a_star: int, *, counterfactual_positions: Any = None) -> PatchTask:
+        """The task of patching ``clean`` (one row) at ``positions`` with the head outputs of ``counterfactual`` (one
+        row) at ``counterfactual_positions`` (default: the same positions), for ``layers``; scored at the clean
+        prompt's last position."""
+        positions = np.asarray(positions)
+        source = positions if counterfactual_positions is None else np.asarray(counterfactual_positions)
+        z = vlm.capture(counterfactual, [f"blocks.{l}.attn.hook_z" for l in layers])
+        values = {l: z[f"blocks.{l}.attn.hook_z"][0, source] for l in layers}
+        return cls(clean, positions, values, clean.index[0].last_position, a, a_star)
+
     def __post_init__(self) -> None:
         if len(self.batch) != 1:
             raise InputError(f"a PatchTask holds one clean prompt, got a batch of {len(self.batch)}")

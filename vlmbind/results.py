@@ -35,6 +35,10 @@ class Result:
     """Base of the result classes (they are dataclasses; this adds the contract and its defaults)."""
 
     kind: ClassVar[str]
+    # the files save() writes that mark a folder as holding this kind, and the keys its results.json must have
+    # (ablate, edit, repair and eval share that file name); neither: the kind is never found by scanning
+    marker_files: ClassVar[tuple[str, ...]] = ()
+    marker_keys: ClassVar[tuple[str, ...]] = ()
     # what export names the figure and the table of a result that has one of each
     figure_name: ClassVar[str | None] = None
     table_name: ClassVar[str | None] = None
@@ -50,7 +54,16 @@ class Result:
 
     @classmethod
     def matches(cls, directory: Path) -> bool:
-        return False
+        """Whether ``directory`` holds this kind's files (:attr:`marker_files`, :attr:`marker_keys`).
+
+        Raises:
+            InputError: its ``results.json`` is damaged (reported, never skipped).
+        """
+        if not cls.marker_files and not cls.marker_keys:
+            return False
+        if not has_files(directory, *cls.marker_files):
+            return False
+        return not cls.marker_keys or results_json_has(directory, *cls.marker_keys)
 
     @classmethod
     def load(cls, directory: str | Path) -> Result:

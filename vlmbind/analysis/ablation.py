@@ -19,7 +19,7 @@ import pandas as pd
 from ..errors import InputError
 from ..evaluate import evaluate
 from ..io import write_json_atomic
-from ..results import Result, read_json_object, register_result, require_keys, results_json_has
+from ..results import Result, read_json_object, register_result, require_keys
 from ..viz.ablation import ablation_figure
 
 MODES = ("image_attention", "zero", "mean")
@@ -44,11 +44,8 @@ class AblationResult(Result):
     arms: list[dict[str, Any]] = field(default_factory=list)
 
     kind = "ablate"
+    marker_keys = ("arms",)
     figure_name = "ablation"
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return results_json_has(directory, "arms")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AblationResult:

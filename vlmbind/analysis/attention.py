@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..results import Result, has_files, read_csv_columns, read_json_object, register_result, require_keys
+from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..viz import head_heatmap, write_html_atomic, write_text_atomic
 
 TITLE = "Attention mass from the last token to the image tokens"
@@ -46,6 +46,7 @@ class AttentionMass(Result):
     frame: pd.DataFrame
 
     kind = "demo"
+    marker_files = ("attention_mass.csv", "summary.json")
     figure_name = "heatmap"
     table_name = "attention_mass.csv"
 
@@ -63,10 +64,6 @@ class AttentionMass(Result):
     def mass(self) -> np.ndarray:
         """``L H`` the masses."""
         return self.frame.pivot(index="layer", columns="head", values="mass").to_numpy()
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return has_files(directory, "attention_mass.csv", "summary.json")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> AttentionMass:

@@ -26,7 +26,7 @@ from ..errors import InputError
 from ..io import json_default, write_json_atomic, write_text_atomic
 from ..probes import binding_information, pairwise_probe
 from ..stimuli.colorshape import COLOURS, SHAPES, balanced_color_shape, entropies
-from ..results import Result, has_files, read_csv_columns, read_json_object, register_result
+from ..results import Result, read_csv_columns, read_json_object, register_result
 from ..viz import write_html_atomic
 from ..viz.probes import binding_figure
 
@@ -92,12 +92,9 @@ class BindingResult(Result):
     results: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     kind = "probe"
+    marker_files = ("probe.csv",)
     figure_name = "probe"
     table_name = "probe.csv"
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return has_files(directory, "probe.csv")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> BindingResult:

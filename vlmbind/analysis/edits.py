@@ -41,7 +41,7 @@ from ..errors import InputError
 from ..evaluate import score, training_defaults
 from ..interventions import AddToHeadRows
 from ..io import write_json_atomic
-from ..results import Result, read_json_object, register_result, results_json_has
+from ..results import Result, read_json_object, register_result
 from ..sites import parse_heads
 from ..stimuli import scene_description
 from ..viz import write_html_atomic
@@ -333,12 +333,9 @@ class RepairResult(Result):
     seconds: float = 0.0
 
     kind = "repair"
+    marker_keys = ("rows", "injects")
     figure_name = "curve"
     table_name = "rows.csv"
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return results_json_has(directory, "rows", "injects")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RepairResult:
@@ -434,12 +431,9 @@ class EditResult(Result):
     repair: RepairResult | None = None
 
     kind = "edit"
+    marker_keys = ("rows", "efficacy")
     figure_name = "curve"
     table_name = "rows.csv"
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return results_json_has(directory, "rows", "efficacy")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EditResult:

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from ..errors import InputError
 from ..io import write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..patching import METHOD_FUNCTIONS, PatchTask
-from ..results import Result, has_files, read_csv_columns, read_json_object, register_result, require_keys
+from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli.scenes import check_alignment
 from ..viz import head_heatmap, write_html_atomic
 
@@ -79,6 +79,7 @@ class HeadScores(Result):
     """
 
     kind = "locate"
+    marker_files = ("scores.csv", "summary.json")
     figure_name = "heatmap"
     table_name = "scores.csv"
 
@@ -91,10 +92,6 @@ class HeadScores(Result):
     verified: np.ndarray | None = None
     skipped: list[str] = field(default_factory=list)
     table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return has_files(directory, "scores.csv", "summary.json")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> HeadScores:
@@ -221,11 +218,8 @@ def scene_task(vlm: Any, pair: Any, layers: Sequence[int]) -> PatchTask:
     prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual)
     pair = _extended(pair, vlm.adapter.tokenizer.decode(prefix) if prefix else "")
     aligned = check_alignment(vlm, [pair])
-    positions = np.asarray(aligned.positions[0])
-    sites = [f"blocks.{l}.attn.hook_z" for l in layers]
-    z = vlm.capture(aligned.counterfactual, sites)
-    values = {l: z[f"blocks.{l}.attn.hook_z"][0, positions] for l in layers}
-    return PatchTask(aligned.clean, positions, values, aligned.clean.index[0].last_position, a, a_star)
+    return PatchTask.from_counterfactual(vlm, aligned.clean, aligned.counterfactual, aligned.positions[0], layers, a,
+                                         a_star)
 
 
 def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | None = None,

@@ -26,7 +26,7 @@ from ..activations import capture
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..io import write_json_atomic, write_text_atomic
-from ..results import Result, has_files, read_csv_columns, read_json_object, register_result
+from ..results import Result, read_csv_columns, read_json_object, register_result
 from ..probes import ProbeConfig
 from ..stimuli import counting, scene_description, scene_pairs
 from ..stimuli.core import object_token_positions
@@ -110,11 +110,8 @@ class CausalOverview(Result):
         return out
 
     kind = "causal"
+    marker_files = ("object_attention.csv",)
     table_name = "object_attention.csv"
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return has_files(directory, "object_attention.csv")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> CausalOverview:

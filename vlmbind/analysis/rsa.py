@@ -30,7 +30,7 @@ from sklearn.decomposition import PCA
 
 from ..errors import InputError
 from ..io import write_json_atomic, write_text_atomic
-from ..results import Result, has_files, read_csv_columns, read_json_object, register_result, require_keys
+from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli import rsa_set
 from ..stimuli.core import Canvas
 from ..viz import write_html_atomic
@@ -138,6 +138,7 @@ class RSAResult(Result):
     """RSA per site: a tidy frame (site, component, layer, model_matrix, r, spearman, p, n_objects)."""
 
     kind = "rsa"
+    marker_files = ("rsa.csv",)
     figure_name = "rsa"
     table_name = "rsa.csv"
 
@@ -149,10 +150,6 @@ class RSAResult(Result):
     def figure(self) -> Any:
         """r by layer, one panel per component (vision tower, projector, language model), one line per model matrix."""
         return rsa_figure(self.frame, similarity=self.similarity, model=self.model)
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return has_files(directory, "rsa.csv")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> RSAResult:

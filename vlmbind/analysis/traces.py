@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..batches import Batch, append_tokens
@@ -91,11 +90,8 @@ class PointSwapPair:
     def task(self, vlm: Any, layers: Any) -> PatchTask:
         clean = extend_batch(vlm, self.batch, self.trace[: self.step_a])
         cf = extend_batch(vlm, self.batch, self.trace[: self.step_b])
-        last_cf = cf.index[0].last_position
-        z = vlm.capture(cf, [f"blocks.{l}.attn.hook_z" for l in layers])
-        values = {l: z[f"blocks.{l}.attn.hook_z"][0, [last_cf]] for l in layers}
-        last = clean.index[0].last_position
-        return PatchTask(clean, np.array([last]), values, last, self.a, self.a_star)
+        return PatchTask.from_counterfactual(vlm, clean, cf, [clean.index[0].last_position], layers, self.a,
+                                             self.a_star, counterfactual_positions=[cf.index[0].last_position])
 
 
 @dataclass

@@ -46,7 +46,7 @@ from ..errors import InputError, close_matches
 from ..evaluate import max_new_tokens_for, training_defaults
 from ..hooks import LastQuerySession
 from ..io import json_default, write_text_atomic
-from ..results import Result, has_files, read_csv_columns, read_json_object, register_result, require_keys
+from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli import counting, visual_search
 from ..stimuli.points import point_spans
 from ..viz import write_html_atomic
@@ -297,6 +297,7 @@ class TrackResult(Result):
     """
 
     kind = "track"
+    marker_files = ("rmse.csv", "centroids.json")
     figure_name = "rmse"
 
     model: str
@@ -317,10 +318,6 @@ class TrackResult(Result):
     seconds: float = 0.0
     images: list[Image.Image] = field(default_factory=list, repr=False)
     saved_rmse: pd.DataFrame | None = field(default=None, repr=False, compare=False)
-
-    @classmethod
-    def matches(cls, directory: Path) -> bool:
-        return has_files(directory, "rmse.csv", "centroids.json")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> TrackResult:
