@@ -222,3 +222,23 @@ def test_a_new_analysis_module_registers_its_result_kind(tmp_path):
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "'planted'" in done.stdout and "'locate'" in done.stdout
+
+
+def test_no_package_name_hides_one_of_its_modules():
+    """``from .rsa import rsa`` in a package ``__init__`` would make ``vlmbind.analysis.rsa`` the function; every
+    submodule stays reachable as a module, except the public functions named as their module on purpose
+    (``vb.evaluate``, ``vb.stimuli.rsa_set``, ``vlmbind.organisms.train``)."""
+    import importlib
+    import types
+
+    on_purpose = {"vlmbind.evaluate", "vlmbind.stimuli.rsa_set", "vlmbind.organisms.train"}
+    hidden = []
+    for name, path in module_names(PACKAGE).items():
+        if path.name != "__init__.py":
+            continue
+        package = importlib.import_module(name)
+        for child in sorted(p.stem for p in path.parent.glob("*.py") if p.stem not in ("__init__", "__main__")):
+            value = getattr(package, child, None)
+            if value is not None and not isinstance(value, types.ModuleType) and f"{name}.{child}" not in on_purpose:
+                hidden.append(f"{name}.{child}")
+    assert hidden == []

@@ -21,7 +21,7 @@ from .edits import (
 )
 from .mediation import HeadScores, answer_token_ids, locate
 from .overview import CausalOverview, RepresentationOverview, causal_overview, representation_overview
-from .rsa import RSAResult, pca, rsa
+from .rsa import RSAResult  # not rsa / pca: vlmbind.analysis.rsa stays the module
 from .traces import PointSwapPair, point_swap_pairs
 from .tracking import TrackResult, centroid, grid_to_point_frame, track, tracking_dataset
 
@@ -31,7 +31,7 @@ __all__ = [
     "TrackResult", "centroid", "grid_to_point_frame", "track", "tracking_dataset",
     "AddToHeadRows", "EditResult", "PositionIDs", "RepairResult", "edit_study", "entropy_repair", "estimate_position_ids",
     "AttentionMass", "last_token_attention", "BindingResult", "probe_sites", "CausalOverview",
-    "RepresentationOverview", "causal_overview", "representation_overview", "RSAResult", "pca", "rsa",
+    "RepresentationOverview", "causal_overview", "representation_overview", "RSAResult",
 ]
 
 for _module in _pkgutil.iter_modules(__path__):
