@@ -5,7 +5,8 @@ image size whose 28 px cells match the stimuli grid); :mod:`.data` draws trainin
 generators as a pure function of ``(seed, step, row)`` and turns them into batches without the processor;
 :mod:`.train` runs AdamW on answer tokens with atomic, resumable safetensors checkpoints; :mod:`.recipes` holds the
 staged curricula of the shipped organisms; :mod:`.lora` fine-tunes any supported family with LoRA adapters on the
-text attention projections (the PbP experiment on real checkpoints). :mod:`vlmbind.shipped` knows where the trained weights
+text attention projections (the PbP experiment on real checkpoints); :mod:`.siit` adds strict interchange-intervention
+training to plant a known mechanism at chosen heads (``TrainConfig.siit``). :mod:`vlmbind.shipped` knows where the trained weights
 live inside the package. LoRA (peft) loads on first use.
 """
 
@@ -24,6 +25,7 @@ _LAZY = {
     "OrganismSize": "model", "build_organism": "model", "grid_side": "model", "list_checkpoints": "train",
     "load_weights": "train", "lr_at": "train",
     "run_recipe": "recipes", "stages": "recipes", "RECIPES": "recipes",
+    "SIITSpec": "siit", "HeadInterchange": "siit", "VARIABLES": "siit",
 }
 
 

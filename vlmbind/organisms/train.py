@@ -29,10 +29,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
@@ -40,8 +41,29 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from ..errors import TrainingError, VlmbindError, close_matches
-from .data import REGIMES, TASKS, BatchBuilder, TaskMixture, TaskSpec, TrainBatch, answer_correct, answer_loss
+from ..stimuli.core import StimulusError
+from .data import (
+    REGIMES,
+    TASKS,
+    BatchBuilder,
+    TaskMixture,
+    TaskSpec,
+    TrainBatch,
+    answer_correct,
+    answer_loss,
+    canvas_for,
+)
 from .model import OrganismSize, build_organism, grid_side
+from .siit import (
+    SIIT_EVAL_STREAM,
+    HeadInterchange,
+    SIITSpec,
+    answer_changes,
+    draw_pairs,
+    interchange_accuracy,
+    siit_losses,
+    unpatched_accuracy,
+)
 
 __all__ = ["TrainConfig", "TrainResult", "train", "list_checkpoints", "lr_at", "cosine_lr", "load_weights"]
 
@@ -85,6 +107,8 @@ class TrainConfig:
         keep_checkpoints: how many of the newest checkpoints to keep.
         eval_every: evaluate on the fixed evaluation set every this many steps (and at the end); 0: never.
         eval_size: evaluation examples per task and variant.
+        siit: a mechanism to plant by strict interchange-intervention training (:class:`~vlmbind.organisms.siit.SIITSpec`
+            or a mapping of its fields); None: behaviour only.
     """
 
     regime: str = "direct"
@@ -107,6 +131,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 250
     eval_size: int = 64
+    siit: SIITSpec | None = None
 
     def __post_init__(self) -> None:
         if self.regime not in REGIMES:
@@ -168,6 +193,20 @@ class TrainConfig:
             if not isinstance(self.init_from, (str, os.PathLike)):
                 raise TrainingError(f"init_from must be a directory path or None, got {self.init_from!r}")
             object.__setattr__(self, "init_from", os.fspath(self.init_from))
+        object.__setattr__(self, "siit", SIITSpec.from_value(self.siit))
+        if self.siit is not None:
+            self.siit.check(self.model.layers, self.model.heads)
+            # the pairs are drawn like the scene task's examples: its pools unless the spec names its own
+            scene = self.task_options.get("scene", {})
+            pools = {pool: tuple(scene[pool]) for pool in ("colours", "shapes")
+                     if getattr(self.siit, pool) is None and scene.get(pool)}
+            object.__setattr__(self, "siit", replace(self.siit, **pools))
+            canvas = canvas_for(self.image_size)
+            for variable in self.siit.alignments:  # the pairs' generator checks the pools against the scenes
+                try:
+                    draw_pairs(self.siit, variable, seed=0, stream=SIIT_EVAL_STREAM, step=0, canvas=canvas, n=1)
+                except StimulusError as exc:
+                    raise TrainingError(f"siit {variable}: {exc}") from None
         self.mixture()  # the generators validate the task parameters against the canvas
 
     # ---- derived ------------------------------------------------------------------------------------------
@@ -184,6 +223,10 @@ class TrainConfig:
         d["model"] = self.model.to_dict()
         d["tasks"] = dict(self.tasks)
         d["task_options"] = {k: dict(v) for k, v in self.task_options.items()}
+        if self.siit is None:  # behaviour-only configs keep the keys they always had
+            del d["siit"]
+        else:
+            d["siit"] = self.siit.to_dict()
         return d
 
     @classmethod
@@ -396,6 +439,26 @@ def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     )
 
 
+def _evaluate_siit(model: torch.nn.Module, interchange: HeadInterchange, builder: BatchBuilder, spec: SIITSpec,
+                   pairs: dict[str, list[Any]], batch_size: int) -> dict[str, dict[str, float]]:
+    """Per variable on fixed pairs: the interchange accuracy of its aligned heads (beside the share of unpatched runs
+    that already give the counterfactual answer), and how often interchanging one
+    unaligned head at every prompt position changes the answer (the mean and the worst of up to 8 heads spread over
+    the model)."""
+    a = interchange.adapter
+    free = spec.unaligned(a.n_layers, a.n_heads)
+    sample = [free[i] for i in np.linspace(0, len(free) - 1, min(8, len(free))).round().astype(int)] if free else []
+    out = {}
+    for variable, rows in pairs.items():
+        iia = interchange_accuracy(model, interchange, builder, rows, spec.heads(variable), batch_size=batch_size)
+        changes = [answer_changes(model, interchange, builder, rows, [h], batch_size=batch_size) for h in sample]
+        out[variable] = {"interchange_accuracy": iia,
+                         "counterfactual_unpatched": unpatched_accuracy(model, builder, rows, batch_size=batch_size),
+                         "unaligned_changes": float(np.mean(changes)) if changes else 0.0,
+                         "unaligned_changes_max": float(np.max(changes)) if changes else 0.0}
+    return out
+
+
 def _evaluate(model: torch.nn.Module, batches: dict[str, list[TrainBatch]], norm: str) -> dict[str, dict[str, float]]:
     """Teacher-forced loss and exact-match accuracy (equal to greedy decoding's) per ``task/variant``."""
     out = {}
@@ -486,10 +549,16 @@ def train(
         for key, examples in mixture.eval_set(config.eval_size).items():
             eval_batches[key] = [builder(examples[i : i + config.batch_size])
                                  for i in range(0, len(examples), config.batch_size)]
+    siit = config.siit
+    interchange = HeadInterchange(model, processor) if siit is not None else None
+    siit_eval = {} if siit is None or not config.eval_every else {
+        v: draw_pairs(siit, v, seed=config.seed, stream=SIIT_EVAL_STREAM, step=k, canvas=mixture.canvas,
+                      n=config.eval_size) for k, v in enumerate(sorted(siit.alignments))}
 
     start = int(state["step"])
     stop = config.steps if until is None else min(until, config.steps)
     losses: list[float] = [float(v) for v in state["losses"]]
+    siit_log: list[dict[str, Any]] = list(state.get("siit_losses", []))
     evals: list[dict[str, Any]] = list(state["evals"])
     previous_time = float(state.get("wall_time_s", 0.0))
     checkpoint = existing[-1] if resume else None
@@ -498,6 +567,7 @@ def train(
     def snapshot(step: int, elapsed: float) -> dict[str, Any]:
         return {"step": step, "config": config.to_dict(), "rng": {"torch": torch.get_rng_state().tolist()},
                 "losses": losses, "evals": evals, "wall_time_s": previous_time + elapsed,
+                **({"siit_losses": siit_log} if siit is not None else {}),
                 "threads": torch.get_num_threads(), "mixture": mixture.to_dict(),
                 "versions": {"torch": torch.__version__, "transformers": _transformers_version()}}
 
@@ -514,6 +584,16 @@ def train(
             batch = builder(mixture.batch(step, config.batch_size))
             logits = model(**batch.inputs, use_cache=False).logits
             loss = answer_loss(logits, batch.labels, config.loss_norm)
+            parts = {}
+            if siit is not None:
+                extra = siit_losses(model, interchange, builder, siit, seed=config.seed, step=step,
+                                    canvas=mixture.canvas, loss_norm=config.loss_norm)
+                parts = {"behaviour": float(loss.detach()), "variable": extra["variable"],
+                         "strict_head": extra["strict_head"]}
+                for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight)):
+                    if extra[name] is not None:
+                        loss = loss + weight * extra[name]
+                        parts[name] = float(extra[name].detach())
             loss.backward()
             if config.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -524,13 +604,21 @@ def train(
                 raise TrainingError(f"the loss became {value} at step {step + 1}; lower lr ({config.lr}) or "
                                     f"keep grad_clip on")
             losses.append(value)
+            if parts:
+                siit_log.append(parts)
             done = step + 1
             ema = value if ema is None else 0.95 * ema + 0.05 * value
             postfix = {"loss": f"{ema:.3f}", "lr": f"{lr:.1e}"}
             if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
                 result = _evaluate(model, eval_batches, config.loss_norm)
-                evals.append({"step": done, "tasks": result})
+                entry: dict[str, Any] = {"step": done, "tasks": result}
+                if siit_eval:
+                    entry["siit"] = _evaluate_siit(model, interchange, builder, siit, siit_eval, config.batch_size)
+                evals.append(entry)
                 postfix["acc"] = " ".join(f"{k}={v['accuracy']:.2f}" for k, v in result.items())
+                if siit_eval:
+                    postfix["iia"] = " ".join(f"{v}={r['interchange_accuracy']:.2f}"
+                                              for v, r in entry["siit"].items())
             bar.set_postfix(postfix, refresh=False)
             bar.update(1)
             if done % config.checkpoint_every == 0 or done == stop:

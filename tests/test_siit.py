@@ -1,0 +1,146 @@
+"""SIIT for organisms: the interchange is vlmbind's own patch (checked against ``PatchHeads`` through ``VLM.logits``),
+the identity interchange is exact, patch positions are the CMA pairs' positions, and the spec round-trips through the
+training config (a behaviour-only config is unchanged)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import vlmbind as vb
+from vlmbind.errors import TrainingError
+from vlmbind.organisms.data import BatchBuilder
+from vlmbind.organisms.siit import (
+    HeadInterchange,
+    interchange_batch,
+    interchange_logits,
+    patch_positions,
+)
+from vlmbind.organisms.train import TrainConfig
+from vlmbind.stimuli import Canvas, scene_pairs
+from vlmbind.stimuli.scenes import check_alignment
+
+POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
+
+
+@pytest.fixture(scope="module")
+def organism():
+    vlm = vb.load("organism-p2a")
+    canvas = Canvas(image_size=int(vlm.training["image_size"]), grid=int(vlm.training["grid"]))
+    return vlm, BatchBuilder(vlm.processor), canvas
+
+
+@pytest.mark.parametrize("condition", ["id_retrieval", "id_selection", "feature_retrieval"])
+def test_patch_positions_are_the_pairs_positions(organism, condition):
+    vlm, builder, canvas = organism
+    objects = 3 if condition == "feature_retrieval" else (3, 4)  # a spare colour for the recolouring
+    for pair in scene_pairs(6, condition, 3, n_objects=objects, canvas=canvas, **POOLS):
+        aligned = check_alignment(vlm, [pair])  # one row: no padding, so processor and builder positions agree
+        assert patch_positions(builder, pair) == [int(p) for p in aligned.positions[0]], pair.id
+
+
+def test_interchange_equals_patch_heads_through_the_vlm(organism):
+    """The trainer's hook on a right-padded builder batch gives the logits of vlmbind's PatchHeads on the
+    processor's batch, for heads of two layers at the pair's position."""
+    vlm, builder, canvas = organism
+    pair = scene_pairs(1, "feature_retrieval", 5, n_objects=3, canvas=canvas, **POOLS)[0]
+    heads = [(2, 1), (3, 0), (3, 2)]
+    batch = interchange_batch(builder, [pair], "counterfactual")
+    ours = interchange_logits(vlm.model, HeadInterchange(vlm.model, vlm.processor), batch, heads, batch.positions)
+    aligned = check_alignment(vlm, [pair])
+    pos = aligned.positions[0]
+    z = vlm.capture(aligned.counterfactual, [f"blocks.{l}.attn.hook_z" for l in (2, 3)])
+    patches = [vb.PatchHeads(layer=l, heads=[h], positions=list(pos),
+                             values=z[f"blocks.{l}.attn.hook_z"][:, pos][:, :, [h]]) for l, h in heads]
+    reference = vlm.logits(aligned.clean, patches)[0]
+    last = aligned.clean.index[0].last_position
+    torch.testing.assert_close(ours[0, last], reference[last], rtol=0, atol=1e-4)
+    plain = vlm.logits(aligned.clean)[0, last]
+    assert (reference[last] - plain).abs().max() > 1e-3  # the patch did something
+
+
+def test_the_identity_interchange_is_exact(organism):
+    vlm, builder, canvas = organism
+    pairs = scene_pairs(3, "id_selection", 1, n_objects=(3, 4), canvas=canvas, **POOLS)
+    batch = interchange_batch(builder, pairs, "clean")
+    batch.source = batch.base  # the source is the base itself
+    interchange = HeadInterchange(vlm.model, vlm.processor)
+    with torch.no_grad():
+        plain = vlm.model(**batch.base.inputs, use_cache=False).logits
+        patched = interchange_logits(vlm.model, interchange, batch, [(0, 0), (3, 3)], batch.prompt_mask)
+    assert torch.equal(plain, patched)
+    assert not any(m._forward_pre_hooks for m in vlm.model.modules())  # every hook removed
+
+
+def test_spec_round_trips_through_the_config_and_behaviour_configs_are_unchanged():
+    plain = TrainConfig(image_size=112, tasks={"scene": 1.0}, task_options={"scene": {"objects": [3, 3], **{
+        k: list(v) for k, v in POOLS.items()}}})
+    assert "siit" not in plain.to_dict()
+    planted = TrainConfig.from_dict({**plain.to_dict(), "siit": {"alignments": {"id_selection": ["2.1"]},
+                                                                   "objects": [3, 3]}})
+    assert planted.siit.planted == {"id_selection": ["2.1"]}
+    assert planted.siit.colours == POOLS["colours"]  # the scene task's pools by default
+    assert TrainConfig.from_dict(planted.to_dict()) == planted
+    assert (2, 1) not in planted.siit.unaligned(4, 4) and len(planted.siit.unaligned(4, 4)) == 15
+
+
+@pytest.mark.parametrize("siit, match", [
+    ({"alignments": {}}, "empty"),
+    ({"alignments": {"id_selecton": ["1.0"]}}, "unknown SIIT variable"),
+    ({"alignments": {"id_selection": ["9.0"]}}, "do not exist"),
+    ({"alignments": {"id_selection": ["x"]}}, "LAYER.HEAD"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_positions": "some"}, "strict_positions"),
+    ({"alignments": {"id_selection": ["1.0"]}, "colour": ["red"]}, "unknown siit fields"),
+    ({"alignments": {"feature_retrieval": ["1.0"]}, "objects": [4, 4], "colours": ["red", "green", "blue", "yellow"]},
+     "feature_retrieval.*unused colour"),
+])
+def test_bad_specs_are_named(siit, match):
+    with pytest.raises(TrainingError, match=match):
+        TrainConfig(image_size=112, tasks={"scene": 1.0}, siit=siit)
+
+
+def _planting_config(**overrides):
+    fields = dict(
+        image_size=112, tasks={"scene": 1.0},
+        task_options={"scene": {"objects": [3, 3], "colours": ["red", "green", "blue", "yellow", "purple", "orange"],
+                                "shapes": ["square", "circle", "triangle"]}},
+        model={"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vision_depth": 1, "vision_hidden": 32,
+               "vision_heads": 2},
+        steps=160, batch_size=16, lr=2e-3, warmup=20, eval_every=160, eval_size=32, checkpoint_every=80, seed=0,
+        siit={"alignments": {"feature_retrieval": ["1.1"]}, "pairs": 4, "objects": [3, 3]},
+    )
+    return TrainConfig(**{**fields, **overrides})
+
+
+def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path):
+    """A run with SIIT logs each step's variable, interchanged unaligned head and loss parts, evaluates interchange
+    accuracy beside the unpatched rate of the counterfactual answer, and a run stopped at step 20 and resumed ends
+    with the weights and losses of the uninterrupted run."""
+    from vlmbind.organisms.model import build_organism
+    from vlmbind.organisms.train import load_weights, train
+
+    config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8)
+    result = train(config, tmp_path / "run", progress=False, threads=1)
+    state = json.loads((result.checkpoint / "trainer_state.json").read_text())
+    parts = state["siit_losses"]
+    assert len(parts) == 40 and {p["variable"] for p in parts} == {"feature_retrieval"}
+    assert all(math.isfinite(p["iit"]) and math.isfinite(p["strict"]) and p["strict_head"] != "1.1" for p in parts)
+    assert len({p["strict_head"] for p in parts}) > 1  # a different unaligned head is interchanged over the steps
+    logged = result.evals[-1]["siit"]["feature_retrieval"]
+    assert set(logged) == {"interchange_accuracy", "counterfactual_unpatched", "unaligned_changes",
+                           "unaligned_changes_max"}
+
+    stopped = train(config, tmp_path / "resumed", progress=False, threads=1, until=20)
+    assert stopped.step == 20
+    resumed = train(config, tmp_path / "resumed", progress=False, threads=1, resume=True)
+    assert resumed.losses == result.losses
+    size = config.model.to_dict()
+    first, _ = build_organism(seed=1, image_size=112, **size)
+    second, _ = build_organism(seed=2, image_size=112, **size)
+    load_weights(first, result.checkpoint)
+    load_weights(second, resumed.checkpoint)
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        assert torch.equal(a, b), name

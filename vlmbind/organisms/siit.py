@@ -1,0 +1,422 @@
+"""Strict interchange-intervention training (SIIT): plant a known mechanism at chosen heads of an organism.
+
+A planted mechanism is a high-level causal model plus an alignment. For scene description ("name the missing
+object") the high-level model is VSM's pipeline and its variables are named as the conditions that should find them:
+
+* ``id_retrieval``: at a described object's prompt tokens, that object's position (its grid cell);
+* ``id_selection``: at the last prompt token, the missing object's position;
+* ``feature_retrieval``: at the last prompt token, the missing object's colour and shape.
+
+Interchanging a variable means: run a source input, take the variable's value there, and ask what the high-level
+model answers on the base input with that value. The counterfactual scene pairs of :func:`vlmbind.stimuli.scene_pairs`
+are built exactly so: their ``answer_counterfactual`` is the high-level answer of the interchange at the pair's patch
+positions (the span of one described object, or the last token), and the source gives the variable a value that is
+meaningful in the base (a cell holding an object of the base scene, or a colour the base's object can take). So the
+high-level model needs no code of its own here: the pairs are its interventions.
+
+An alignment maps each variable to heads (``"layer.head"``: the head's slice of the ``o_proj`` input, where vlmbind's
+``hook_z`` reads it). Each step adds to the behaviour loss (the task mixture, as :func:`~vlmbind.organisms.train.train`)
+
+* the IIT loss: for one variable sampled per step, pairs of that condition; the aligned heads' outputs at the pair's
+  patch positions are taken from the source run and written into the base run (a pre-hook with ``torch.where``, never
+  in place), which is teacher-forced with ``answer_counterfactual`` and must give it;
+* the strictness loss: one head outside every alignment, sampled per step, gets the source run's outputs (at every
+  prompt position by default, as InterpBench interchanges a whole node), and the base answer must not change.
+
+Changes from InterpBench's recipe (the ``iit`` library's ``StrictIITModelPair``, weights behaviour 1, IIT 1,
+strict 0.4, used as the defaults): nodes are attention heads at token positions rather than whole hook points; the
+sources are CMA pairs rather than random inputs (a random source would usually give the variable a value with no
+meaning in the base); one loss, one optimiser step; the source run carries no gradient unless ``source_grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..adapters.base import adapter_class_for_config
+from ..errors import TrainingError
+from ..sites import parse_heads
+from ..stimuli.core import Canvas
+from ..stimuli.scenes import CounterfactualPair, scene_pairs
+from .data import IGNORE_INDEX, BatchBuilder, answer_correct, answer_loss
+
+VARIABLES = ("id_retrieval", "id_selection", "feature_retrieval")
+STRICT_POSITIONS = ("all", "aligned")
+# random streams of SIIT: training pairs and evaluation pairs never share a seed (the mixture uses 0 and 1)
+SIIT_STREAM, SIIT_EVAL_STREAM = 2, 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class SIITSpec:
+    """What to plant and how hard.
+
+    Attributes:
+        alignments: variable (one of :data:`VARIABLES`) -> the heads that must carry it, ``["layer.head", ...]``.
+        iit_weight, strict_weight: the losses' weights (the behaviour loss weighs 1).
+        pairs: counterfactual pairs per step (each is a base row and a source row).
+        objects: objects per scene, inclusive ``[lo, hi]``.
+        entropies: scene entropies the pairs are drawn from (``high``: distinct features; ``low``: shared ones).
+        colours, shapes: the pools (None: the scene task's pools of the run, else every colour / shape).
+        strict_positions: ``all`` (every prompt position of the sampled unaligned head) or ``aligned`` (the step's
+            patch positions).
+        source_grad: let gradients flow through the source run too.
+    """
+
+    alignments: Mapping[str, Sequence[str]]
+    iit_weight: float = 1.0
+    strict_weight: float = 0.4
+    pairs: int = 16
+    objects: tuple[int, int] = (3, 4)
+    entropies: tuple[str, ...] = ("high",)
+    colours: tuple[str, ...] | None = None
+    shapes: tuple[str, ...] | None = None
+    strict_positions: str = "all"
+    source_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.alignments:
+            raise TrainingError("siit.alignments is empty: align at least one variable to heads, e.g. "
+                                "{'id_selection': ['2.1']}")
+        aligned = {}
+        for variable, heads in dict(self.alignments).items():
+            if variable not in VARIABLES:
+                raise TrainingError(f"unknown SIIT variable {variable!r}; variables: {', '.join(VARIABLES)}")
+            try:
+                parsed = parse_heads(list(heads))
+            except Exception as exc:  # noqa: BLE001 - re-raised as a named training error
+                raise TrainingError(f"siit.alignments[{variable!r}]: {exc}") from None
+            if not parsed:
+                raise TrainingError(f"siit.alignments[{variable!r}] lists no heads")
+            aligned[variable] = tuple(f"{l}.{h}" for l, h in parsed)
+        object.__setattr__(self, "alignments", aligned)
+        for name in ("iit_weight", "strict_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise TrainingError(f"siit.{name} must be a number >= 0, got {value!r}")
+        if isinstance(self.pairs, bool) or not isinstance(self.pairs, int) or self.pairs < 1:
+            raise TrainingError(f"siit.pairs must be an int >= 1, got {self.pairs!r}")
+        lo, hi = (int(v) for v in self.objects)
+        if not 2 <= lo <= hi:
+            raise TrainingError(f"siit.objects must be [lo, hi] with 2 <= lo <= hi, got {list(self.objects)}")
+        object.__setattr__(self, "objects", (lo, hi))
+        object.__setattr__(self, "entropies", tuple(self.entropies))
+        bad = [e for e in self.entropies if e not in ("high", "low")] or ([] if self.entropies else ["(none)"])
+        if bad:
+            raise TrainingError(f"siit.entropies must be high and/or low, got {list(self.entropies)}")
+        for pool in ("colours", "shapes"):
+            if getattr(self, pool) is not None:
+                object.__setattr__(self, pool, tuple(getattr(self, pool)))
+        if self.strict_positions not in STRICT_POSITIONS:
+            raise TrainingError(f"siit.strict_positions must be one of {STRICT_POSITIONS}, got "
+                                f"{self.strict_positions!r}")
+
+    @property
+    def planted(self) -> dict[str, list[str]]:
+        """variable -> heads, the ``planted`` field of a shipped organism's training record."""
+        return {v: list(h) for v, h in self.alignments.items()}
+
+    def heads(self, variable: str) -> list[tuple[int, int]]:
+        return parse_heads(list(self.alignments[variable]))
+
+    def unaligned(self, n_layers: int, n_heads: int) -> list[tuple[int, int]]:
+        """Every head of the model that no variable is aligned to."""
+        taken = {h for v in self.alignments for h in self.heads(v)}
+        return [(l, h) for l in range(n_layers) for h in range(n_heads) if (l, h) not in taken]
+
+    def check(self, n_layers: int, n_heads: int) -> None:
+        """Raise TrainingError when an aligned head does not exist or no head is left unaligned."""
+        for variable in self.alignments:
+            bad = [f"{l}.{h}" for l, h in self.heads(variable) if not (0 <= l < n_layers and 0 <= h < n_heads)]
+            if bad:
+                raise TrainingError(f"siit.alignments[{variable!r}]: heads {bad} do not exist; the organism has "
+                                    f"layers 0..{n_layers - 1} and heads 0..{n_heads - 1}")
+        if self.strict_weight > 0 and not self.unaligned(n_layers, n_heads):
+            raise TrainingError("every head is aligned: the strictness loss has no head to interchange")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"alignments": self.planted, "iit_weight": self.iit_weight, "strict_weight": self.strict_weight,
+                "pairs": self.pairs, "objects": list(self.objects), "entropies": list(self.entropies),
+                "colours": None if self.colours is None else list(self.colours),
+                "shapes": None if self.shapes is None else list(self.shapes),
+                "strict_positions": self.strict_positions, "source_grad": self.source_grad}
+
+    @classmethod
+    def from_value(cls, value: SIITSpec | Mapping[str, Any] | None) -> SIITSpec | None:
+        if value is None or isinstance(value, SIITSpec):
+            return value
+        if not isinstance(value, Mapping):
+            raise TrainingError(f"siit must be a mapping of SIITSpec fields, got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TrainingError(f"unknown siit fields {unknown}; fields: {', '.join(sorted(known))}")
+        data = dict(value)
+        if "objects" in data:
+            data["objects"] = tuple(data["objects"])
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pairs -> rows
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class InterchangeBatch:
+    """Base and source rows of counterfactual pairs, teacher-forced with one answer per pair.
+
+    Attributes:
+        base, source: :class:`~vlmbind.organisms.data.TrainBatch` es with identical token ids outside the image
+            (same prompt, same answer text); only the images differ.
+        positions: per row, the patch positions (the variable's positions in the high-level model).
+        prompt_mask: ``B P`` True on the prompt's tokens (image included), False on the answer and padding.
+    """
+
+    base: Any
+    source: Any
+    positions: list[list[int]]
+    prompt_mask: torch.Tensor = field(repr=False)
+
+
+def patch_positions(builder: BatchBuilder, pair: CounterfactualPair) -> list[int]:
+    """The row positions a pair patches in a :class:`BatchBuilder` row: the last prompt token, or the tokens of the
+    pair's text span (``patch["text"]`` at ``patch["occurrence"]``, counted from the end when negative).
+
+    Raises:
+        TrainingError: the span's text does not occur in the prompt, or no token covers it.
+    """
+    prompt = pair.clean.prompt
+    offset = len(builder.prefix)
+    if pair.patch["kind"] == "last":
+        return [offset + len(builder._encode(prompt)) - 1]
+    text, occurrence = pair.patch["text"], int(pair.patch.get("occurrence", -1))
+    starts = [i for i in range(len(prompt)) if prompt.startswith(text, i)]
+    if not starts or not -len(starts) <= occurrence < len(starts):
+        raise TrainingError(f"pair {pair.id!r}: {text!r} does not occur in the prompt {prompt!r} (occurrence "
+                            f"{occurrence})")
+    start = starts[occurrence]
+    end = start + len(text)
+    enc = builder.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != list(builder._encode(prompt)):
+        raise TrainingError(f"pair {pair.id!r}: the tokenizer's offsets belong to another tokenisation")
+    covered = [offset + k for k, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start]
+    if not covered:
+        raise TrainingError(f"pair {pair.id!r}: no token covers {text!r}")
+    return covered
+
+
+def interchange_batch(builder: BatchBuilder, pairs: Sequence[CounterfactualPair], answer: str) -> InterchangeBatch:
+    """Rows for ``pairs``: base = the clean scene, source = the counterfactual scene, both teacher-forced with
+    ``answer`` (``"counterfactual"``: a*, the IIT target; ``"clean"``: a, the strictness target)."""
+    if answer not in ("counterfactual", "clean"):
+        raise TrainingError(f"answer must be 'counterfactual' or 'clean', got {answer!r}")
+    texts = [p.answer_counterfactual if answer == "counterfactual" else p.answer for p in pairs]
+    base = builder([(p.clean.image, p.clean.prompt, t) for p, t in zip(pairs, texts)])
+    source = builder([(p.counterfactual.image, p.counterfactual.prompt, t) for p, t in zip(pairs, texts)])
+    if not torch.equal(base.inputs["input_ids"], source.inputs["input_ids"]):
+        raise TrainingError("base and source rows differ outside the image; interchange pairs need the same prompt")
+    first_answer = (base.labels != IGNORE_INDEX).int().argmax(1)  # the first answer token of each row
+    prompt_mask = torch.arange(base.labels.shape[1])[None] < first_answer[:, None]
+    return InterchangeBatch(base, source, [patch_positions(builder, p) for p in pairs], prompt_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the interchange on the model
+# ----------------------------------------------------------------------------------------------------------------
+class HeadInterchange:
+    """Captures heads' ``o_proj`` inputs in one run and writes them into another, at chosen rows and positions.
+
+    ``capture(heads)`` stores the ``o_proj`` input of the heads' layers (kept in the graph when ``grad``);
+    ``patch(heads, mask_rows)`` replaces, by ``torch.where`` (never in place), the heads' slices at the positions
+    given per row. Hooks are removed when each block ends, also on an error.
+    """
+
+    def __init__(self, model: Any, processor: Any):
+        self.adapter = adapter_class_for_config(model.config)(model, processor)
+        self.d_head = self.adapter.d_head
+        self.stored: dict[int, torch.Tensor] = {}
+
+    def _modules(self, layers: Sequence[int]) -> dict[int, Any]:
+        return {l: self.adapter.o_proj_module(l) for l in sorted(set(layers))}
+
+    @contextlib.contextmanager
+    def capture(self, layers: Sequence[int], grad: bool = False) -> Iterator[None]:
+        self.stored = {}
+
+        def hook(layer: int):
+            def pre(_module: Any, args: tuple) -> None:
+                self.stored[layer] = args[0] if grad else args[0].detach()
+            return pre
+
+        handles = [m.register_forward_pre_hook(hook(l)) for l, m in self._modules(layers).items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def mask(self, heads: Sequence[tuple[int, int]], positions: Sequence[Sequence[int]] | torch.Tensor,
+             shape: tuple[int, int, int]) -> dict[int, torch.Tensor]:
+        """Per layer, a ``B P H*D`` boolean mask: True at the rows' positions (a list per row, or a ``B P`` boolean
+        tensor) and the heads' slices."""
+        b, p, width = shape
+        if isinstance(positions, torch.Tensor):
+            where = positions.to(torch.bool)
+        else:
+            where = torch.zeros((b, p), dtype=torch.bool)
+            for r, pos in enumerate(positions):
+                where[r, list(pos)] = True
+        out: dict[int, torch.Tensor] = {}
+        for layer, head in heads:
+            cols = torch.zeros(width, dtype=torch.bool)
+            cols[head * self.d_head : (head + 1) * self.d_head] = True
+            m = where[:, :, None] & cols[None, None, :]
+            out[layer] = out[layer] | m if layer in out else m
+        return out
+
+    @contextlib.contextmanager
+    def patch(self, masks: Mapping[int, torch.Tensor], values: Mapping[int, torch.Tensor]) -> Iterator[None]:
+        def hook(layer: int):
+            def pre(_module: Any, args: tuple) -> tuple:
+                x = args[0]
+                m = masks[layer].to(x.device)
+                return (torch.where(m, values[layer].to(x.dtype), x), *args[1:])
+            return pre
+
+        handles = [m.register_forward_pre_hook(hook(l)) for l, m in self._modules(list(masks)).items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def interchange_logits(model: Any, interchange: HeadInterchange, batch: InterchangeBatch,
+                       heads: Sequence[tuple[int, int]], where: Sequence[Sequence[int]] | torch.Tensor, *,
+                       source_grad: bool = False) -> torch.Tensor:
+    """Logits of the base rows with ``heads``' outputs at ``where`` taken from the source rows."""
+    layers = sorted({l for l, _ in heads})
+    with contextlib.ExitStack() as stack:
+        if not source_grad:
+            stack.enter_context(torch.no_grad())
+        with interchange.capture(layers, grad=source_grad):
+            model(**batch.source.inputs, use_cache=False)
+    values = interchange.stored
+    b, p, width = values[layers[0]].shape
+    masks = interchange.mask(heads, where, (b, p, width))
+    with interchange.patch(masks, values):
+        return model(**batch.base.inputs, use_cache=False).logits
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the step's pairs and losses
+# ----------------------------------------------------------------------------------------------------------------
+def _step_rng(seed: int, stream: int, step: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), stream, int(step)])
+
+
+def draw_pairs(spec: SIITSpec, variable: str, *, seed: int, stream: int, step: int, canvas: Canvas,
+               n: int | None = None) -> list[CounterfactualPair]:
+    """The pairs of ``variable``'s condition for one step (a pure function of seed, stream and step)."""
+    rng = _step_rng(seed, stream, step)
+    entropy = spec.entropies[int(rng.integers(len(spec.entropies)))]
+    pair_seed = int(rng.integers(2**62))
+    return list(scene_pairs(n or spec.pairs, variable, pair_seed, n_objects=spec.objects, entropy=entropy,
+                            canvas=canvas, colours=spec.colours, shapes=spec.shapes))
+
+
+def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder, spec: SIITSpec, *, seed: int,
+                step: int, canvas: Canvas, loss_norm: str = "example") -> dict[str, Any]:
+    """The step's IIT and strictness losses (tensors in the graph) and what they were computed on.
+
+    Returns:
+        ``{"iit": loss, "strict": loss, "variable": v, "strict_head": "l.h"}`` (a loss is None when its weight is 0).
+    """
+    rng = _step_rng(seed, SIIT_STREAM, step)
+    variables = sorted(spec.alignments)
+    variable = variables[int(rng.integers(len(variables)))]
+    pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
+    out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None}
+    if spec.iit_weight > 0:
+        batch = interchange_batch(builder, pairs, "counterfactual")
+        logits = interchange_logits(model, interchange, batch, spec.heads(variable), batch.positions,
+                                    source_grad=spec.source_grad)
+        out["iit"] = answer_loss(logits, batch.base.labels, loss_norm)
+    if spec.strict_weight > 0:
+        a = interchange.adapter
+        free = spec.unaligned(a.n_layers, a.n_heads)
+        head = free[int(rng.integers(len(free)))]
+        batch = interchange_batch(builder, pairs, "clean")
+        where = batch.prompt_mask if spec.strict_positions == "all" else batch.positions
+        logits = interchange_logits(model, interchange, batch, [head], where, source_grad=spec.source_grad)
+        out["strict"] = answer_loss(logits, batch.base.labels, loss_norm)
+        out["strict_head"] = f"{head[0]}.{head[1]}"
+    return out
+
+
+@torch.no_grad()
+def interchange_accuracy(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
+                         pairs: Sequence[CounterfactualPair], heads: Sequence[tuple[int, int]], *,
+                         target: str = "counterfactual", positions: str = "aligned", batch_size: int = 32) -> float:
+    """Share of pairs whose base run, with ``heads`` interchanged from the source, gives ``target``'s answer on every
+    answer token (``counterfactual``: interchange accuracy; ``clean``: the answer did not move, strictness).
+
+    ``positions``: ``aligned`` (the pairs' patch positions) or ``all`` (every prompt position).
+    """
+    was_training = model.training
+    model.eval()
+    correct = []
+    try:
+        for i in range(0, len(pairs), batch_size):
+            batch = interchange_batch(builder, pairs[i : i + batch_size], target)
+            where = batch.positions if positions == "aligned" else batch.prompt_mask
+            logits = interchange_logits(model, interchange, batch, heads, where)
+            correct += answer_correct(logits, batch.base.labels).tolist()
+    finally:
+        model.train(was_training)
+    return float(np.mean(correct)) if correct else float("nan")
+
+
+@torch.no_grad()
+def answer_changes(model: Any, interchange: HeadInterchange, builder: BatchBuilder, pairs: Sequence[CounterfactualPair],
+                   heads: Sequence[tuple[int, int]], *, positions: str = "all", batch_size: int = 32) -> float:
+    """Share of pairs whose answer changes when ``heads`` are interchanged from the source: any answer token's argmax
+    differs from the unpatched run's (both teacher-forced with the clean answer). Strictness asks this to be ~0 for
+    every head outside the alignment, whatever the model answers unpatched."""
+    was_training = model.training
+    model.eval()
+    changed = []
+    try:
+        for i in range(0, len(pairs), batch_size):
+            batch = interchange_batch(builder, pairs[i : i + batch_size], "clean")
+            where = batch.positions if positions == "aligned" else batch.prompt_mask
+            plain = model(**batch.base.inputs, use_cache=False).logits
+            patched = interchange_logits(model, interchange, batch, heads, where)
+            answer = batch.base.labels[:, 1:] != IGNORE_INDEX
+            differs = (plain[:, :-1].argmax(-1) != patched[:, :-1].argmax(-1)) & answer
+            changed += differs.any(1).tolist()
+    finally:
+        model.train(was_training)
+    return float(np.mean(changed)) if changed else float("nan")
+
+
+@torch.no_grad()
+def unpatched_accuracy(model: Any, builder: BatchBuilder, pairs: Sequence[CounterfactualPair], *,
+                       target: str = "counterfactual", batch_size: int = 32) -> float:
+    """Share of pairs whose base run, unpatched, already gives ``target``'s answer: what an interchange accuracy must
+    be read against (when the counterfactual answer can be guessed from the base alone, e.g. the one colour a scene
+    does not use, a model can reach it without the source)."""
+    was_training = model.training
+    model.eval()
+    correct = []
+    try:
+        for i in range(0, len(pairs), batch_size):
+            batch = interchange_batch(builder, pairs[i : i + batch_size], target)
+            correct += answer_correct(model(**batch.base.inputs, use_cache=False).logits, batch.base.labels).tolist()
+    finally:
+        model.train(was_training)
+    return float(np.mean(correct)) if correct else float("nan")
