@@ -3,9 +3,10 @@
 ``import vlmbind as vb``; ``vb.load(name)`` gives a :class:`VLM`; see the README for the tour.
 """
 
-from . import probes, stimuli
-from .analysis import HeadScores, ablation_study, edit_study, locate
+from . import probes, stimuli, version
 from .activations import ActivationSet, capture
+from .analysis import HeadScores, ablation_study, edit_study, locate
+from .batches import Batch, RunOutput
 from .errors import (
     InputError,
     InterventionError,
@@ -17,13 +18,12 @@ from .errors import (
 )
 from .evaluate import EvalResult, evaluate
 from .interventions import AblateHeads, AddToHeads, PatchHeads, ZeroImageAttention
-from .batches import Batch, RunOutput
 from .loading import load, registered_names, supported_families
 from .models import VLM
 from .sites import Site, resolve_sites
 from .tokens import ImageGrid, TokenIndex
 
-__version__ = "0.1.0"
+__version__ = version.__version__
 
 __all__ = [
     "stimuli", "probes", "locate", "HeadScores", "ablation_study", "edit_study", "capture", "ActivationSet", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",

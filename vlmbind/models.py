@@ -24,7 +24,6 @@ from .images import to_rgb
 from .sites import Site, parse_heads, resolve_sites
 from .tokens import TokenIndex, text_offsets
 
-
 TRAINING_FILE = "vlmbind_training.json"
 
 

@@ -20,11 +20,10 @@ Shapes (``B`` batch, ``P`` positions, ``H`` query heads, ``D`` head dim, ``N`` v
 
 from __future__ import annotations
 
-from typing import Any
-
 import fnmatch
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import InputError, SiteError, close_matches
 

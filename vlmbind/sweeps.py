@@ -23,10 +23,13 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save
 
-from .activations import MANIFEST, ActivationSet, capture as capture_one
-from .analysis.mediation import HeadScores, locate as locate_one
+from .activations import MANIFEST, ActivationSet
+from .activations import capture as capture_one
+from .analysis.mediation import HeadScores
+from .analysis.mediation import locate as locate_one
 from .errors import InputError
-from .evaluate import EvalResult, evaluate as evaluate_one, record_from_json, run_key
+from .evaluate import EvalResult, record_from_json, run_key
+from .evaluate import evaluate as evaluate_one
 from .io import write_bytes_atomic, write_json_atomic
 from .parallel import Group, block, part_path, remove_parts
 

@@ -25,8 +25,8 @@ import pandas as pd
 from ..errors import InputError
 from ..io import json_default, write_json_atomic, write_text_atomic
 from ..probes import binding_information, pairwise_probe
-from ..stimuli.colorshape import COLOURS, SHAPES, balanced_color_shape, entropies
 from ..results import Result, read_csv_columns, read_json_object, register_result
+from ..stimuli.colorshape import COLOURS, SHAPES, balanced_color_shape, entropies
 from ..viz import write_html_atomic
 from ..viz.probes import binding_figure
 

@@ -26,8 +26,8 @@ from ..activations import capture
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..io import write_json_atomic, write_text_atomic
-from ..results import Result, read_csv_columns, read_json_object, register_result
 from ..probes import ProbeConfig
+from ..results import Result, read_csv_columns, read_json_object, register_result
 from ..stimuli import counting, scene_description, scene_pairs
 from ..stimuli.core import object_token_positions
 from .ablation import AblationResult, ablation_study

@@ -34,7 +34,11 @@ from ..results import Result, read_csv_columns, read_json_object, register_resul
 from ..stimuli import rsa_set
 from ..stimuli.core import Canvas
 from ..viz import write_html_atomic
-from ..viz.rsa import MODEL_MATRICES, pca_figure, rsa_figure  # noqa: F401  (MODEL_MATRICES, pca_figure: public here before viz)
+from ..viz.rsa import (  # noqa: F401  (MODEL_MATRICES, pca_figure: public here before viz)
+    MODEL_MATRICES,
+    pca_figure,
+    rsa_figure,
+)
 
 SIMILARITIES = ("pearson", "cosine")
 

@@ -6,9 +6,9 @@ from typing import Any
 
 from .. import sweeps
 from ..analysis.rsa import DEFAULT_SITES, SIMILARITIES, pca, rsa, rsa_stimuli
-from ..viz.rsa import pca_figure
 from ..errors import InputError
 from ..viz import write_html_atomic
+from ..viz.rsa import pca_figure
 from .arguments import add_capture_arguments, model_session, out_dir, rank_done
 
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import TrainingError
 from ..batches import Batch
+from ..errors import TrainingError
 from ..loading import load
 from ..models import VLM
 from ..stimuli.core import Dataset, Example

@@ -18,8 +18,8 @@ from safetensors import safe_open
 
 from ..errors import TrainingError
 from ..models import TRAINING_FILE
-from .recipes import RECIPES, stages
 from ..shipped import organism_dir
+from .recipes import RECIPES, stages
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "processor_config.json", "chat_template.jinja")

@@ -14,11 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UnsupportedModelError, close_matches
-from . import qwen, llava, gemma3, molmo2  # noqa: F401  (each registers its builders; this order is the listing's)
-from .registry import TINY_BUILDERS, register_tiny
+from . import gemma3, llava, molmo2, qwen  # noqa: F401  (each registers its builders)
+from .registry import TINY_BUILDERS, listed_names, register_tiny
 
-# registration order: the order `vlmbind models` lists them in
-TINY_NAMES = tuple(TINY_BUILDERS)
+__all__ = ["TINY_BUILDERS", "TINY_NAMES", "build", "register_tiny"]
+
+# in the order `vlmbind models` lists them (each builder's rank)
+TINY_NAMES = listed_names()
 
 
 def build(name: str, seed: int = 0, **kwargs: Any) -> tuple[Any, Any]:

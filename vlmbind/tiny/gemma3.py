@@ -22,8 +22,8 @@ from transformers import (
     Gemma3Processor,
 )
 
-from .registry import register_tiny
 from .common import build_tokenizer, rescale_linear_weights, seeded
+from .registry import register_tiny
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
             "<end_of_image>", "<image_soft_token>"]
@@ -40,7 +40,7 @@ TOKENS_PER_SIDE = 8
 SLIDING_WINDOW = 16
 
 
-@register_tiny("tiny-gemma3")
+@register_tiny("tiny-gemma3", rank=4)
 def tiny_gemma3(seed: int = 0, **kwargs: Any) -> tuple[Gemma3ForConditionalGeneration, Gemma3Processor]:
     """Build the tiny Gemma-3 model and processor.
 

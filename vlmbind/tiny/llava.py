@@ -35,8 +35,8 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from .registry import register_tiny
 from .common import build_tokenizer, rescale_linear_weights, seeded
+from .registry import register_tiny
 
 # ---- LLaVA-1.5 ------------------------------------------------------------------------------------------------
 LLAVA_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
@@ -68,7 +68,7 @@ _TEXT = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "
 _VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
-@register_tiny("tiny-llava")
+@register_tiny("tiny-llava", rank=2)
 def tiny_llava(seed: int = 0, **kwargs: Any) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     """Build the tiny LLaVA-1.5 model and processor.
 
@@ -113,7 +113,7 @@ def tiny_llava(seed: int = 0, **kwargs: Any) -> tuple[LlavaForConditionalGenerat
     return model.eval(), processor
 
 
-@register_tiny("tiny-llava_onevision")
+@register_tiny("tiny-llava_onevision", rank=3)
 def tiny_llava_onevision(
     seed: int = 0, **kwargs: Any
 ) -> tuple[LlavaOnevisionForConditionalGeneration, LlavaOnevisionProcessor]:

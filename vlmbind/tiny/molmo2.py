@@ -26,8 +26,8 @@ from transformers import (
     Molmo2VideoProcessor,
 )
 
-from .registry import register_tiny
 from .common import build_tokenizer, rescale_linear_weights, seeded
+from .registry import register_tiny
 
 # The processor looks these eight up by name (``Molmo2Processor.image_token_ids``); every one of them is marked as an
 # image token in ``mm_token_type_ids`` and so joins the bidirectional image block.
@@ -60,7 +60,7 @@ def _reinit_adapter(adapter: torch.nn.Module, seed: int) -> None:
                     m.bias.zero_()
 
 
-@register_tiny("tiny-molmo2")
+@register_tiny("tiny-molmo2", rank=5)
 def tiny_molmo2(seed: int = 0, **kwargs: Any) -> tuple[Molmo2ForConditionalGeneration, Molmo2Processor]:
     """Build the tiny Molmo2 model and its processor.
 

@@ -14,8 +14,8 @@ import torch
 import transformers
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-from .registry import register_tiny
 from .common import build_tokenizer, rescale_linear_weights, seeded
+from .registry import register_tiny
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
             "<|video_pad|>"]
@@ -127,11 +127,11 @@ def _build(family: str, seed: int, image_size: int = 224, **model_kwargs: Any) -
                          attn_implementation=model_kwargs.pop("attn_implementation", "eager"))
 
 
-@register_tiny("tiny-qwen2_5_vl")
+@register_tiny("tiny-qwen2_5_vl", rank=0)
 def tiny_qwen2_5_vl(seed: int = 0, **kwargs):
     return _build("qwen2_5_vl", seed, **kwargs)
 
 
-@register_tiny("tiny-qwen2_vl")
+@register_tiny("tiny-qwen2_vl", rank=1)
 def tiny_qwen2_vl(seed: int = 0, **kwargs):
     return _build("qwen2_vl", seed, **kwargs)

@@ -7,14 +7,23 @@ from collections.abc import Callable
 from typing import Any
 
 TINY_BUILDERS: dict[str, Callable[..., tuple[Any, Any]]] = {}
+# name -> its place in `vlmbind models` (import order would be fragile: sorting imports would reorder the listing)
+LISTING_RANK: dict[str, int] = {}
 
 
-def register_tiny(name: str) -> Callable:
-    """Decorator: register ``fn(seed=..., **kwargs) -> (model, processor)`` under ``name`` (``tiny-<family>``)."""
+def register_tiny(name: str, rank: int | None = None) -> Callable:
+    """Decorator: register ``fn(seed=..., **kwargs) -> (model, processor)`` under ``name`` (``tiny-<family>``);
+    ``rank`` orders the listing (None: after every ranked one, in registration order)."""
     def deco(fn: Callable) -> Callable:
         if name in TINY_BUILDERS:
             raise ValueError(f"tiny model {name!r} registered twice")
         TINY_BUILDERS[name] = fn
+        LISTING_RANK[name] = 1000 + len(LISTING_RANK) if rank is None else int(rank)
         return fn
 
     return deco
+
+
+def listed_names() -> tuple[str, ...]:
+    """The registered names in listing order."""
+    return tuple(sorted(TINY_BUILDERS, key=lambda n: LISTING_RANK[n]))
