@@ -358,7 +358,18 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     return out
 
 
-@torch.no_grad()
+@contextlib.contextmanager
+def _evaluating(model: Any) -> Iterator[None]:
+    """Eval mode and no gradients for the block; the model's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def interchange_accuracy(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                          pairs: Sequence[CounterfactualPair], heads: Sequence[tuple[int, int]], *,
                          target: str = "counterfactual", positions: str = "aligned", batch_size: int = 32) -> float:
@@ -367,30 +378,23 @@ def interchange_accuracy(model: Any, interchange: HeadInterchange, builder: Batc
 
     ``positions``: ``aligned`` (the pairs' patch positions) or ``all`` (every prompt position).
     """
-    was_training = model.training
-    model.eval()
     correct = []
-    try:
+    with _evaluating(model):
         for i in range(0, len(pairs), batch_size):
             batch = interchange_batch(builder, pairs[i : i + batch_size], target)
             where = batch.positions if positions == "aligned" else batch.prompt_mask
             logits = interchange_logits(model, interchange, batch, heads, where)
             correct += answer_correct(logits, batch.base.labels).tolist()
-    finally:
-        model.train(was_training)
     return float(np.mean(correct)) if correct else float("nan")
 
 
-@torch.no_grad()
 def answer_changes(model: Any, interchange: HeadInterchange, builder: BatchBuilder, pairs: Sequence[CounterfactualPair],
                    heads: Sequence[tuple[int, int]], *, positions: str = "all", batch_size: int = 32) -> float:
     """Share of pairs whose answer changes when ``heads`` are interchanged from the source: any answer token's argmax
     differs from the unpatched run's (both teacher-forced with the clean answer). Strictness asks this to be ~0 for
     every head outside the alignment, whatever the model answers unpatched."""
-    was_training = model.training
-    model.eval()
     changed = []
-    try:
+    with _evaluating(model):
         for i in range(0, len(pairs), batch_size):
             batch = interchange_batch(builder, pairs[i : i + batch_size], "clean")
             where = batch.positions if positions == "aligned" else batch.prompt_mask
@@ -399,24 +403,17 @@ def answer_changes(model: Any, interchange: HeadInterchange, builder: BatchBuild
             answer = batch.base.labels[:, 1:] != IGNORE_INDEX
             differs = (plain[:, :-1].argmax(-1) != patched[:, :-1].argmax(-1)) & answer
             changed += differs.any(1).tolist()
-    finally:
-        model.train(was_training)
     return float(np.mean(changed)) if changed else float("nan")
 
 
-@torch.no_grad()
 def unpatched_accuracy(model: Any, builder: BatchBuilder, pairs: Sequence[CounterfactualPair], *,
                        target: str = "counterfactual", batch_size: int = 32) -> float:
     """Share of pairs whose base run, unpatched, already gives ``target``'s answer: what an interchange accuracy must
     be read against (when the counterfactual answer can be guessed from the base alone, e.g. the one colour a scene
     does not use, a model can reach it without the source)."""
-    was_training = model.training
-    model.eval()
     correct = []
-    try:
+    with _evaluating(model):
         for i in range(0, len(pairs), batch_size):
             batch = interchange_batch(builder, pairs[i : i + batch_size], target)
             correct += answer_correct(model(**batch.base.inputs, use_cache=False).logits, batch.base.labels).tolist()
-    finally:
-        model.train(was_training)
     return float(np.mean(correct)) if correct else float("nan")
