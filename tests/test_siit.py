@@ -94,8 +94,13 @@ def test_spec_round_trips_through_the_config_and_behaviour_configs_are_unchanged
     ({"alignments": {"id_selection": ["x"]}}, "LAYER.HEAD"),
     ({"alignments": {"id_selection": ["1.0"]}, "strict_positions": "some"}, "strict_positions"),
     ({"alignments": {"id_selection": ["1.0"]}, "colour": ["red"]}, "unknown siit fields"),
-    ({"alignments": {"feature_retrieval": ["1.0"]}, "objects": [4, 4], "colours": ["red", "green", "blue", "yellow"]},
-     "feature_retrieval.*unused colour"),
+    ({"alignments": {"feature_retrieval": ["1.0"]}, "objects": [4, 4], "colours": ["red", "green", "blue", "yellow"],
+      "recolour": "unused"}, "feature_retrieval.*unused colour"),
+    ({"alignments": {"id_selection": ["1.0"]}, "swap": "first"}, "siit.swap"),
+    ({"alignments": {"id_selection": ["1.0"]}, "recolour": "some"}, "siit.recolour"),
+    ({"alignments": {"id_selection": ["1.0"]}, "objects": [3, 3], "skip_objects": [3]}, "leaves no object count"),
+    ({"alignments": {"id_selection": ["1.0"]}, "position_layer": 4}, "position_layer 4 does not exist"),
+    ({"alignments": {"id_selection": ["1.0"]}, "position_layer": -1}, "position_layer must be"),
 ])
 def test_bad_specs_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):
@@ -115,14 +120,19 @@ def _planting_config(**overrides):
     return TrainConfig(**{**fields, **overrides})
 
 
-def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("position", [None, "trained"])
+def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, position):
     """A run with SIIT logs each step's variable, interchanged unaligned head and loss parts, evaluates interchange
     accuracy beside the unpatched rate of the counterfactual answer, and a run stopped at step 20 and resumed ends
-    with the weights and losses of the uninterrupted run."""
+    with the weights and losses of the uninterrupted run (also with a trained position readout, whose weights and
+    optimizer state travel beside the checkpoint)."""
     from vlmbind.organisms.model import build_organism
     from vlmbind.organisms.train import load_weights, train
 
-    config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8)
+    siit = {"alignments": {"feature_retrieval": ["1.1"]}, "pairs": 4, "objects": [3, 3]}
+    if position:
+        siit.update(position_layer=0, position_readout=position)
+    config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit)
     result = train(config, tmp_path / "run", progress=False, threads=1)
     state = json.loads((result.checkpoint / "trainer_state.json").read_text())
     parts = state["siit_losses"]
@@ -132,6 +142,10 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path):
     logged = result.evals[-1]["siit"]["feature_retrieval"]
     assert set(logged) == {"interchange_accuracy", "counterfactual_unpatched", "unaligned_changes",
                            "unaligned_changes_max"}
+    if position:
+        assert all(math.isfinite(p["position"]) for p in parts) and parts[-1]["position"] < parts[0]["position"]
+        assert 0.0 <= result.evals[-1]["position_code_accuracy"] <= 1.0
+        assert (result.checkpoint / "position_probe.safetensors").is_file()
 
     stopped = train(config, tmp_path / "resumed", progress=False, threads=1, until=20)
     assert stopped.step == 20
@@ -144,3 +158,111 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path):
     load_weights(second, resumed.checkpoint)
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_random_swaps_and_any_recolouring_keep_the_pairs_meaningful():
+    """Training pairs: the swapped object is any described one (so a* cannot be read off the prompt's order), the
+    id_retrieval span is that object's name, and a feature-retrieval source gives the target a conjunction no object
+    of the clean scene has (so a* cannot be guessed from the clean scene); VSM's pairs stay as they were."""
+    listed_positions = set()
+    for condition in ("id_retrieval", "id_selection"):
+        for pair in scene_pairs(40, condition, 5, n_objects=(3, 4), swap="random", **POOLS):
+            j, t = pair.counterfactual.fields["swapped"]
+            described = pair.clean.fields["described"]
+            assert t == pair.clean.fields["target"] and j in described
+            listed_positions.add(described.index(j))
+            oj, ot = pair.clean.objects[j], pair.clean.objects[t]
+            cj, ct = pair.counterfactual.objects[j], pair.counterfactual.objects[t]
+            assert (cj.row, cj.col, ct.row, ct.col) == (ot.row, ot.col, oj.row, oj.col)
+            assert pair.answer_counterfactual == oj.name
+            if condition == "id_retrieval":
+                prompt, text = pair.clean.prompt, pair.patch["text"]
+                starts = [i for i in range(len(prompt)) if prompt.startswith(text, i)]
+                start = starts[pair.patch["occurrence"]]
+                assert text == oj.name and prompt[:start].count(" a ") == described.index(j) + 1
+    assert listed_positions == {0, 1, 2}
+    shapes_changed = 0
+    for pair in scene_pairs(40, "feature_retrieval", 5, n_objects=(3, 4), recolour="any", entropy="low", **POOLS):
+        new = pair.counterfactual.objects[pair.clean.fields["target"]]
+        assert pair.answer_counterfactual == new.name
+        assert new.name not in {o.name for o in pair.clean.objects}
+        shapes_changed += new.shape != pair.clean.objects[pair.clean.fields["target"]].shape
+    assert shapes_changed > 0
+    vsm = scene_pairs(10, "id_selection", 5, n_objects=(3, 4), **POOLS)
+    assert all(p.counterfactual.fields["swapped"][0] == p.clean.fields["described"][-1] for p in vsm)
+    assert "swap" not in vsm.params
+    with pytest.raises(vb.stimuli.StimulusError, match="swap"):
+        scene_pairs(2, "id_selection", 0, swap="first")
+
+
+def test_skipped_object_counts_are_never_drawn():
+    from vlmbind.organisms.siit import SIITSpec, draw_pairs
+
+    spec = SIITSpec(alignments={"id_selection": ["1.0"]}, pairs=4, objects=(2, 4), skip_objects=(3,), **POOLS)
+    counts = {len(p.clean.objects) for step in range(12)
+              for p in draw_pairs(spec, "id_selection", seed=0, stream=2, step=step, canvas=Canvas(image_size=168, grid=6))}
+    assert counts == {2, 4}
+
+
+def test_growing_an_organism_keeps_its_function_exactly():
+    """``init_layers`` copies the source's layers where listed and adds identity layers elsewhere: the grown model's
+    logits equal the source's exactly; a source layer that does not exist is a named error."""
+    from vlmbind.organisms.data import TaskMixture, TaskSpec
+    from vlmbind.organisms.model import build_organism
+    from vlmbind.organisms.train import load_weights
+    from vlmbind.shipped import organism_dir
+
+    source, processor = build_organism(seed=0, image_size=168)
+    load_weights(source, organism_dir("organism-p2a"))
+    grown, _ = build_organism(seed=3, image_size=168, layers=6)
+    load_weights(grown, organism_dir("organism-p2a"), [0, 1, None, 2, 3, None])
+    mixture = TaskMixture([TaskSpec.from_options("scene", 1.0, {"objects": [2, 4], **POOLS})], regime="p2a",
+                          image_size=168, seed=0)
+    batch = BatchBuilder(processor)(mixture.batch(0, 3))
+    with torch.no_grad():
+        assert torch.equal(source(**batch.inputs).logits, grown(**batch.inputs).logits)
+    assert not torch.equal(grown.model.language_model.layers[2].self_attn.q_proj.weight,
+                           grown.model.language_model.layers[1].self_attn.q_proj.weight)
+    with pytest.raises(TrainingError, match="no decoder layer 7"):
+        load_weights(grown, organism_dir("organism-p2a"), [0, 1, 2, 3, 7, None])
+    with pytest.raises(TrainingError, match="init_layers"):
+        TrainConfig(image_size=112, model={"layers": 6}, init_layers=[0, 1, 2, 3, None, None])
+
+
+def test_position_code_loss_reads_cells_through_the_fixed_readout():
+    from vlmbind.organisms.siit import position_code_accuracy, position_code_loss, position_readout
+
+    cells, hidden = 4, 16
+    readout = position_readout(hidden, cells)
+    assert torch.equal(readout, position_readout(hidden, cells))  # fixed, not trained
+    ids = torch.tensor([[9, 5, 5, 5, 5, 1], [5, 5, 5, 5, 2, 2]])
+    states = torch.zeros(2, 6, hidden)
+    for row in range(2):
+        cols = (ids[row] == 5).nonzero().flatten()
+        for cell, p in enumerate(cols):
+            states[row, p] = 3.0 * readout[:, cell]
+    assert position_code_accuracy(states, ids, 5, cells) == 1.0
+    coded = float(position_code_loss(states, ids, 5, cells))
+    shuffled = float(position_code_loss(states.flip(1), ids.flip(1), 5, cells))
+    assert coded < 0.5 < shuffled
+    with pytest.raises(TrainingError, match="not a multiple"):
+        position_code_loss(states, ids, 5, 3)
+
+
+def test_last_token_variables_can_be_interchanged_at_the_answer_positions(organism):
+    """``last_positions="answer"``: a last-token pair patches the last prompt token and every position that predicts
+    an answer token (the colour word's position predicts the shape); span pairs keep their span."""
+    vlm, builder, canvas = organism
+    pairs = list(scene_pairs(3, "feature_retrieval", 3, n_objects=3, canvas=canvas, **POOLS))
+    prompt_only = interchange_batch(builder, pairs, "counterfactual")
+    answer = interchange_batch(builder, pairs, "counterfactual", "answer")
+    for r in range(len(pairs)):
+        answer_tokens = torch.nonzero(answer.base.labels[r] != -100).flatten().tolist()
+        assert prompt_only.positions[r] == [answer_tokens[0] - 1]
+        assert answer.positions[r] == [t - 1 for t in answer_tokens]
+    spans = list(scene_pairs(3, "id_retrieval", 3, n_objects=3, canvas=canvas, **POOLS))
+    assert interchange_batch(builder, spans, "counterfactual", "answer").positions == \
+        interchange_batch(builder, spans, "counterfactual").positions
+    with pytest.raises(TrainingError, match="last_positions"):
+        TrainConfig(image_size=112, tasks={"scene": 1.0},
+                    siit={"alignments": {"id_selection": ["1.0"]}, "last_positions": "all"})

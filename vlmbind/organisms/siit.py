@@ -43,11 +43,13 @@ from ..adapters.base import adapter_class_for_config
 from ..errors import TrainingError
 from ..sites import parse_heads
 from ..stimuli.core import Canvas
-from ..stimuli.scenes import CounterfactualPair, scene_pairs
+from ..stimuli.scenes import RECOLOURS, SWAPS, CounterfactualPair, scene_pairs
 from .data import IGNORE_INDEX, BatchBuilder, answer_correct, answer_loss
 
 VARIABLES = ("id_retrieval", "id_selection", "feature_retrieval")
 STRICT_POSITIONS = ("all", "aligned")
+LAST_POSITIONS = ("answer", "prompt")
+POSITION_READOUTS = ("trained", "fixed")
 # random streams of SIIT: training pairs and evaluation pairs never share a seed (the mixture uses 0 and 1)
 SIIT_STREAM, SIIT_EVAL_STREAM = 2, 3
 
@@ -66,6 +68,23 @@ class SIITSpec:
         strict_positions: ``all`` (every prompt position of the sampled unaligned head) or ``aligned`` (the step's
             patch positions).
         source_grad: let gradients flow through the source run too.
+        skip_objects: object counts left out of the pairs (held out, so that a validation can test on them).
+        swap: which described object the swap pairs exchange with the target (``random`` by default, so the
+            counterfactual answer cannot be read off the prompt's order; ``last`` is VSM's pairs).
+        recolour: feature-retrieval sources (``any`` new conjunction by default; ``unused`` is VSM's pairs, whose
+            counterfactual answer a model can guess from the base scene alone).
+        position_layer: when set, the position code: every image token's residual stream after this decoder layer
+            must give the token's grid cell through a fixed random linear readout (cross-entropy, weight
+            ``position_weight``). A head can only copy a position ID that the image tokens carry.
+        position_weight: that loss's weight.
+        position_readout: ``trained`` (a linear probe trained with the model, kept beside its checkpoints: the code
+            only has to be linearly readable, as a head's keys and values read it) or ``fixed`` (a fixed random
+            readout with cosine logits: the code must dominate the token's residual stream).
+        last_positions: where a last-token variable (``id_selection``, ``feature_retrieval``) is interchanged:
+            ``answer`` (the last prompt token and every answer position that predicts a token; the answer's second
+            word, the shape, is predicted at the colour word's position, which is where CMA patches and scores when
+            the two answers share their colour) or ``prompt`` (the last prompt token only; the shape must then be
+            carried forward by later layers).
     """
 
     alignments: Mapping[str, Sequence[str]]
@@ -78,6 +97,13 @@ class SIITSpec:
     shapes: tuple[str, ...] | None = None
     strict_positions: str = "all"
     source_grad: bool = False
+    skip_objects: tuple[int, ...] = ()
+    swap: str = "random"
+    recolour: str = "any"
+    position_layer: int | None = None
+    position_weight: float = 1.0
+    position_readout: str = "trained"
+    last_positions: str = "answer"
 
     def __post_init__(self) -> None:
         if not self.alignments:
@@ -112,9 +138,33 @@ class SIITSpec:
         for pool in ("colours", "shapes"):
             if getattr(self, pool) is not None:
                 object.__setattr__(self, pool, tuple(getattr(self, pool)))
+        object.__setattr__(self, "skip_objects", tuple(int(k) for k in self.skip_objects))
+        if not self.object_counts:
+            raise TrainingError(f"siit.skip_objects {list(self.skip_objects)} leaves no object count in "
+                                f"{list(self.objects)}")
+        if self.swap not in SWAPS:
+            raise TrainingError(f"siit.swap must be one of {SWAPS}, got {self.swap!r}")
+        if self.recolour not in RECOLOURS:
+            raise TrainingError(f"siit.recolour must be one of {RECOLOURS}, got {self.recolour!r}")
+        if self.position_layer is not None and (isinstance(self.position_layer, bool)
+                                                or not isinstance(self.position_layer, int) or self.position_layer < 0):
+            raise TrainingError(f"siit.position_layer must be a layer index >= 0 or None, got {self.position_layer!r}")
+        if isinstance(self.position_weight, bool) or not isinstance(self.position_weight, (int, float)) \
+                or not self.position_weight >= 0:
+            raise TrainingError(f"siit.position_weight must be a number >= 0, got {self.position_weight!r}")
+        if self.position_readout not in POSITION_READOUTS:
+            raise TrainingError(f"siit.position_readout must be one of {POSITION_READOUTS}, got "
+                                f"{self.position_readout!r}")
+        if self.last_positions not in LAST_POSITIONS:
+            raise TrainingError(f"siit.last_positions must be one of {LAST_POSITIONS}, got {self.last_positions!r}")
         if self.strict_positions not in STRICT_POSITIONS:
             raise TrainingError(f"siit.strict_positions must be one of {STRICT_POSITIONS}, got "
                                 f"{self.strict_positions!r}")
+
+    @property
+    def object_counts(self) -> list[int]:
+        """The object counts the pairs are drawn with."""
+        return [k for k in range(self.objects[0], self.objects[1] + 1) if k not in self.skip_objects]
 
     @property
     def planted(self) -> dict[str, list[str]]:
@@ -136,6 +186,9 @@ class SIITSpec:
             if bad:
                 raise TrainingError(f"siit.alignments[{variable!r}]: heads {bad} do not exist; the organism has "
                                     f"layers 0..{n_layers - 1} and heads 0..{n_heads - 1}")
+        if self.position_layer is not None and self.position_layer >= n_layers:
+            raise TrainingError(f"siit.position_layer {self.position_layer} does not exist; the organism has layers "
+                                f"0..{n_layers - 1}")
         if self.strict_weight > 0 and not self.unaligned(n_layers, n_heads):
             raise TrainingError("every head is aligned: the strictness loss has no head to interchange")
 
@@ -144,7 +197,10 @@ class SIITSpec:
                 "pairs": self.pairs, "objects": list(self.objects), "entropies": list(self.entropies),
                 "colours": None if self.colours is None else list(self.colours),
                 "shapes": None if self.shapes is None else list(self.shapes),
-                "strict_positions": self.strict_positions, "source_grad": self.source_grad}
+                "strict_positions": self.strict_positions, "source_grad": self.source_grad,
+                "skip_objects": list(self.skip_objects), "swap": self.swap, "recolour": self.recolour,
+                "position_layer": self.position_layer, "position_weight": self.position_weight,
+                "position_readout": self.position_readout, "last_positions": self.last_positions}
 
     @classmethod
     def from_value(cls, value: SIITSpec | Mapping[str, Any] | None) -> SIITSpec | None:
@@ -157,8 +213,9 @@ class SIITSpec:
         if unknown:
             raise TrainingError(f"unknown siit fields {unknown}; fields: {', '.join(sorted(known))}")
         data = dict(value)
-        if "objects" in data:
-            data["objects"] = tuple(data["objects"])
+        for key in ("objects", "skip_objects"):
+            if key in data:
+                data[key] = tuple(data[key])
         return cls(**data)
 
 
@@ -209,9 +266,12 @@ def patch_positions(builder: BatchBuilder, pair: CounterfactualPair) -> list[int
     return covered
 
 
-def interchange_batch(builder: BatchBuilder, pairs: Sequence[CounterfactualPair], answer: str) -> InterchangeBatch:
+def interchange_batch(builder: BatchBuilder, pairs: Sequence[CounterfactualPair], answer: str,
+                      last_positions: str = "prompt") -> InterchangeBatch:
     """Rows for ``pairs``: base = the clean scene, source = the counterfactual scene, both teacher-forced with
-    ``answer`` (``"counterfactual"``: a*, the IIT target; ``"clean"``: a, the strictness target)."""
+    ``answer`` (``"counterfactual"``: a*, the IIT target; ``"clean"``: a, the strictness target). A last-token pair
+    patches the last prompt token, and with ``last_positions="answer"`` also every answer position that predicts a
+    token (see :class:`SIITSpec`)."""
     if answer not in ("counterfactual", "clean"):
         raise TrainingError(f"answer must be 'counterfactual' or 'clean', got {answer!r}")
     texts = [p.answer_counterfactual if answer == "counterfactual" else p.answer for p in pairs]
@@ -221,7 +281,13 @@ def interchange_batch(builder: BatchBuilder, pairs: Sequence[CounterfactualPair]
         raise TrainingError("base and source rows differ outside the image; interchange pairs need the same prompt")
     first_answer = (base.labels != IGNORE_INDEX).int().argmax(1)  # the first answer token of each row
     prompt_mask = torch.arange(base.labels.shape[1])[None] < first_answer[:, None]
-    return InterchangeBatch(base, source, [patch_positions(builder, p) for p in pairs], prompt_mask)
+    positions = [patch_positions(builder, p) for p in pairs]
+    if last_positions == "answer":
+        for r, p in enumerate(pairs):
+            if p.patch["kind"] == "last":
+                predicting = (torch.nonzero(base.labels[r] != IGNORE_INDEX).flatten() - 1).tolist()
+                positions[r] = sorted(set(positions[r]) | set(predicting))
+    return InterchangeBatch(base, source, positions, prompt_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -325,8 +391,83 @@ def draw_pairs(spec: SIITSpec, variable: str, *, seed: int, stream: int, step: i
     rng = _step_rng(seed, stream, step)
     entropy = spec.entropies[int(rng.integers(len(spec.entropies)))]
     pair_seed = int(rng.integers(2**62))
-    return list(scene_pairs(n or spec.pairs, variable, pair_seed, n_objects=spec.objects, entropy=entropy,
-                            canvas=canvas, colours=spec.colours, shapes=spec.shapes))
+    counts = spec.object_counts
+    objects: int | tuple[int, int] = spec.objects if not spec.skip_objects else counts[int(rng.integers(len(counts)))]
+    return list(scene_pairs(n or spec.pairs, variable, pair_seed, n_objects=objects, entropy=entropy,
+                            canvas=canvas, colours=spec.colours, shapes=spec.shapes, swap=spec.swap,
+                            recolour=spec.recolour))
+
+
+POSITION_READOUT_SEED = 7
+# cosine logits times this: bounded, so the loss cannot blow the residual stream up (raw residuals of norm ~25
+# gave a cross-entropy of 6 and wrecked the behaviour of a trained organism in its first steps)
+POSITION_LOGIT_SCALE = 10.0
+
+
+def position_readout(hidden: int, cells: int) -> torch.Tensor:
+    """The fixed ``hidden x cells`` readout of the position code (unit columns, from a fixed seed, never trained)."""
+    g = torch.Generator().manual_seed(POSITION_READOUT_SEED)
+    w = torch.randn(hidden, cells, generator=g)
+    return w / w.norm(dim=0, keepdim=True)
+
+
+def position_code_loss(hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
+                       cells: int) -> torch.Tensor:
+    """Cross-entropy of every image token's grid cell read from ``hidden_states`` (``B P D``, one decoder layer's
+    output) through :func:`position_readout` (cosine logits, scaled by :data:`POSITION_LOGIT_SCALE`). Image tokens are in raster order, ``cells`` per image."""
+    mask = input_ids == image_token_id
+    counts = mask.sum(1)
+    if bool((counts % cells).any()):
+        raise TrainingError(f"rows hold {counts.tolist()} image tokens, not a multiple of the grid's {cells} cells")
+    h = hidden_states[mask]  # row-major: each row's image tokens in order
+    target = torch.cat([torch.arange(int(c)) % cells for c in counts])
+    return torch.nn.functional.cross_entropy(_position_logits(h, cells), target.to(h.device))
+
+
+def _position_logits(h: torch.Tensor, cells: int) -> torch.Tensor:
+    unit = h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    return POSITION_LOGIT_SCALE * unit @ position_readout(h.shape[-1], cells).to(h.dtype)
+
+
+def _image_cells(input_ids: torch.Tensor, image_token_id: int, cells: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = input_ids == image_token_id
+    counts = mask.sum(1)
+    if bool((counts % cells).any()):
+        raise TrainingError(f"rows hold {counts.tolist()} image tokens, not a multiple of the grid's {cells} cells")
+    return mask, torch.cat([torch.arange(int(c)) % cells for c in counts])
+
+
+class PositionProbe(torch.nn.Module):
+    """A linear readout of every image token's grid cell, trained beside the organism (never part of it)."""
+
+    def __init__(self, hidden: int, cells: int, seed: int):
+        super().__init__()
+        self.cells = cells
+        self.linear = torch.nn.Linear(hidden, cells)
+        g = torch.Generator().manual_seed(POSITION_READOUT_SEED + int(seed))
+        with torch.no_grad():
+            self.linear.weight.normal_(0.0, hidden ** -0.5, generator=g)
+            self.linear.bias.zero_()
+
+    def loss(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+        mask, target = _image_cells(input_ids, image_token_id, self.cells)
+        return torch.nn.functional.cross_entropy(self.linear(hidden_states[mask]), target.to(hidden_states.device))
+
+    def accuracy(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int) -> float:
+        mask, target = _image_cells(input_ids, image_token_id, self.cells)
+        with torch.no_grad():
+            pred = self.linear(hidden_states[mask]).argmax(-1).cpu()
+        return float((pred == target).float().mean())
+
+
+def position_code_accuracy(hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
+                           cells: int) -> float:
+    """Share of image tokens whose cell the fixed readout gets right."""
+    mask = input_ids == image_token_id
+    h = hidden_states[mask]
+    target = torch.cat([torch.arange(int(c)) % cells for c in mask.sum(1)])
+    pred = _position_logits(h, cells).argmax(-1).cpu()
+    return float((pred == target).float().mean())
 
 
 def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder, spec: SIITSpec, *, seed: int,
@@ -342,7 +483,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None}
     if spec.iit_weight > 0:
-        batch = interchange_batch(builder, pairs, "counterfactual")
+        batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
         logits = interchange_logits(model, interchange, batch, spec.heads(variable), batch.positions,
                                     source_grad=spec.source_grad)
         out["iit"] = answer_loss(logits, batch.base.labels, loss_norm)
@@ -350,7 +491,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
         a = interchange.adapter
         free = spec.unaligned(a.n_layers, a.n_heads)
         head = free[int(rng.integers(len(free)))]
-        batch = interchange_batch(builder, pairs, "clean")
+        batch = interchange_batch(builder, pairs, "clean", spec.last_positions)
         where = batch.prompt_mask if spec.strict_positions == "all" else batch.positions
         logits = interchange_logits(model, interchange, batch, [head], where, source_grad=spec.source_grad)
         out["strict"] = answer_loss(logits, batch.base.labels, loss_norm)
@@ -359,7 +500,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
 
 
 @contextlib.contextmanager
-def _evaluating(model: Any) -> Iterator[None]:
+def evaluating(model: Any) -> Iterator[None]:
     """Eval mode and no gradients for the block; the model's mode is restored after."""
     was_training = model.training
     model.eval()
@@ -372,16 +513,17 @@ def _evaluating(model: Any) -> Iterator[None]:
 
 def interchange_accuracy(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                          pairs: Sequence[CounterfactualPair], heads: Sequence[tuple[int, int]], *,
-                         target: str = "counterfactual", positions: str = "aligned", batch_size: int = 32) -> float:
+                         target: str = "counterfactual", positions: str = "aligned", batch_size: int = 32,
+                         last_positions: str = "prompt") -> float:
     """Share of pairs whose base run, with ``heads`` interchanged from the source, gives ``target``'s answer on every
     answer token (``counterfactual``: interchange accuracy; ``clean``: the answer did not move, strictness).
 
     ``positions``: ``aligned`` (the pairs' patch positions) or ``all`` (every prompt position).
     """
     correct = []
-    with _evaluating(model):
+    with evaluating(model):
         for i in range(0, len(pairs), batch_size):
-            batch = interchange_batch(builder, pairs[i : i + batch_size], target)
+            batch = interchange_batch(builder, pairs[i : i + batch_size], target, last_positions)
             where = batch.positions if positions == "aligned" else batch.prompt_mask
             logits = interchange_logits(model, interchange, batch, heads, where)
             correct += answer_correct(logits, batch.base.labels).tolist()
@@ -394,7 +536,7 @@ def answer_changes(model: Any, interchange: HeadInterchange, builder: BatchBuild
     differs from the unpatched run's (both teacher-forced with the clean answer). Strictness asks this to be ~0 for
     every head outside the alignment, whatever the model answers unpatched."""
     changed = []
-    with _evaluating(model):
+    with evaluating(model):
         for i in range(0, len(pairs), batch_size):
             batch = interchange_batch(builder, pairs[i : i + batch_size], "clean")
             where = batch.positions if positions == "aligned" else batch.prompt_mask
@@ -412,7 +554,7 @@ def unpatched_accuracy(model: Any, builder: BatchBuilder, pairs: Sequence[Counte
     be read against (when the counterfactual answer can be guessed from the base alone, e.g. the one colour a scene
     does not use, a model can reach it without the source)."""
     correct = []
-    with _evaluating(model):
+    with evaluating(model):
         for i in range(0, len(pairs), batch_size):
             batch = interchange_batch(builder, pairs[i : i + batch_size], target)
             correct += answer_correct(model(**batch.base.inputs, use_cache=False).logits, batch.base.labels).tolist()

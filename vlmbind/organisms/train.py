@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -60,7 +61,11 @@ from .siit import (
     SIITSpec,
     answer_changes,
     draw_pairs,
+    evaluating,
     interchange_accuracy,
+    PositionProbe,
+    position_code_accuracy,
+    position_code_loss,
     siit_losses,
     unpatched_accuracy,
 )
@@ -103,6 +108,9 @@ class TrainConfig:
         model: the architecture's size (a mapping is converted).
         attn_implementation: ``"sdpa"`` (faster) or ``"eager"`` during training.
         init_from: a checkpoint or model directory whose weights start the run (same size; any image size).
+        init_layers: with ``init_from``, grow the model: for each decoder layer of this run, the ``init_from`` layer
+            it starts as, or None for a new layer that starts as the identity (fresh weights, its attention
+            ``o_proj`` and MLP ``down_proj`` zero, so it adds nothing until trained). None: the same layers.
         checkpoint_every: write a checkpoint every this many steps (and at the end).
         keep_checkpoints: how many of the newest checkpoints to keep.
         eval_every: evaluate on the fixed evaluation set every this many steps (and at the end); 0: never.
@@ -127,6 +135,7 @@ class TrainConfig:
     model: OrganismSize = field(default_factory=OrganismSize)
     attn_implementation: str = "sdpa"
     init_from: str | None = None
+    init_layers: tuple[int | None, ...] | None = None
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     eval_every: int = 250
@@ -193,6 +202,14 @@ class TrainConfig:
             if not isinstance(self.init_from, (str, os.PathLike)):
                 raise TrainingError(f"init_from must be a directory path or None, got {self.init_from!r}")
             object.__setattr__(self, "init_from", os.fspath(self.init_from))
+        if self.init_layers is not None:
+            layers = list(self.init_layers) if isinstance(self.init_layers, (list, tuple)) else None
+            if self.init_from is None or layers is None or len(layers) != self.model.layers or any(
+                    v is not None and (not _is_int(v) or v < 0) for v in layers):
+                raise TrainingError(f"init_layers must list, with init_from, one source layer index (or None for a "
+                                    f"new identity layer) per decoder layer ({self.model.layers}), got "
+                                    f"{self.init_layers!r}")
+            object.__setattr__(self, "init_layers", tuple(layers))
         object.__setattr__(self, "siit", SIITSpec.from_value(self.siit))
         if self.siit is not None:
             self.siit.check(self.model.layers, self.model.heads)
@@ -223,6 +240,10 @@ class TrainConfig:
         d["model"] = self.model.to_dict()
         d["tasks"] = dict(self.tasks)
         d["task_options"] = {k: dict(v) for k, v in self.task_options.items()}
+        if self.init_layers is None:  # configs that do not grow keep the keys they always had
+            del d["init_layers"]
+        else:
+            d["init_layers"] = list(self.init_layers)
         if self.siit is None:  # behaviour-only configs keep the keys they always had
             del d["siit"]
         else:
@@ -321,8 +342,43 @@ def _quiet_hf() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def load_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
-    """Copy the weights of a saved organism (``from_pretrained`` layout) into ``model``.
+_LAYER_KEY = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
+
+
+def grow_state_dict(source: Mapping[str, torch.Tensor], fresh: Mapping[str, torch.Tensor],
+                    layers: Sequence[int | None]) -> dict[str, torch.Tensor]:
+    """A state dict for a model with ``len(layers)`` decoder layers: layer ``i`` is ``source``'s layer
+    ``layers[i]``, or, for None, ``fresh``'s layer ``i`` with its ``o_proj`` and ``down_proj`` zeroed (a residual
+    block that adds nothing). Everything outside the decoder layers comes from ``source``."""
+    out: dict[str, torch.Tensor] = {}
+    by_layer: dict[int, dict[str, str]] = {}
+    for key in source:
+        m = _LAYER_KEY.match(key)
+        if m:
+            by_layer.setdefault(int(m.group(1)), {})[m.group(2)] = key
+        else:
+            out[key] = source[key]
+    for key, value in fresh.items():
+        m = _LAYER_KEY.match(key)
+        if not m:
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        origin = layers[i]
+        if origin is None:
+            zero = rest.endswith("self_attn.o_proj.weight") or rest.endswith("mlp.down_proj.weight")
+            out[key] = torch.zeros_like(value) if zero else value.clone()
+        else:
+            if origin not in by_layer or rest not in by_layer[origin]:
+                raise TrainingError(f"init_layers[{i}] = {origin}: the source has no decoder layer {origin} "
+                                    f"(layers 0..{max(by_layer) if by_layer else -1})")
+            out[key] = source[by_layer[origin][rest]]
+    return out
+
+
+def load_weights(model: torch.nn.Module, directory: str | os.PathLike,
+                 layers: Sequence[int | None] | None = None) -> None:
+    """Copy the weights of a saved organism (``from_pretrained`` layout) into ``model``; ``layers`` grows it (see
+    :attr:`TrainConfig.init_layers`).
 
     Raises:
         TrainingError: the directory has no loadable weights, or they do not fit ``model``'s architecture.
@@ -338,6 +394,8 @@ def load_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
     except (OSError, ValueError, RuntimeError) as exc:
         raise TrainingError(f"cannot load weights from {str(directory)!r}: {str(exc).splitlines()[0]}") from exc
     src, dst = source.state_dict(), model.state_dict()
+    if layers is not None:
+        src = grow_state_dict(src, dst, layers)
     missing = sorted(set(dst) - set(src))
     shapes = [k for k in dst if k in src and src[k].shape != dst[k].shape]
     if missing or shapes or set(src) - set(dst):
@@ -390,7 +448,7 @@ def _write_json(path: Path, value: Any) -> None:
 
 def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, processor: Any,
                      optimizer: torch.optim.Optimizer, config: TrainConfig, state: dict[str, Any],
-                     keep: int) -> Path:
+                     keep: int, extra: Any = None) -> Path:
     """Write ``checkpoint-{step}`` atomically (temporary sibling + ``os.replace``) and prune old ones."""
     final = out_dir / f"{CHECKPOINT_PREFIX}{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=out_dir))
@@ -403,6 +461,8 @@ def _save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, processor
         _write_json(tmp / "optimizer.json", meta)
         _write_json(tmp / "train_config.json", config.to_dict())
         _write_json(tmp / "trainer_state.json", state)
+        if extra is not None:
+            extra(tmp)
         if final.exists():  # only when re-writing the same step: move the old one aside first
             trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=out_dir))
             os.replace(final, trash / final.name)
@@ -442,21 +502,61 @@ def _make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 def _evaluate_siit(model: torch.nn.Module, interchange: HeadInterchange, builder: BatchBuilder, spec: SIITSpec,
                    pairs: dict[str, list[Any]], batch_size: int) -> dict[str, dict[str, float]]:
     """Per variable on fixed pairs: the interchange accuracy of its aligned heads (beside the share of unpatched runs
-    that already give the counterfactual answer), and how often interchanging one
-    unaligned head at every prompt position changes the answer (the mean and the worst of up to 8 heads spread over
-    the model)."""
+    that already give the counterfactual answer), and how often interchanging one unaligned head at every prompt
+    position changes the answer (the mean and the worst over every unaligned head)."""
     a = interchange.adapter
-    free = spec.unaligned(a.n_layers, a.n_heads)
-    sample = [free[i] for i in np.linspace(0, len(free) - 1, min(8, len(free))).round().astype(int)] if free else []
+    sample = spec.unaligned(a.n_layers, a.n_heads)
     out = {}
     for variable, rows in pairs.items():
-        iia = interchange_accuracy(model, interchange, builder, rows, spec.heads(variable), batch_size=batch_size)
+        iia = interchange_accuracy(model, interchange, builder, rows, spec.heads(variable), batch_size=batch_size,
+                                   last_positions=spec.last_positions)
         changes = [answer_changes(model, interchange, builder, rows, [h], batch_size=batch_size) for h in sample]
         out[variable] = {"interchange_accuracy": iia,
                          "counterfactual_unpatched": unpatched_accuracy(model, builder, rows, batch_size=batch_size),
                          "unaligned_changes": float(np.mean(changes)) if changes else 0.0,
                          "unaligned_changes_max": float(np.max(changes)) if changes else 0.0}
     return out
+
+
+def _evaluate_position(model: torch.nn.Module, batches: dict[str, list[TrainBatch]], layer: int,
+                       image_token_id: int, cells: int, probe: PositionProbe | None) -> float:
+    """The position code's readout accuracy on the first evaluation batch of every task."""
+    accuracies = []
+    with evaluating(model):
+        for chunks in batches.values():
+            b = chunks[0]
+            hidden = model(**b.inputs, use_cache=False, output_hidden_states=True).hidden_states[layer + 1]
+            accuracies.append(probe.accuracy(hidden, b.inputs["input_ids"], image_token_id) if probe is not None
+                              else position_code_accuracy(hidden, b.inputs["input_ids"], image_token_id, cells))
+    return float(np.mean(accuracies))
+
+
+PROBE_FILE = "position_probe.safetensors"
+
+
+def _save_probe(directory: Path, probe: PositionProbe, optimizer: torch.optim.Optimizer) -> None:
+    tensors = {f"param.{n}": p.detach().clone() for n, p in probe.named_parameters()}
+    by_id = {id(p): n for n, p in probe.named_parameters()}
+    for p, st in optimizer.state.items():
+        for key, value in st.items():
+            tensors[f"state.{by_id[id(p)]}.{key}"] = torch.as_tensor(value).detach().clone().reshape(
+                torch.as_tensor(value).shape)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / PROBE_FILE))
+
+
+def _load_probe(directory: Path, probe: PositionProbe, optimizer: torch.optim.Optimizer) -> None:
+    path = directory / PROBE_FILE
+    if not path.is_file():
+        raise TrainingError(f"checkpoint {str(directory)!r} has no {PROBE_FILE}; it was not written by a run with "
+                            "a trained position readout")
+    tensors = load_file(str(path))
+    with torch.no_grad():
+        for n, p in probe.named_parameters():
+            p.copy_(tensors[f"param.{n}"])
+    for n, p in probe.named_parameters():
+        st = {key.rsplit(".", 1)[1]: v for key, v in tensors.items() if key.startswith(f"state.{n}.")}
+        if st:
+            optimizer.state[p] = st
 
 
 def _evaluate(model: torch.nn.Module, batches: dict[str, list[TrainBatch]], norm: str) -> dict[str, dict[str, float]]:
@@ -541,7 +641,7 @@ def train(
             raise TrainingError(f"{str(out)!r} already holds checkpoints ({existing[-1].name}); pass resume=True "
                                 f"to continue that run, or choose another out_dir")
         if config.init_from is not None:
-            load_weights(model, config.init_from)
+            load_weights(model, config.init_from, config.init_layers)
     mixture = config.mixture()
     builder = BatchBuilder(processor)
     eval_batches: dict[str, list[TrainBatch]] = {}
@@ -551,6 +651,17 @@ def train(
                                  for i in range(0, len(examples), config.batch_size)]
     siit = config.siit
     interchange = HeadInterchange(model, processor) if siit is not None else None
+    position_layer = siit.position_layer if siit is not None else None
+    cells = grid_side(config.image_size) ** 2
+    probe = probe_optimizer = save_probe = None
+    if position_layer is not None and siit.position_readout == "trained":
+        probe = PositionProbe(config.model.hidden, cells, config.seed)
+        probe_optimizer = torch.optim.AdamW(probe.parameters(), lr=config.lr, weight_decay=0.0)
+        if resume:
+            _load_probe(existing[-1], probe, probe_optimizer)
+
+        def save_probe(directory: Path) -> None:
+            _save_probe(directory, probe, probe_optimizer)
     siit_eval = {} if siit is None or not config.eval_every else {
         v: draw_pairs(siit, v, seed=config.seed, stream=SIIT_EVAL_STREAM, step=k, canvas=mixture.canvas,
                       n=config.eval_size) for k, v in enumerate(sorted(siit.alignments))}
@@ -582,23 +693,38 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batch = builder(mixture.batch(step, config.batch_size))
-            logits = model(**batch.inputs, use_cache=False).logits
-            loss = answer_loss(logits, batch.labels, config.loss_norm)
+            output = model(**batch.inputs, use_cache=False, output_hidden_states=position_layer is not None)
+            loss = answer_loss(output.logits, batch.labels, config.loss_norm)
+            behaviour = float(loss.detach())
             parts = {}
+            if position_layer is not None:
+                hidden = output.hidden_states[position_layer + 1]
+                code = probe.loss(hidden, batch.inputs["input_ids"], builder.image_token_id) if probe is not None \
+                    else position_code_loss(hidden, batch.inputs["input_ids"], builder.image_token_id, cells)
+                position_value = float(code.detach())
+                loss = loss + siit.position_weight * code
+            del output
             if siit is not None:
                 extra = siit_losses(model, interchange, builder, siit, seed=config.seed, step=step,
                                     canvas=mixture.canvas, loss_norm=config.loss_norm)
-                parts = {"behaviour": float(loss.detach()), "variable": extra["variable"],
+                parts = {"behaviour": behaviour, "variable": extra["variable"],
                          "strict_head": extra["strict_head"]}
                 for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight)):
                     if extra[name] is not None:
                         loss = loss + weight * extra[name]
                         parts[name] = float(extra[name].detach())
+                if position_layer is not None:
+                    parts["position"] = position_value
             loss.backward()
             if config.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if probe is not None:
+                for group in probe_optimizer.param_groups:
+                    group["lr"] = lr
+                probe_optimizer.step()
+                probe_optimizer.zero_grad(set_to_none=True)
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise TrainingError(f"the loss became {value} at step {step + 1}; lower lr ({config.lr}) or "
@@ -614,6 +740,9 @@ def train(
                 entry: dict[str, Any] = {"step": done, "tasks": result}
                 if siit_eval:
                     entry["siit"] = _evaluate_siit(model, interchange, builder, siit, siit_eval, config.batch_size)
+                    if position_layer is not None:
+                        entry["position_code_accuracy"] = _evaluate_position(
+                            model, eval_batches, position_layer, builder.image_token_id, cells, probe)
                 evals.append(entry)
                 postfix["acc"] = " ".join(f"{k}={v['accuracy']:.2f}" for k, v in result.items())
                 if siit_eval:
@@ -623,11 +752,12 @@ def train(
             bar.update(1)
             if done % config.checkpoint_every == 0 or done == stop:
                 checkpoint = _save_checkpoint(out, done, model, processor, optimizer, config,
-                                              snapshot(done, time.perf_counter() - t0), config.keep_checkpoints)
+                                              snapshot(done, time.perf_counter() - t0), config.keep_checkpoints,
+                                              save_probe)
     except KeyboardInterrupt:
         if done > start and (checkpoint is None or not checkpoint.name.endswith(f"{done:06d}")):
             _save_checkpoint(out, done, model, processor, optimizer, config,
-                             snapshot(done, time.perf_counter() - t0), config.keep_checkpoints)
+                             snapshot(done, time.perf_counter() - t0), config.keep_checkpoints, save_probe)
         raise
     finally:
         bar.close()

@@ -381,29 +381,50 @@ def _check_condition(condition: Any) -> str:
     return condition
 
 
+SWAPS = ("last", "random")
+RECOLOURS = ("unused", "any")
+
+
+def _listing_start(objects: Sequence[SceneObject], described: Sequence[int], k: int) -> int:
+    """Character offset in the scene prompt where the ``k``-th described object's name starts (the layout of
+    :func:`_describe_prompt`)."""
+    before = sum(len(f"a {objects[i].name} , ") for i in described[:k])
+    return len("in this image there is ") + before + len("a ")
+
+
 def _make_pair(rng: np.random.Generator, pid: str, condition: str, clean: Example, canvas: Canvas,
-               colours: tuple[str, ...]) -> CounterfactualPair:
+               colours: tuple[str, ...], shapes: tuple[str, ...], swap: str, recolour: str) -> CounterfactualPair:
     objects = clean.objects
     described, target = clean.fields["described"], clean.fields["target"]
     fields = dict(clean.fields)
     if condition == "feature_retrieval":
-        used = {o.colour for o in objects}
-        unused = [c for c in colours if c not in used]
-        new = unused[int(rng.integers(len(unused)))]
         t = objects[target]
-        cf_objects = [replace(o, colour=new) if k == target else o for k, o in enumerate(objects)]
-        fields["recoloured"] = {"object": target, "from": t.colour, "to": new}
-        a_star, first, patch = f"{new} {t.shape}", 0, {"kind": "last"}
+        if recolour == "unused":
+            used = {o.colour for o in objects}
+            unused = [c for c in colours if c not in used]
+            new_colour, new_shape = unused[int(rng.integers(len(unused)))], t.shape
+        else:
+            taken = {(o.colour, o.shape) for o in objects}
+            options = [(c, s) for c in colours for s in shapes if (c, s) not in taken]
+            new_colour, new_shape = options[int(rng.integers(len(options)))]
+        cf_objects = [replace(o, colour=new_colour, shape=new_shape) if k == target else o
+                      for k, o in enumerate(objects)]
+        fields["recoloured"] = {"object": target, "from": t.colour, "to": new_colour}
+        if new_shape != t.shape:
+            fields["reshaped"] = {"object": target, "from": t.shape, "to": new_shape}
+        a_star, first, patch = f"{new_colour} {new_shape}", (0 if new_colour != t.colour else 1), {"kind": "last"}
     else:
-        j = described[-1]  # the second-to-last described object; the target is the last
+        # j: the second-to-last described object (VSM's pairs), or any described object
+        k = len(described) - 1 if swap == "last" else int(rng.integers(len(described)))
+        j = described[k]
         oj, ot = objects[j], objects[target]
         moved = {j: place(canvas, oj.colour, oj.shape, ot.row, ot.col),
                  target: place(canvas, ot.colour, ot.shape, oj.row, oj.col)}
-        cf_objects = [moved.get(k, o) for k, o in enumerate(objects)]
+        cf_objects = [moved.get(i, o) for i, o in enumerate(objects)]
         fields["swapped"] = [j, target]
         a_star, first = oj.name, (0 if oj.colour != ot.colour else 1)
         if condition == "id_retrieval":
-            start = len(clean.prompt) - len(f"{oj.name} and a")  # j is the last object listed
+            start = _listing_start(objects, described, k)
             occurrence = -clean.prompt[start:].count(oj.name)
             patch = {"kind": "span", "text": oj.name, "occurrence": occurrence, "object": j}
         else:
@@ -424,6 +445,8 @@ def scene_pairs(
     canvas: Canvas = _DEFAULT_CANVAS,
     colours: Sequence[str] | None = None,
     shapes: Sequence[str] | None = None,
+    swap: str = "last",
+    recolour: str = "unused",
 ) -> PairSet:
     """Counterfactual pairs of scene-description examples for VSM's three CMA conditions.
 
@@ -455,6 +478,12 @@ def scene_pairs(
         canvas: image size and grid.
         colours: colour pool (default all); feature retrieval draws the new colour from it.
         shapes: shape pool (default ``SHAPES``).
+        swap: which described object the swap conditions exchange with the target: ``"last"`` (VSM's j, the
+            second-to-last described object) or ``"random"`` (any described object, drawn per pair; then a* cannot be
+            guessed from the prompt's order, which training on such pairs needs).
+        recolour: feature retrieval's new features: ``"unused"`` (VSM's: a colour no object uses, same shape) or
+            ``"any"`` (any colour-shape conjunction no object of the scene has; then a* cannot be guessed from the
+            clean scene alone).
 
     Returns:
         PairSet of ``n`` :class:`CounterfactualPair`.
@@ -466,15 +495,21 @@ def scene_pairs(
     condition, entropy = _check_condition(condition), _check_entropy(entropy)
     lo, hi = _object_range(n_objects, canvas)
     cs, ss = _pools(colours, shapes)
-    spare = condition == "feature_retrieval"
+    if swap not in SWAPS:
+        raise StimulusError(f"swap must be one of {SWAPS}, got {swap!r}")
+    if recolour not in RECOLOURS:
+        raise StimulusError(f"recolour must be one of {RECOLOURS}, got {recolour!r}")
+    spare = condition == "feature_retrieval" and recolour == "unused"
     _check_scene_pools(lo, hi, entropy, cs, ss, spare_colour=spare)
     pairs = []
     for i in range(n):
         rng = example_rng(seed, i)
         pid = f"pair-{i:05d}"
         clean = _scene_example(rng, f"scene-{i:05d}", canvas, lo, hi, entropy, cs, ss)
-        pairs.append(_make_pair(rng, pid, condition, clean, canvas, cs))
+        pairs.append(_make_pair(rng, pid, condition, clean, canvas, cs, ss, swap, recolour))
     params = {"condition": condition, **_scene_params(lo, hi, entropy, canvas, cs, ss)}
+    if swap != "last" or recolour != "unused":  # VSM's pairs keep the parameters they always had
+        params.update(swap=swap, recolour=recolour)
     firsts = Counter(p.first_difference for p in pairs)
     summary = {**_count_summary([p.clean for p in pairs]),
                "first_difference_counts": {"colour": firsts[0], "shape": firsts[1]}}
