@@ -106,3 +106,34 @@ def test_ablate_command(tmp_path, capsys):
     assert main(["ablate", "--model", "tiny-qwen2_5_vl", "--task", "query", "--heads", "1.2,9.9", "--n", "2",
                  "--out", str(out)]) == 2
     assert "9.9" in capsys.readouterr().err
+
+
+def test_random_arm_from_the_rest_and_bottom_by_magnitude():
+    """``random_from="rest"`` never draws a top-k head; ``bottom_by="abs"`` takes the smallest |score|, not the most
+    negative score."""
+    ds = S.binding_query(6, 0)
+    vlm = HeadSensitiveVLM()
+    vlm.answers = {id(e.image): e.answer for e in ds}
+    heads = [(l, h) for l in range(4) for h in range(4)]
+    rows = [{"layer": l, "head": h, "score": 0.5} for l, h in heads]
+    for row in rows:
+        if (row["layer"], row["head"]) in CRITICAL:
+            row["score"] = 10.0
+        if (row["layer"], row["head"]) == (0, 0):
+            row["score"] = -9.0  # strongly negative: involved, never "bottom" by magnitude
+        if (row["layer"], row["head"]) in ((2, 2), (2, 3)):
+            row["score"] = 0.01
+    frame = pd.DataFrame(rows)
+    result = ablation_study(vlm, ds, frame, k=2, mode="zero", seeds=tuple(range(8)), random_from="rest",
+                            bottom_by="abs")
+    for arm in (a for a in result.arms if a["arm"] == "random"):
+        assert not {tuple(int(x) for x in h.split(".")) for h in arm["heads"]} & CRITICAL
+        assert arm["accuracy"] == 1.0
+    bottom = next(a for a in result.arms if a["arm"] == "bottom")
+    assert bottom["heads"] == ["2.2", "2.3"]
+    signed = ablation_study(vlm, ds, frame, k=2, mode="zero", seeds=(0,))
+    assert "0.0" in next(a for a in signed.arms if a["arm"] == "bottom")["heads"]
+    with pytest.raises(vb.InputError, match="random_from"):
+        ablation_study(vlm, ds, frame, k=2, mode="zero", random_from="others")
+    with pytest.raises(vb.InputError, match="bottom_by"):
+        ablation_study(vlm, ds, frame, k=2, mode="zero", bottom_by="size")

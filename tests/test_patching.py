@@ -13,7 +13,8 @@ from conftest import get_tiny
 
 import vlmbind as vb
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.patching import PatchTask, attribution_diffs, exact_diffs, naive_diffs
+from vlmbind.interventions import PatchHeads
+from vlmbind.patching import PatchTask, attribution_diffs, exact_diffs, integrated_gradients_diffs, naive_diffs
 from vlmbind.tiny import TINY_NAMES
 
 S = vb.stimuli
@@ -118,6 +119,39 @@ def test_attribution_is_the_first_order_limit():
     assert ca == pytest.approx(c, abs=1e-5)
     assert np.abs(naive - c).max() > 1e-4
     np.testing.assert_allclose(attribution - ca, naive - c, atol=0.05 * np.abs(naive - c).max())
+
+
+def _layer_task(vlm, layer, scale):
+    """A task patching only ``layer``, its counterfactual values ``scale`` standard deviations from the clean run."""
+    task = scene_task(vlm, S.scene_pairs(1, "id_selection", 0, n_objects=3)[0], [layer])
+    z = vlm.capture(task.batch, f"blocks.{layer}.attn.hook_z")[f"blocks.{layer}.attn.hook_z"][0, task.positions]
+    gen = torch.Generator().manual_seed(layer)
+    return replace(task, values={layer: z + scale * z.std() * torch.randn(z.shape, generator=gen)})
+
+
+def test_integrated_gradients_is_complete_on_one_layer():
+    """IG's per-head effects add up to the effect of patching all the layer's heads at once (completeness), where
+    the first-order estimate (AtP) misses the curvature; and IG with alphas near 0 is AtP."""
+    vlm = get_tiny("tiny-llava")
+    layer = 1
+    task = _layer_task(vlm, layer, 8.0)
+    heads = [(layer, h) for h in range(vlm.n_heads)]
+    clean, ig = integrated_gradients_diffs(vlm, task, heads, steps=48)
+    patch = PatchHeads(layer=layer, heads=list(range(vlm.n_heads)), positions=task.positions,
+                       values=task.values[layer][None])
+    logits = vlm.logits(task.batch, [patch])[0, task.score_position].float()
+    joint = float(logits[task.a_star] - logits[task.a])
+    total = joint - clean
+    _, atp = attribution_diffs(vlm, task, heads)
+    assert abs(total) > 1e-3
+    assert (ig - clean).sum() == pytest.approx(total, rel=0.02, abs=1e-5)
+    assert abs((atp - clean).sum() - total) > 5 * abs((ig - clean).sum() - total), "no curvature to test against"
+    c1, ig1 = integrated_gradients_diffs(vlm, _layer_task(vlm, layer, 1e-3), heads, steps=1)
+    c0, atp0 = attribution_diffs(vlm, _layer_task(vlm, layer, 1e-3), heads)
+    assert c1 == pytest.approx(c0, abs=1e-6)
+    np.testing.assert_allclose(ig1 - c1, atp0 - c0, atol=1e-3 * np.abs(atp0 - c0).max() + 1e-9)
+    with pytest.raises(vb.InputError, match="steps"):
+        integrated_gradients_diffs(vlm, task, heads, steps=0)
 
 
 def test_locate_methods_agree_and_attribution_is_reported():

@@ -488,50 +488,106 @@ def _exact_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, 
 # ----------------------------------------------------------------------------------------------------------------
 # attribution: gradient x activation difference, one forward-backward for every head
 # ----------------------------------------------------------------------------------------------------------------
+def _path_gradients(vlm: Any, task: PatchTask, layers: Sequence[int], alphas: Sequence[float]
+                    ) -> tuple[float, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Run the clean prompt once per ``alpha`` with every listed layer's head outputs at the patch positions moved
+    ``alpha`` of the way from the clean run's to the counterfactual's, and average the gradients of
+    ``logit[a*] - logit[a]`` with respect to them.
+
+    Returns:
+        ``(clean difference, clean z per layer (n H*D at the positions), mean gradient per layer (n H*D))``; the
+        clean difference and z come from an alpha-0 run (added first when 0 is not among ``alphas``).
+    """
+    adapter = vlm.adapter
+    pos = torch.as_tensor(task.positions)
+    inputs = vlm.model_inputs(task.batch)
+    clean_z: dict[int, torch.Tensor] = {}
+    sums: dict[int, torch.Tensor] = {}
+    clean = None
+    runs = ([0.0] if 0.0 not in alphas else []) + [float(a) for a in alphas]
+    for alpha in runs:
+        deltas: dict[int, torch.Tensor] = {}
+
+        def hook_for(layer: int, alpha: float = alpha) -> Any:
+            def hook(module: Any, args: tuple) -> tuple:
+                x = args[0]
+                if layer not in clean_z:
+                    clean_z[layer] = x.detach()[0, pos]
+                shift = torch.zeros_like(x)
+                if alpha:
+                    target = task.values[layer].reshape(len(pos), -1).to(x)
+                    shift[0, pos] = alpha * (target - clean_z[layer].to(x))
+                delta = torch.zeros_like(x, requires_grad=True)
+                deltas[layer] = delta
+                return (x + shift + delta, *args[1:])
+            return hook
+
+        handles = [adapter.o_proj_module(layer).register_forward_pre_hook(hook_for(layer)) for layer in layers]
+        try:
+            with torch.enable_grad():
+                logits = vlm.model(**inputs, use_cache=False).logits
+                diff = _diff(logits[0, task.score_position], task.a, task.a_star)
+                grads = torch.autograd.grad(diff, [deltas[layer] for layer in layers])
+        finally:
+            for handle in handles:
+                handle.remove()
+        if alpha == 0.0 and clean is None:
+            clean = float(diff.detach())
+        if alpha in [float(a) for a in alphas]:
+            for layer, grad in zip(layers, grads):
+                g = grad[0, pos].float()
+                sums[layer] = g if layer not in sums else sums[layer] + g
+    return float(clean), clean_z, {layer: g / len(alphas) for layer, g in sums.items()}
+
+
+def _estimates(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], clean: float,
+               clean_z: dict[int, torch.Tensor], grads: dict[int, torch.Tensor]) -> np.ndarray:
+    """``clean + sum_positions (z* - z) . grad`` per head."""
+    h, d = vlm.adapter.n_heads, vlm.adapter.d_head
+    n = len(task.positions)
+    effect: dict[int, np.ndarray] = {}
+    for layer, grad in grads.items():
+        z = clean_z[layer].reshape(n, h, d).float()
+        g = grad.reshape(n, h, d)
+        effect[layer] = ((task.values[layer].to(z) - z) * g).sum((0, 2)).cpu().numpy()
+    return np.array([clean + effect[layer][head] for layer, head in heads])
+
+
 def attribution_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> tuple[float, np.ndarray]:
-    """First-order estimate of every head's patched difference from one forward and one backward pass:
-    ``clean + sum_positions (z* - z) . d(logit[a*] - logit[a]) / dz``.
+    """First-order estimate of every head's patched difference from one forward and one backward pass (AtP):
+    ``clean + sum_positions (z* - z) . d(logit[a*] - logit[a]) / dz`` at the clean run.
 
     Returns:
         ``(clean difference, len(heads) estimated patched differences)``.
     """
     check_task(vlm, task, heads)
-    adapter = vlm.adapter
     layers = sorted({layer for layer, _ in heads})
-    pos = torch.as_tensor(task.positions)
-    inputs = vlm.model_inputs(task.batch)
-    deltas: dict[int, torch.Tensor] = {}
-    clean_z: dict[int, torch.Tensor] = {}
-
-    def hook_for(layer: int) -> Any:
-        def hook(module: Any, args: tuple) -> tuple:
-            x = args[0]
-            clean_z[layer] = x.detach()
-            delta = torch.zeros_like(x, requires_grad=True)
-            deltas[layer] = delta
-            return (x + delta, *args[1:])
-        return hook
-
-    handles = [adapter.o_proj_module(layer).register_forward_pre_hook(hook_for(layer)) for layer in layers]
-    try:
-        with torch.enable_grad():
-            logits = vlm.model(**inputs, use_cache=False).logits
-            diff = _diff(logits[0, task.score_position], task.a, task.a_star)
-            grads = torch.autograd.grad(diff, [deltas[layer] for layer in layers])
-    finally:
-        for handle in handles:
-            handle.remove()
-    h, d = adapter.n_heads, adapter.d_head
-    out = np.zeros(len(heads))
-    clean = float(diff.detach())
-    effect: dict[int, np.ndarray] = {}
-    for layer, grad in zip(layers, grads):
-        z = clean_z[layer][0, pos].reshape(len(pos), h, d).float()
-        g = grad[0, pos].reshape(len(pos), h, d).float()
-        effect[layer] = ((task.values[layer].to(z) - z) * g).sum((0, 2)).cpu().numpy()
-    for i, (layer, head) in enumerate(heads):
-        out[i] = clean + effect[layer][head]
-    return clean, out
+    clean, clean_z, grads = _path_gradients(vlm, task, layers, [0.0])
+    return clean, _estimates(vlm, task, heads, clean, clean_z, grads)
 
 
-METHOD_FUNCTIONS = {"naive": naive_diffs, "exact": exact_diffs, "attribution": attribution_diffs}
+IG_STEPS = 8
+
+
+def integrated_gradients_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], *,
+                               steps: int = IG_STEPS) -> tuple[float, np.ndarray]:
+    """Integrated-gradients estimate of every head's patched difference (EAP-IG style, on head outputs):
+    ``clean + sum_positions (z* - z) . mean_k grad(z + alpha_k (z* - z))`` with ``alpha_k = (k + 1/2) / steps``,
+    every scored layer's heads moved along the path together. With one layer the estimates add up (completeness)
+    to the difference of patching all its heads at once, as ``steps`` grows. Costs ``steps + 1`` forward-backward
+    passes per pair.
+
+    Raises:
+        InputError: ``steps`` is not an int >= 1, or the task does not fit the model.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError(f"integrated gradients steps must be an int >= 1, got {steps!r}")
+    check_task(vlm, task, heads)
+    layers = sorted({layer for layer, _ in heads})
+    alphas = [(k + 0.5) / steps for k in range(steps)]
+    clean, clean_z, grads = _path_gradients(vlm, task, layers, alphas)
+    return clean, _estimates(vlm, task, heads, clean, clean_z, grads)
+
+
+METHOD_FUNCTIONS = {"naive": naive_diffs, "exact": exact_diffs, "attribution": attribution_diffs,
+                    "integrated_gradients": integrated_gradients_diffs}

@@ -25,7 +25,7 @@ from safetensors.numpy import save
 
 from .activations import MANIFEST, ActivationSet
 from .activations import capture as capture_one
-from .analysis.mediation import HeadScores
+from .analysis.mediation import ESTIMATES, HeadScores
 from .analysis.mediation import locate as locate_one
 from .errors import InputError
 from .evaluate import EvalResult, record_from_json, run_key
@@ -35,7 +35,8 @@ from .parallel import Group, block, part_path, remove_parts
 
 
 def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method: str = "exact",
-           layers: list[int] | None = None, verify_top: int = 10, progress: bool = False) -> HeadScores | None:
+           layers: list[int] | None = None, verify_top: int = 10, progress: bool = False,
+           **method_kwargs: Any) -> HeadScores | None:
     """:func:`vlmbind.analysis.locate` over the ranks of ``group``: each rank runs it on its block of pairs, rank 0
     concatenates the parts into the :class:`~vlmbind.analysis.HeadScores` a single process would give (same per-pair
     values, same order).
@@ -66,7 +67,7 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
     layer_list = list(range(vlm.n_layers)) if layers is None else [int(l) for l in layers]
     key = {"model": vlm.name, "method": method, "layers": layer_list, "verify_top": verify_top,
            "pairs": [p.id for p in mine]}
-    verify = method == "attribution" and verify_top > 0
+    verify = method in ESTIMATES and verify_top > 0
     rounds = ("scores", "verified") if verify else ("scores",)
 
     def path(rank: int, round_: str) -> Path:
@@ -81,7 +82,7 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
     if any(_read_part(path(group.rank, name), key) is None for name in rounds):
         scores = locate_one(vlm, mine, method=method, layers=layers, verify_top=verify_top, progress=progress,
                             checkpoint=part_path(out, "locate", group.rank, group.world, ".partial.safetensors"),
-                            gather=gather)
+                            gather=gather, **method_kwargs)
         _write_part(path(group.rank, "scores"), key, scores.per_pair)
         if verify:
             _write_part(path(group.rank, "verified"), key, scores.verified)

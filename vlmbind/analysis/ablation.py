@@ -107,9 +107,19 @@ def ranked_heads(scores: Any) -> list[tuple[int, int]]:
     return [(int(l), int(h)) for l, h in zip(frame["layer"], frame["head"])]
 
 
+RANDOM_POOLS = ("all", "rest")
+BOTTOM_BY = ("score", "abs")
+
+
 def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str = "image_attention",
-                   renormalize: bool = False, seeds: tuple[int, ...] = (0, 1, 2), batch_size: int = 32) -> AblationResult:
+                   renormalize: bool = False, seeds: tuple[int, ...] = (0, 1, 2), batch_size: int = 32,
+                   random_from: str = "all", bottom_by: str = "score") -> AblationResult:
     """Accuracy on ``dataset`` with the top-k, random-k (per seed) and bottom-k heads of ``scores`` ablated.
+
+    Args:
+        random_from: the random arm's pool: ``all`` heads, or the ``rest`` (every head outside the top-k).
+        bottom_by: the bottom arm: the k lowest ``score`` s, or the k smallest ``abs`` (|score|: the heads the
+            scores call least involved either way).
 
     Raises:
         InputError: unknown mode, k out of range, no seeds, an empty data set, or scores that do not cover the
@@ -117,6 +127,10 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
     """
     if mode not in MODES:
         raise InputError(f"ablation mode {mode!r} is not one of {MODES}")
+    if random_from not in RANDOM_POOLS:
+        raise InputError(f"random_from must be one of {RANDOM_POOLS}, got {random_from!r}")
+    if bottom_by not in BOTTOM_BY:
+        raise InputError(f"bottom_by must be one of {BOTTOM_BY}, got {bottom_by!r}")
     if len(dataset) == 0:
         raise InputError("the data set is empty: nothing to evaluate the ablations on")
     if not seeds:
@@ -147,10 +161,23 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
     run("clean", [])
     run("top", ranked[:k])
     for seed in seeds:
-        pick = np.random.default_rng(seed).choice(n_heads, size=k, replace=False)
-        run("random", [(int(i) // vlm.n_heads, int(i) % vlm.n_heads) for i in pick], seed)
-    run("bottom", ranked[-k:])
+        if random_from == "all":
+            pick = np.random.default_rng(seed).choice(n_heads, size=k, replace=False)
+            run("random", [(int(i) // vlm.n_heads, int(i) % vlm.n_heads) for i in pick], seed)
+        else:
+            rest = ranked[k:]
+            pick = np.random.default_rng(seed).choice(len(rest), size=k, replace=False)
+            run("random", [rest[int(i)] for i in pick], seed)
+    run("bottom", ranked[-k:] if bottom_by == "score" else least_involved(scores, k))
     return result
+
+
+def least_involved(scores: Any, k: int) -> list[tuple[int, int]]:
+    """The ``k`` heads with the smallest |score| (ties by layer, head)."""
+    frame = (scores.to_frame() if hasattr(scores, "to_frame") else scores).copy()
+    frame["magnitude"] = frame["score"].abs()
+    frame = frame.sort_values(["magnitude", "layer", "head"], kind="stable")
+    return [(int(l), int(h)) for l, h in zip(frame["layer"][:k], frame["head"][:k])]
 
 
 def _means(vlm: Any, dataset: Any, ranked: list[tuple[int, int]]) -> dict[int, Any]:

@@ -44,6 +44,8 @@ from ..viz import head_heatmap, write_html_atomic
 METHODS = tuple(METHOD_FUNCTIONS)
 CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval", "attention_swap")
 CHECKPOINT = "locate.partial.safetensors"
+# first-order and path estimates, reported beside exact scores of their top candidates
+ESTIMATES = ("attribution", "integrated_gradients")
 
 
 def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str) -> tuple[list[int], int, int]:
@@ -174,7 +176,7 @@ class HeadScores(Result):
         if self.verified is not None:
             exact = self.verified_scores
             heads = [tuple(int(v) for v in idx) for idx in np.argwhere(~np.isnan(exact))]
-            out["verified"] = [{"head": f"{l}.{h}", "attribution": float(self.scores[l, h]),
+            out["verified"] = [{"head": f"{l}.{h}", self.method: float(self.scores[l, h]),
                                 "exact": float(exact[l, h])} for l, h in heads]
             if len(heads) > 2:
                 out["verified_spearman"] = float(spearmanr([self.scores[h] for h in heads],
@@ -232,17 +234,20 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
         pairs: a :class:`~vlmbind.stimuli.PairSet`, a list of pairs (one condition), or
             :class:`~vlmbind.analysis.patching.PatchTask` objects with a ``condition`` given by ``method_kwargs``.
         method: ``"exact"`` (fast, equal to naive), ``"naive"`` (one forward per pair and head) or
-            ``"attribution"`` (first-order estimate, one forward-backward per pair).
+            ``"attribution"`` (first-order estimate, AtP: one forward-backward per pair) or
+            ``"integrated_gradients"`` (the gradient averaged along the path from the clean to the counterfactual
+            head outputs, EAP-IG style: ``steps`` forward-backward passes per pair, ``steps=8`` by default).
         layers: restrict to these layers (others score 0).
         progress: show a progress bar.
-        verify_top: ``attribution``: also run ``exact`` on this many top candidates (``verified``), so the estimate
+        verify_top: ``attribution`` and ``integrated_gradients``: also run ``exact`` on this many top candidates (``verified``), so the estimate
             is always reported beside its exact counterpart; 0 skips it.
         checkpoint: a file the per-pair scores are written to (atomically) after every pair; an existing one from
             the same run (model, method, condition, layers, pairs) is continued from, so a killed run resumes where
             it stopped and ends with the same numbers. It is removed when the run completes.
         gather: ``attribution``: maps these pairs' ``N L H`` estimates to the estimates the verification candidates
             are chosen from (a sweep's ranks pool theirs through it, :func:`vlmbind.sweeps.locate`); None: their own.
-        method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``).
+        method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``; ``integrated_gradients``:
+            ``steps``).
 
     Raises:
         InputError: unknown method, no pairs, or pairs of several conditions.
@@ -275,12 +280,12 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
         clean, patched = compute(vlm, task, heads, **method_kwargs)
         for (layer, head), value in zip(heads, patched):
             per_pair[i, layer, head] = value - clean
-        if method == "attribution" and verify_top > 0:
+        if method in ESTIMATES and verify_top > 0:
             tasks[i] = task
         if checkpoint is not None:
             _save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
     verified = None
-    if method == "attribution" and verify_top > 0:
+    if method in ESTIMATES and verify_top > 0:
         candidates = top_candidates(per_pair if gather is None else gather(per_pair), heads, verify_top)
         verified = verify_heads(vlm, pairs, layers, candidates, per_pair.shape[1:], tasks)
     if checkpoint is not None:

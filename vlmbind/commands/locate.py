@@ -8,6 +8,7 @@ from .. import parallel, sweeps
 from ..analysis.mediation import CHECKPOINT, CONDITIONS, METHODS, locate
 from ..analysis.traces import point_swap_pairs
 from ..errors import InputError
+from ..patching import IG_STEPS
 from ..evaluate import training_defaults
 from ..stimuli import scene_pairs
 from .arguments import model_session, out_dir, parse_range, rank_done
@@ -24,8 +25,12 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
     p.add_argument("--entropy", choices=("high", "low"), default="high")
     p.add_argument("--method", choices=METHODS, default="exact",
-                   help="exact (fast, equal to naive), naive (one forward per head), attribution (estimate)")
-    p.add_argument("--verify-top", type=int, default=10, help="attribution: run exact on this many top candidates")
+                   help="exact (fast, equal to naive), naive (one forward per head), attribution (first-order "
+                        "estimate), integrated_gradients (path estimate)")
+    p.add_argument("--verify-top", type=int, default=10,
+                   help="attribution, integrated_gradients: run exact on this many top candidates")
+    p.add_argument("--ig-steps", type=int, default=IG_STEPS,
+                   help=f"integrated_gradients: points on the path from clean to counterfactual (default {IG_STEPS})")
     p.add_argument("--trace-task", choices=("count", "search"), default="count",
                    help="attention_swap: displays the traces are generated on")
     p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
@@ -39,6 +44,9 @@ def add_parser(sub: Any, common: Any) -> None:
 def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     if args.n_pairs < 1:
         raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
+    if args.ig_steps < 1:
+        raise InputError(f"--ig-steps must be at least 1, got {args.ig_steps}")
+    method_kwargs = {"steps": args.ig_steps} if args.method == "integrated_gradients" else {}
     if args.verify_top < 0:
         raise InputError(f"--verify-top must be 0 or more, got {args.verify_top}")
     out = out_dir(args, "locate", args.condition)
@@ -56,10 +64,10 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
             pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
         if group.world == 1:
             scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
-                            checkpoint=checkpoint)
+                            checkpoint=checkpoint, **method_kwargs)
         else:
             scores = sweeps.locate(group, vlm, pairs, out, method=args.method, verify_top=args.verify_top,
-                                   progress=group.is_main and not args.json)
+                                   progress=group.is_main and not args.json, **method_kwargs)
             if not group.is_main:
                 return rank_done(group, out)
     scores.save(out)
