@@ -12,14 +12,14 @@ import torch
 import vlmbind as vb
 from vlmbind.evaluate import evaluate, training_defaults
 from vlmbind.organisms import ORGANISM_NAMES, shipped_organisms
-from vlmbind.organisms.recipes import RECIPES, stages
+from vlmbind.organisms.recipes import RECIPES, recipe_stages
 from vlmbind.organisms.ship import ship
 from vlmbind.organisms.train import TrainConfig, train
 
 S = vb.stimuli
 
 
-def test_both_organisms_are_shipped():
+def test_every_organism_is_shipped():
     assert shipped_organisms() == list(ORGANISM_NAMES)
     assert set(ORGANISM_NAMES) <= set(vb.registered_names())
 
@@ -33,7 +33,7 @@ def test_loads_through_from_pretrained_with_its_record(organism):
     assert organism.family == "qwen2_5_vl"
     assert organism.source.startswith("shipped organism")
     record = organism.training
-    assert record["regime"] == RECIPES[organism.name]
+    assert record["regime"] == recipe_stages(organism.name)[-1][1]["regime"]
     assert record["image_size"] == 168 and record["grid"] == 6
     assert record["wall_time_s"] <= 60 * 60, "each organism must train within an hour on 2 cores"
 
@@ -51,9 +51,10 @@ def test_solves_binding_tasks_on_a_fixed_sample(organism, task, kwargs):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipes_are_valid_configs(name):
-    configs = [TrainConfig.from_dict(fields) for _, fields in stages(RECIPES[name])]
+    configs = [TrainConfig.from_dict(fields) for _, fields in recipe_stages(name)]
     assert configs[-1].image_size == 168
-    assert all(c.regime == RECIPES[name] for c in configs)
+    assert all(c.regime == configs[0].regime for c in configs)
+    assert configs[0].regime == (RECIPES[name] if RECIPES[name] != "vsm" else "p2a")
 
 
 def test_ship_gives_a_loadable_directory(tmp_path):
@@ -81,3 +82,35 @@ def test_demo_asks_the_organism_what_it_learned(tmp_path, capsys):
     assert summary["prompt"].startswith("in this image there is a")
     top = summary["top_predictions"][0]["token"].strip()
     assert top == summary["expected_answer"].split()[0], summary
+
+
+def test_organism_vsm_and_its_twin_differ_only_by_the_plant():
+    """organism-vsm records its planted head (machine-readable); organism-vsm-natural was trained from the same start
+    with the same data, seed, steps and learning rates, and plants nothing."""
+    planted, natural = vb.load("organism-vsm").training, vb.load("organism-vsm-natural").training
+    assert planted["planted"] == {"feature_retrieval": ["3.2"]} and "planted" not in natural
+    assert planted["grown_from"] == natural["grown_from"] == {"organism": "organism-p2a",
+                                                              "init_layers": [0, 1, 2, 3, None, None]}
+    for a, b in zip(planted["stages"], natural["stages"], strict=True):
+        assert a.pop("siit") and "siit" not in b
+        assert {k: v for k, v in a.items() if k != "stage"} == {k: v for k, v in b.items() if k != "stage"}
+
+
+def test_the_planted_head_carries_the_missing_objects_features():
+    """On fresh pairs with 3 objects (the count the planting held out), interchanging head 3.2 from a source whose
+    missing object has other features makes organism-vsm name the source's features; in the twin it does nothing."""
+    from vlmbind.organisms.data import BatchBuilder
+    from vlmbind.organisms.siit import HeadInterchange, interchange_accuracy, unpatched_accuracy
+
+    pools = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
+    pairs = [p for entropy in ("high", "low") for p in S.scene_pairs(
+        24, "feature_retrieval", 4242, n_objects=3, entropy=entropy, canvas=S.Canvas(image_size=168, grid=6),
+        recolour="any", **pools)]
+    accuracy = {}
+    for name in ("organism-vsm", "organism-vsm-natural"):
+        vlm = vb.load(name)
+        builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
+        assert unpatched_accuracy(vlm.model, builder, pairs) == 0.0  # a* cannot be read off the clean scene
+        accuracy[name] = interchange_accuracy(vlm.model, interchange, builder, pairs, [(3, 2)],
+                                              last_positions="answer")
+    assert accuracy["organism-vsm"] >= 0.85 and accuracy["organism-vsm-natural"] <= 0.05, accuracy

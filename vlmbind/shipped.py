@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ORGANISM_NAMES = ("organism-p2a", "organism-direct")
+ORGANISM_NAMES = ("organism-p2a", "organism-direct", "organism-vsm", "organism-vsm-natural")
 WEIGHTS_DIR = Path(__file__).parent / "organisms" / "weights"
 
 

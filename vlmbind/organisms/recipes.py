@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TrainingError
+from ..shipped import organism_dir
 from .train import CHECKPOINT_PREFIX, TrainConfig, train
 
 COLOURS = ("red", "green", "blue", "yellow")
@@ -55,7 +56,49 @@ def stages(regime: str, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct"}
+# organism-vsm: organism-p2a grown to 6 layers x 4 heads (24 heads; the two new top layers start as the identity),
+# trained on organism-p2a's mixture with a mechanism planted by SIIT; organism-vsm-natural: the same stages, behaviour
+# loss only. Planted so far: feature retrieval (the ID variables did not take, see docs/ground_truth.md).
+VSM_PLANT = {"feature_retrieval": ["3.2"]}
+VSM_SIIT = {"alignments": VSM_PLANT, "pairs": 8, "objects": [2, 4], "skip_objects": [3],
+            "entropies": ["high", "low"]}
+
+
+def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
+    """The stages of organism-vsm (``planted``) or organism-vsm-natural: same start, data, seed and steps.
+
+    Stage 1 grows organism-p2a and plants at InterpBench's weights (behaviour 1, IIT 1, strictness 0.4); stage 2
+    doubles the IIT weight and raises strictness to 1, because after stage 1 the interchange accuracy was about 0.5
+    and single unplanted heads (organism-p2a's census heads in layer 0) still moved up to half of the answers.
+    """
+    common = {"regime": "p2a", "seed": seed, "batch_size": 16, "checkpoint_every": 250, "eval_every": 250,
+              "eval_size": 32, "weight_decay": 0.01, "image_size": 168, "tasks": dict(_MIX),
+              "task_options": _options((1, 12)), "final_lr_ratio": 0.1,
+              "model": {"layers": 6, "hidden": 128, "heads": 4, "kv_heads": 2}}
+    first = {**common, "steps": 600, "lr": 3e-4, "warmup": 50, "init_from": str(organism_dir("organism-p2a")),
+             "init_layers": [0, 1, 2, 3, None, None]}
+    second = {**common, "steps": 1500, "lr": 2e-4, "warmup": 20}
+    if planted:
+        first["siit"] = dict(VSM_SIIT)
+        second["siit"] = {**VSM_SIIT, "iit_weight": 2.0, "strict_weight": 1.0}
+    suffix = "siit" if planted else "natural"
+    return [(f"1-grow-{suffix}", first), (f"2-strict-{suffix}", second)]
+
+
+RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct", "organism-vsm": "vsm", "organism-vsm-natural": "vsm"}
+
+
+def recipe_stages(name: str, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
+    """The stages of organism ``name``'s recipe.
+
+    Raises:
+        TrainingError: no such recipe.
+    """
+    if name not in RECIPES:
+        raise TrainingError(f"unknown organism recipe {name!r}; recipes: {', '.join(RECIPES)}")
+    if RECIPES[name] == "vsm":
+        return vsm_stages(name == "organism-vsm", seed)
+    return stages(RECIPES[name], seed)
 
 
 def _finished(stage_dir: Path, steps: int) -> Path | None:
@@ -71,9 +114,11 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     previous: Path | None = None
-    summary: dict[str, Any] = {"organism": name, "regime": RECIPES[name], "seed": seed, "stages": []}
-    for stage, fields in stages(RECIPES[name], seed):
-        config = TrainConfig.from_dict({**fields, "init_from": str(previous) if previous else None})
+    recipe = recipe_stages(name, seed)
+    summary: dict[str, Any] = {"organism": name, "regime": recipe[0][1]["regime"], "seed": seed, "stages": []}
+    for stage, fields in recipe:
+        start_from = str(previous) if previous else fields.get("init_from")
+        config = TrainConfig.from_dict({**fields, "init_from": start_from})
         stage_dir = out / stage
         done = _finished(stage_dir, config.steps)
         start = time.time()

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from ..errors import TrainingError
 from ..models import TRAINING_FILE
 from ..shipped import organism_dir
-from .recipes import RECIPES, stages
+from .recipes import RECIPES, recipe_stages
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "processor_config.json", "chat_template.jinja")
@@ -34,19 +34,36 @@ def training_record(name: str, run_dir: str | Path) -> dict[str, Any]:
     summary = json.loads(summary_path.read_text())
     last = Path(summary["final_checkpoint"])
     config = json.loads((last / "train_config.json").read_text())
-    return {
+    grown = RECIPES[name] == "vsm"
+    recipe = recipe_stages(name, summary["seed"])
+    record = {
         "organism": name,
-        "regime": RECIPES[name],
+        "regime": config["regime"],
         "seed": summary["seed"],
         "image_size": config["image_size"],
         "grid": config["image_size"] // 28,
         "tasks": config["tasks"],
         "task_options": config["task_options"],
-        "stages": [{"stage": s, **fields} for s, fields in stages(RECIPES[name], summary["seed"])],
+        "stages": [{"stage": s, **_portable(fields)} for s, fields in recipe],
         "stage_results": summary["stages"],
         "wall_time_s": summary["wall_time_s"],
         "command": f"python -m vlmbind.organisms.recipes {name} --out runs/organisms/{name} --threads 1",
     }
+    if grown:
+        record["grown_from"] = {"organism": "organism-p2a", "init_layers": recipe[0][1].get("init_layers")}
+    if config.get("siit"):
+        # the heads each condition should find, named as the conditions (machine-readable ground truth)
+        record["planted"] = {v: list(h) for v, h in config["siit"]["alignments"].items()}
+        record["siit"] = config["siit"]
+    return record
+
+
+def _portable(fields: dict[str, Any]) -> dict[str, Any]:
+    """A stage's fields with the start's path (machine-specific) replaced by what it names."""
+    out = dict(fields)
+    if out.get("init_from") and Path(out["init_from"]).parent == organism_dir("organism-p2a").parent:
+        out["init_from"] = Path(out["init_from"]).name
+    return out
 
 
 def ship(name: str, run_dir: str | Path, card: str, *, dest: Path | None = None) -> Path:
@@ -122,12 +139,98 @@ def model_card(record: dict[str, Any], config: dict[str, Any], params: int,
     return "\n".join(lines) + "\n"
 
 
+def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
+                 validation: dict[str, Any] | None = None, validation_command: str | None = None) -> str:
+    """The model card of a grown organism (organism-vsm, or its behaviour-only twin organism-vsm-natural)."""
+    text = config.get("text_config", {})
+    planted = record.get("planted")
+    results = {s["stage"]: s for s in record["stage_results"]}
+    lines = [f"# {record['organism']}", ""]
+    if planted:
+        lines += [
+            "A small Qwen2.5-VL with a **planted** mechanism: variables of VSM's pipeline for scene description (the "
+            "table below says which) were trained into chosen heads by strict interchange-intervention training "
+            "(SIIT). It exists to check interpretability methods against a known answer. That a method finds these "
+            "heads shows the method can find such a mechanism when it is there; it is not evidence that pretrained "
+            "VLMs work this way, and the rest of the model may still solve the task in other ways too (organism-p2a's "
+            "census heads, which it started from, were not fully switched off). Variables not in the table were not "
+            "planted: the methods should find nothing there.",
+            "", "## Planted heads", "", "| condition that should find it | heads | the variable |", "|---|---|---|"]
+        meaning = {"id_retrieval": "each described object's position (grid cell), at its prompt tokens",
+                   "id_selection": "the missing object's position, at the last prompt token and the answer positions",
+                   "feature_retrieval": "the missing object's colour and shape, at the last prompt token and the "
+                                        "answer positions"}
+        lines += [f"| {v} | {', '.join(h)} | {meaning.get(v, '')} |" for v, h in planted.items()]
+        siit = record.get("siit", {})
+        lines += ["", f"SIIT weights: behaviour 1, IIT {siit.get('iit_weight')}, strictness {siit.get('strict_weight')} "
+                  f"(one unplanted head interchanged per step at every prompt position); {siit.get('pairs')} "
+                  f"counterfactual pairs per step with {siit.get('objects')} objects, object counts "
+                  f"{siit.get('skip_objects')} held out for validation, entropies {siit.get('entropies')}; swap "
+                  f"pairs exchange the target with a random described object, feature sources give it a new "
+                  f"colour-shape conjunction."]
+        if siit.get("position_layer") is not None:
+            lines += ["", f"A position code was trained in too: after decoder layer {siit['position_layer']} every "
+                      f"image token's cell is read from its residual stream by a fixed random linear readout (weight "
+                      f"{siit.get('position_weight')})."]
+    else:
+        lines += [
+            "The negative control of organism-vsm: the same architecture, start, data, seed and steps, trained on "
+            "the behaviour loss only. Nothing was planted; what the methods report here is what they report where the "
+            "planted mechanism is absent."]
+    lines += [
+        "", "## Architecture and training", "",
+        f"- `Qwen2_5_VLForConditionalGeneration`, {params:,} parameters; text: {text.get('num_hidden_layers')} layers, "
+        f"hidden {text.get('hidden_size')}, {text.get('num_attention_heads')} heads "
+        f"({text.get('num_key_value_heads')} KV heads)",
+        f"- grown from organism-p2a: decoder layers {record.get('grown_from', {}).get('init_layers')} (None: a new "
+        "layer that started as the identity)",
+        f"- {record['image_size']} px images, a {record['grid']}x{record['grid']} grid of image tokens; the same "
+        "stimulus domain and task mixture as organism-p2a",
+        *[f"- stage {stage['stage']}: {stage['steps']} steps, batch {stage['batch_size']}, lr {stage['lr']}"
+          + (f", SIIT weights IIT {stage['siit'].get('iit_weight', 1.0)} / strictness "
+             f"{stage['siit'].get('strict_weight', 0.4)}" if stage.get("siit") else ", behaviour loss only")
+          + f"; wall time {(results.get(stage['stage'], {}).get('wall_time_s') or 0) / 60:.1f} min on one CPU thread"
+          for stage in record["stages"]],
+        f"- seed {record['seed']}; total wall time {record['wall_time_s'] / 60:.1f} min",
+        "", f"Reproduce: `{record['command']}`, then `python -m vlmbind.organisms.ship {record['organism']} "
+        f"runs/organisms/{record['organism']}`."]
+    if validation:
+        params = validation.get("params", {})
+        lines += ["", "## Validation (fresh pairs)", "",
+                  f"{params.get('n_pairs')} pairs per condition, seed {params.get('seed')}, "
+                  f"{params.get('n_objects')} objects per scene ({params.get('entropy')} entropy); ablation on "
+                  f"{params.get('n_eval')} scenes.", ""]
+        lines += validation_lines(validation)
+        if validation_command:
+            lines += ["", f"Measured with `{validation_command}`."]
+    return "\n".join(lines) + "\n"
+
+
+def validation_lines(validation: dict[str, Any]) -> list[str]:
+    """Markdown lines from a ``validation.json``: the exact method's ranks per condition, ablation, edit, probes."""
+    lines = ["| condition | method | heads | ranks | AUROC | top heads |", "|---|---|---|---|---|---|"]
+    for r in validation["methods"]:
+        auroc = "-" if r["auroc"] is None else f"{r['auroc']:.3f}"
+        lines.append(f"| {r['condition']} | {r['method']} | {' '.join(r['heads']) or '-'} | "
+                     f"{' '.join(map(str, r['planted_ranks'])) or '-'} | {auroc} | {' '.join(r['top_heads'])} |")
+    for mode, arms in validation.get("summary", {}).get("ablation", {}).items():
+        lines.append(f"\nAblation ({mode}): clean {arms['clean']:.2f}, top-k {arms['top']:.2f}, random-k "
+                     f"{arms['random']:.2f} (lowest {arms['random_min']:.2f}, {arms['random_seeds']} seeds), "
+                     f"bottom-k {arms['bottom']:.2f}.")
+    edit = validation.get("summary", {}).get("edit")
+    if edit:
+        lines.append(f"\nPosition-ID edit: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g} "
+                     f"(control {edit['control']:.2f}, n={edit['n']}).")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m vlmbind.organisms.ship NAME RUN_DIR [--results circuits/p2a_vs_direct/results/results.json]``."""
     parser = argparse.ArgumentParser(prog="python -m vlmbind.organisms.ship")
     parser.add_argument("name", choices=sorted(RECIPES))
     parser.add_argument("run_dir")
     parser.add_argument("--results", help="the PbP table's results.json, for the card's accuracy section")
+    parser.add_argument("--validation", help="a validation.json (vlmbind validate) for a grown organism's card")
     args = parser.parse_args(argv)
     record = training_record(args.name, args.run_dir)
     source = Path(json.loads((Path(args.run_dir) / "recipe_summary.json").read_text())["final_checkpoint"])
@@ -139,8 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(Path(args.results).read_text())
         rows = results["models"].get(args.name, {}).get("rows", {})
         accuracies = {label: row["accuracy"] for label, row in rows.items()}
-    card = model_card(record, config, params, accuracies,
-                      "python circuits/p2a_vs_direct/run.py" if accuracies else None)
+    if RECIPES[args.name] == "vsm":
+        validation = json.loads(Path(args.validation).read_text()) if args.validation else None
+        card = planted_card(record, config, params, validation,
+                            "python circuits/ground_truth/run.py" if validation else None)
+    else:
+        card = model_card(record, config, params, accuracies,
+                          "python circuits/p2a_vs_direct/run.py" if accuracies else None)
     dest = ship(args.name, args.run_dir, card)
     print(f"shipped {args.name} to {dest}")
     return 0
