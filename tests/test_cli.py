@@ -27,7 +27,7 @@ from vlmbind.commands import demo
 from vlmbind.errors import InputError
 from vlmbind.viz import attention_overlay, head_heatmap, write_html_atomic, write_text_atomic
 
-DEMO_FILES = ("causal", "representations", "attention_mass.csv", "heatmap.html", "overlay.html", "scene.png", "summary.json",
+DEMO_FILES = ("validation", "causal", "representations", "attention_mass.csv", "heatmap.html", "overlay.html", "scene.png", "summary.json",
               "report.html")
 SCRIPT_SRC = re.compile(r"<script[^>]*\bsrc\s*=", re.IGNORECASE)
 
@@ -221,6 +221,23 @@ def test_demo_causal_overview(demo_run):
     assert html.escape(causal["skipped"]["edit"]) in report
 
 
+def test_demo_opens_with_the_validation_on_the_planted_organism(demo_run):
+    """The report opens with every method scored against organism-vsm's planted heads (from its training record),
+    then says the rest is about the demo model, where nothing was planted."""
+    _, out, printed = demo_run
+    validation = printed["validation"]
+    planted = vb.load("organism-vsm").training["planted"]
+    assert validation["model"] == "organism-vsm" and validation["heads"] == planted
+    report = (out / "report.html").read_text()
+    opening = report.index("How do I know the methods work?")
+    assert opening < report.index("Provenance") < report.index("Located heads")
+    saved = json.loads((out / "validation" / "validation.json").read_text())
+    assert saved["methods"] == validation["methods"]
+    for row in validation["methods"]:
+        if row["heads"]:
+            assert " ".join(map(str, row["planted_ranks"])) in report
+
+
 def test_demo_representational_overview(demo_run):
     _, out, printed = demo_run
     reps = printed["representations"]
@@ -243,8 +260,8 @@ def test_demo_report_is_offline_with_every_figure(demo_run):
     # attention mass + overlay, one heatmap per located condition, the edit curve unless it was skipped, RSA, the
     # tracking curve unless it was skipped
     reps = printed["representations"]
-    figures = 2 + len(printed["causal"]["located"]) + ("edit" in printed["causal"]) + 1 + ("track" in reps)
-    assert report.count("Plotly.newPlot") == figures
+    figures = 2 + len(printed["causal"]["located"]) + ("edit" in printed["causal"]) + 1 + ("track" in reps) + 1
+    assert report.count("Plotly.newPlot") == figures  # the last 1: the validation figure the page opens with
     assert len(re.findall(r"\* plotly\.js v\d", report)) == 1  # plotly.js embedded exactly once
     assert not SCRIPT_SRC.search(report)
     assert "data:image/png;base64," in report  # the overlay's image travels inside the page
@@ -271,6 +288,11 @@ def test_demo_is_deterministic_and_prints_a_summary(demo_run, tmp_path, capsys):
     other = json.loads((again / "summary.json").read_text())
     for s in (other, summary):  # wall times differ between runs; everything else must not
         s.pop("command"), s["causal"].pop("seconds"), s["representations"].pop("seconds")
+        s["validation"].pop("seconds")
+        for row in s["validation"]["methods"]:
+            row.pop("seconds")
+        for check in s["validation"]["naive_check"].values():
+            check.pop("seconds")
     assert other == summary
 
 

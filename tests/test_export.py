@@ -188,6 +188,8 @@ EXACT_FILES = {
     "ablate": ("results.json",), "edit": ("results.json", "curve.html"), "rsa": ("rsa.csv", "rsa.json", "rsa.html"),
     "track": ("rmse.csv", "centroids.json", "rmse.html"), "probe": ("probe.csv", "probe.html"),
     "eval": ("answers.jsonl", "results.json"), "causal": ("object_attention.csv",),
+    "validate": ("validation.json", "methods.csv", "scores.csv", "ablation.csv", "edit.csv", "probes.csv",
+                 "validation.html"),
 }
 
 

@@ -203,7 +203,7 @@ def test_every_command_module_is_in_the_table():
     parser = commands.build_parser()
     names = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
     assert names == {"models", "demo", "stimuli", "eval", "locate", "track", "rsa", "probe", "ablate", "edit",
-                     "export", "ui"}
+                     "validate", "export", "ui"}
 
 
 def test_a_new_analysis_module_registers_its_result_kind(tmp_path):

@@ -1,7 +1,7 @@
 """The result contract: what every saved analysis result can do, and the one table of result kinds.
 
 Every result class (``HeadScores``, ``AblationResult``, ``EditResult``, ``RepairResult``, ``RSAResult``,
-``TrackResult``, ``BindingResult``, ``EvalResult``, ``AttentionMass``, ``CausalOverview``,
+``TrackResult``, ``BindingResult``, ``EvalResult``, ``AttentionMass``, ``CausalOverview``, ``ValidationResult``,
 ``RepresentationOverview``) derives from :class:`Result` and is registered with :func:`register_result`:
 
 * ``kind``: its name in this table (``locate``, ``ablate``, ...), the names ``vlmbind export`` reports;

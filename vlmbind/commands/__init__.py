@@ -20,12 +20,12 @@ import traceback
 from collections.abc import Sequence
 
 from ..errors import VlmbindError
-from . import ablate, demo, edit, export, locate, models, probe, rsa, stimuli, track, ui
+from . import ablate, demo, edit, export, locate, models, probe, rsa, stimuli, track, ui, validate
 from . import eval as eval_command
 from .arguments import Parser, UsageError, one_line
 
 # the subcommands in the order `vlmbind --help` lists them
-COMMANDS = (models, demo, stimuli, eval_command, locate, track, rsa, probe, ablate, edit, export, ui)
+COMMANDS = (models, demo, stimuli, eval_command, locate, track, rsa, probe, ablate, edit, validate, export, ui)
 
 
 def build_parser() -> argparse.ArgumentParser:

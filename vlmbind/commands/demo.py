@@ -22,17 +22,21 @@ from PIL import Image, ImageDraw
 
 from ..analysis.attention import AttentionMass, last_token_attention
 from ..analysis.overview import causal_overview, representation_overview
+from ..analysis.validate import validate
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..io import check_out_dir
-from ..report import causal_sections, demo_report_html, representation_sections
+from ..report import causal_sections, demo_report_html, representation_sections, validation_sections
 from ..stimuli import scene_description
 from ..version import __version__
 from ..viz import attention_overlay, write_bytes_atomic, write_html_atomic, write_text_atomic
+from .. import loading
 from .arguments import load_model, non_negative_int, positive_int
 
 # the shipped organism trained with Point-to-Answer answers (see vlmbind/organisms/weights/organism-p2a/README.md)
 DEFAULT_MODEL = "organism-p2a"
+# the organism with a planted mechanism the report opens with (see docs/ground_truth.md)
+DEFAULT_VALIDATE = "organism-vsm"
 DEFAULT_OUT = "runs/demo"
 DEMO_PROMPT = "In this image there is a red square, a blue circle and a"
 DEMO_SITES = "blocks.*.attn.hook_pattern"
@@ -69,6 +73,10 @@ def add_parser(sub: Any, common: Any) -> None:
                       help="BalancedColorShape training images for the probes (val and test: a quarter each)")
     demo.add_argument("--no-representations", action="store_true",
                       help="skip the representational overview (RSA, centroid tracking, probes)")
+    demo.add_argument("--validate-model", default=DEFAULT_VALIDATE,
+                      help="an organism with planted heads whose validation (every method against them) opens the "
+                           f"report (default: {DEFAULT_VALIDATE})")
+    demo.add_argument("--no-validate", action="store_true", help="skip the validation on the planted organism")
     demo.set_defaults(func=cmd_demo)
 
 
@@ -185,6 +193,16 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "versions": _versions(),
     }
 
+    validation = None
+    if not args.no_validate:
+        planted = loading.load(args.validate_model)
+        if not (planted.training or {}).get("planted"):
+            raise InputError(f"--validate-model {args.validate_model!r} has no planted heads in its training record; "
+                             "pass an organism trained with SIIT (e.g. organism-vsm) or --no-validate")
+        validation = validate(planted, n_pairs=args.pairs // 2 or 1, seed=1000 + args.seed, ig_steps=4,
+                              naive_heads=3, modes=("image_attention",), n_eval=max(8, args.eval_n // 2),
+                              n_estimate=2 * args.eval_n, n_probe=max(64, args.probe_n // 2))
+        summary["validation"] = validation.summary()
     causal = None
     if not args.no_causal:
         causal = causal_overview(vlm, n_pairs=args.pairs, n_eval=args.eval_n, n_estimate=4 * args.eval_n,
@@ -206,9 +224,13 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "summary.json": lambda p: write_text_atomic(json.dumps(summary, indent=2) + "\n", p),
         "report.html": lambda p: write_text_atomic(
             demo_report_html(summary, frame, heatmap, overlay, (causal_sections(causal) if causal else "")
-                             + (representation_sections(representations) if representations else "")), p),
+                             + (representation_sections(representations) if representations else ""),
+                             validation_sections(validation, vlm.name) if validation else ""), p),
     }
     written = []
+    if validation is not None:
+        validation.save(out / "validation")
+        written.append("validation")
     if causal is not None:
         causal.save(out / "causal")
         written.append("causal")
@@ -223,6 +245,12 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     result = {**summary, "out": str(out), "files": written, "elapsed_s": round(elapsed, 3)}
     preds = ", ".join(f"{p['token']!r} (id {p['id']}) {p['prob']:.4f}" for p in predictions)
     lines = []
+    if validation is not None:
+        for r in validation.methods:
+            if r["heads"]:
+                lines.append(f"  validation on {validation.model}: {r['condition']} {r['method']} ranks planted "
+                             f"{' '.join(r['heads'])} at {' '.join(map(str, r['planted_ranks']))} (AUROC "
+                             f"{r['auroc']:.3f})")
     if causal is not None:
         for condition, scores in causal.scores.items():
             lines.append(f"  {condition}: top heads " + ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})"

@@ -1,0 +1,123 @@
+"""``vlmbind validate``: the rank metrics are the closed-form ones, naive equals exact on the sampled heads, the result
+round-trips through its files, and bad reference heads are named errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import vlmbind as vb
+from vlmbind.analysis.validate import ValidationResult, rank_metrics, recorded_planted
+from vlmbind.cli import main
+from vlmbind.results import detect
+
+
+def test_rank_metrics_are_the_closed_form_ones():
+    scores = np.array([[0.1, -0.4, 0.0], [2.0, 0.3, -0.2]])
+    top = rank_metrics(scores, [(1, 0)])
+    assert top["planted_ranks"] == [1] and top["recall_at_k"] == 1.0 and top["auroc"] == 1.0
+    assert top["ratio"] == pytest.approx(2.0 / 0.4)
+    # two planted heads, one ranked 2nd, one 5th: recall@2 = 1/2; AUROC = the share of (planted, other) pairs in
+    # the right order (Mann-Whitney): 0.3 beats 3 of the 4 others, -0.2 beats 1 (-0.4)
+    mixed = rank_metrics(scores, [(1, 1), (1, 2)])
+    assert mixed["planted_ranks"] == [2, 5] and mixed["recall_at_k"] == 0.5
+    assert mixed["auroc"] == pytest.approx((3 + 1) / 8)
+    assert mixed["ratio"] == pytest.approx(-0.2 / 2.0)
+    empty = rank_metrics(scores, [])
+    assert empty["auroc"] is None and empty["recall_at_k"] is None
+
+
+def test_validate_on_a_tiny_model_with_given_heads(tmp_path, capsys):
+    out = tmp_path / "v"
+    code = main(["validate", "--model", "tiny-qwen2_5_vl", "--heads", "id_selection=1.0,2.3", "--n-pairs", "2",
+                 "--methods", "exact,naive,attribution", "--naive-heads", "4", "--modes", "zero", "--n-eval", "4",
+                 "--ablation-seeds", "2", "--alpha", "1", "--n-estimate", "24", "--n-probe", "16", "--out", str(out),
+                 "--json"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["reference"] == "--heads" and summary["heads"] == {"id_selection": ["1.0", "2.3"]}
+    result = ValidationResult.load(out)
+    assert detect(out) is ValidationResult
+    methods = pd.read_csv(out / "methods.csv")
+    assert set(methods["method"]) == {"exact", "attribution"} and len(methods) == 6
+    scores = pd.read_csv(out / "scores.csv")
+    exact = scores[(scores.condition == "id_selection") & (scores.method == "exact")]
+    row = next(r for r in result.methods if r["condition"] == "id_selection" and r["method"] == "exact")
+    grid = np.zeros((exact["layer"].max() + 1, exact["head"].max() + 1))
+    grid[exact["layer"], exact["head"]] = exact["score"]
+    again = rank_metrics(grid, [(1, 0), (2, 3)])  # the saved table's scores give the reported metrics
+    assert row["planted_ranks"] == again["planted_ranks"] and row["auroc"] == pytest.approx(again["auroc"])
+    marked = exact[exact["reference"]]
+    assert {f"{l}.{h}" for l, h in zip(marked["layer"], marked["head"])} == {"1.0", "2.3"}
+    assert set(result.naive_check) == {"id_retrieval", "id_selection", "feature_retrieval"}
+    for check in result.naive_check.values():
+        assert check["max_abs_difference"] < 1e-4 and len(check["heads"]) == 4
+    assert {"1.0", "2.3"} <= set(result.naive_check["id_selection"]["heads"])
+    arms = {a["arm"] for a in result.ablation}
+    assert arms == {"clean", "top", "random", "bottom"}
+    top = next(a for a in result.ablation if a["arm"] == "top")["heads"].split()
+    for a in result.ablation:
+        if a["arm"] == "random":
+            assert not set(a["heads"].split()) & set(top)
+    assert {p["target"] for p in result.probes} == {"cell", "colour", "shape"}
+    assert {p["head"] for p in result.probes} == {"1.0", "2.3"}
+    assert result.edit and {r["arm"] for r in result.edit} == {"edit", "control"}
+    assert (out / "validation.html").is_file()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--heads", "id_selection=9.0"], "do not exist"),
+    (["--heads", "id_selection"], "CONDITION=L.H"),
+    (["--heads", "counting=1.0"], "not scene conditions"),
+    (["--reference", "organism-p2a"], "lists no planted heads"),
+    (["--reference", "/nonexistent/model"], "no training record"),
+    (["--methods", "exact,magic"], "not among"),
+    (["--alpha", "1,x"], "comma-separated numbers"),
+])
+def test_bad_references_exit_2_with_a_named_reason(tmp_path, capsys, argv, match):
+    code = main(["validate", "--model", "tiny-qwen2_5_vl", *argv, "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err, err
+    assert not (tmp_path / "v" / "validation.json").exists()
+
+
+def test_recorded_planted_reads_a_training_record(tmp_path):
+    (tmp_path / "vlmbind_training.json").write_text(json.dumps({"planted": {"id_selection": ["2.1"]}}))
+    assert recorded_planted(str(tmp_path)) == {"id_selection": ["2.1"]}
+    with pytest.raises(vb.InputError, match="no training record"):
+        recorded_planted(str(tmp_path / "missing"))
+
+
+def _ground_truth_runner():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "circuits" / "ground_truth" / "run.py"
+    spec = importlib.util.spec_from_file_location("ground_truth_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readmes_show_the_saved_ground_truth_table():
+    """The tables in circuits/ground_truth/README.md and the project README are the ones drawn from the committed
+    results/table.csv (no number typed by hand), and that table agrees with each model's validation.json."""
+    run = _ground_truth_runner()
+    results = run.HERE / "results"
+    table = run.read_table(results / "table.csv")
+    text = (run.HERE / "README.md").read_text()
+    assert run.BEGIN + "\n" + run.markdown_tables(table) + "\n" + run.END in text
+    root = (run.HERE.parent.parent / "README.md").read_text()
+    assert run.ROOT_BEGIN + "\n" + run.summary_table(table) + "\n" + run.ROOT_END in root
+    for model in table["model"].unique():
+        saved = ValidationResult.load(results / model)
+        exact = [r for r in saved.methods if r["method"] == "exact"]
+        rows = table[(table["model"] == model) & (table["part"] == "mediation") & (table["method"] == "exact")]
+        assert len(rows) == len(exact)
+        for r, (_, row) in zip(exact, rows.iterrows()):
+            assert row["condition"] == r["condition"] and row["top_heads"] == " ".join(r["top_heads"])
+            if r["auroc"] is not None:
+                assert row["auroc"] == pytest.approx(r["auroc"])

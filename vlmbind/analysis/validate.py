@@ -1,0 +1,450 @@
+"""Every method against a planted mechanism: does vlmbind find heads that are known to do the work?
+
+An organism trained with SIIT (:mod:`vlmbind.organisms.siit`) records in its training record which heads carry which
+variable of VSM's pipeline (``planted``: condition -> ``["layer.head", ...]``). :func:`validate` runs each method on
+fresh counterfactual pairs (another seed, and by default the object count the planting held out) and scores it
+against those heads:
+
+* head-level mediation, ``exact`` over every head, ``naive`` on a sample of heads (it must equal ``exact``),
+  ``attribution`` (AtP, first order) and ``integrated_gradients`` (EAP-IG style): the rank of every planted head,
+  recall@k (k = the number planted for the condition), AUROC over all heads, and the smallest planted mean score
+  over the largest |score| of an unplanted head;
+* ablation in each mode: the planted conditions' top-k heads together, against random-k heads drawn from the rest
+  (several seeds) and the bottom-k by |score|;
+* the position-ID edit at the ID-selection heads: efficacy per alpha beside its empty-cell control;
+* linear probes (held-out scenes) and PCA of each reference head's last-token output: the missing object's cell,
+  colour and shape.
+
+On a model with nothing planted, pass ``reference`` heads (e.g. the heads planted in a twin trained with the same data
+and steps but behaviour loss only): the same table then says what each method reports where the mechanism is absent.
+With no reference at all the rank metrics are left empty and the table lists each method's top heads. A planted
+mechanism validates the methods; it says nothing about what pretrained VLMs do.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sklearn.decomposition import PCA
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import train_test_split
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from ..errors import InputError
+from ..evaluate import training_defaults
+from ..io import write_json_atomic, write_text_atomic
+from ..models import TRAINING_FILE
+from ..patching import METHOD_FUNCTIONS
+from ..results import Result, read_json_object, register_result, require_keys
+from ..shipped import ORGANISM_NAMES, organism_dir
+from ..sites import parse_heads
+from ..stimuli import scene_description, scene_pairs
+from ..viz import write_html_atomic
+from ..viz.validation import validation_figure
+from .ablation import MODES, ablation_study
+from .edits import edit_study
+from .mediation import HeadScores, locate, scene_task
+
+SCENE_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
+VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients")
+PROBE_TARGETS = ("cell", "colour", "shape")
+DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def planted_heads(vlm: Any) -> dict[str, list[tuple[int, int]]]:
+    """The ``planted`` field of the model's training record (condition -> heads); empty when there is none."""
+    training = getattr(vlm, "training", None) or {}
+    return {c: parse_heads(list(h)) for c, h in (training.get("planted") or {}).items()}
+
+
+def recorded_planted(model: str) -> dict[str, list[str]]:
+    """The ``planted`` field of another model's training record, read without loading its weights: a shipped
+    organism's name or a model directory.
+
+    Raises:
+        InputError: no training record there, or one without planted heads.
+    """
+    directory = organism_dir(model) if model in ORGANISM_NAMES else Path(model)
+    path = directory / TRAINING_FILE
+    if not path.is_file():
+        raise InputError(f"{model!r} has no training record ({TRAINING_FILE}); name a shipped organism or a "
+                         f"directory written by vlmbind.organisms.ship")
+    planted = read_json_object(path).get("planted")
+    if not planted:
+        raise InputError(f"{model!r}'s training record lists no planted heads; name an organism trained with SIIT "
+                         f"(e.g. organism-vsm)")
+    return {c: list(h) for c, h in planted.items()}
+
+
+def held_out_objects(vlm: Any) -> int:
+    """The object count the planting left out (its training record's ``siit.skip_objects``), else 3."""
+    training = getattr(vlm, "training", None) or {}
+    skipped = (training.get("siit") or {}).get("skip_objects") or []
+    return int(skipped[0]) if skipped else 3
+
+
+def rank_metrics(scores: np.ndarray, planted: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """How a layers x heads score map ranks the planted heads: 1-based ranks (highest score first), recall@k
+    (k = len(planted)), AUROC of planted vs every other head, and min planted score / max |unplanted score|."""
+    flat = np.asarray(scores, dtype=float)
+    n_heads = flat.shape[1]
+    order = np.argsort(-flat.ravel(), kind="stable")
+    rank = np.empty(order.size, dtype=int)
+    rank[order] = np.arange(1, order.size + 1)
+    index = [l * n_heads + h for l, h in planted]
+    if not index:
+        return {"planted_ranks": [], "recall_at_k": None, "auroc": None, "planted_min": None,
+                "unplanted_max_abs": float(np.abs(flat).max()), "ratio": None}
+    labels = np.zeros(order.size, dtype=int)
+    labels[index] = 1
+    k = len(index)
+    unplanted = np.abs(flat.ravel()[labels == 0])
+    planted_min = float(flat.ravel()[index].min())
+    biggest = float(unplanted.max()) if unplanted.size else 0.0
+    return {"planted_ranks": [int(rank[i]) for i in index],
+            "recall_at_k": float(np.mean([rank[i] <= k for i in index])),
+            "auroc": float(roc_auc_score(labels, flat.ravel())) if 0 < k < order.size else None,
+            "planted_min": planted_min, "unplanted_max_abs": biggest,
+            "ratio": planted_min / biggest if biggest > 0 else None}
+
+
+@register_result
+@dataclass
+class ValidationResult(Result):
+    """Each method scored against planted (or reference) heads. Tables:
+
+    Attributes:
+        model: the model validated.
+        reference: where the reference heads come from (``planted``: the model's own training record, the name of
+            another model, ``given``, or None).
+        heads: condition -> reference heads ``["l.h", ...]``.
+        methods: one row per (condition, method): pairs, k, ranks, recall@k, AUROC, ratio, top heads, seconds.
+        scores: one row per (condition, method, head): mean score, standard error, n, whether a reference head.
+        naive_check: per condition, the largest |exact - naive| over the sampled heads and pairs, and the heads.
+        ablation: one row per (mode, arm, seed): heads, accuracy, n.
+        edit: one row per (alpha, arm) of the position-ID edit (efficacy, n), or empty.
+        probes: one row per (head, target): held-out accuracy, chance (the majority class), train / test sizes.
+        pca: per reference head, the first two principal components of its last-token output with labels.
+        params: pairs, seeds, object count, entropy, alphas, ig steps.
+        seconds: wall time per part.
+    """
+
+    model: str
+    reference: str | None
+    heads: dict[str, list[str]]
+    methods: list[dict[str, Any]] = field(default_factory=list)
+    scores: list[dict[str, Any]] = field(default_factory=list)
+    naive_check: dict[str, Any] = field(default_factory=dict)
+    ablation: list[dict[str, Any]] = field(default_factory=list)
+    edit: list[dict[str, Any]] = field(default_factory=list)
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    pca: list[dict[str, Any]] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    kind = "validate"
+    marker_files = ("validation.json",)
+    figure_name = "validation"
+    table_name = "methods.csv"
+
+    def to_frame(self) -> pd.DataFrame:
+        """The methods table (one row per condition and method)."""
+        rows = [{**r, "planted_ranks": " ".join(map(str, r["planted_ranks"])), "top_heads": " ".join(r["top_heads"]),
+                 "heads": " ".join(r["heads"])} for r in self.methods]
+        return pd.DataFrame(rows)
+
+    def figure(self) -> Any:
+        return validation_figure(self.methods, self.scores, self.pca, model=self.model, reference=self.reference)
+
+    def ablation_summary(self) -> dict[str, dict[str, float]]:
+        """Per mode: accuracy of the clean, top, random (mean over seeds), lowest random seed and bottom arms."""
+        out: dict[str, dict[str, float]] = {}
+        for mode in sorted({r["mode"] for r in self.ablation}):
+            rows = [r for r in self.ablation if r["mode"] == mode]
+            random = [r["accuracy"] for r in rows if r["arm"] == "random"]
+            out[mode] = {arm: float(np.mean([r["accuracy"] for r in rows if r["arm"] == arm]))
+                         for arm in ("clean", "top", "bottom")}
+            out[mode]["random"] = float(np.mean(random)) if random else float("nan")
+            out[mode]["random_min"] = float(np.min(random)) if random else float("nan")
+            out[mode]["random_seeds"] = len(random)
+        return out
+
+    def edit_summary(self) -> dict[str, Any] | None:
+        """The alpha with the highest edit efficacy, its efficacy and the control's at that alpha."""
+        edits = [r for r in self.edit if r["arm"] == "edit" and r["alpha"] != 0]
+        if not edits:
+            return None
+        best = max(edits, key=lambda r: r["efficacy"])
+        control = [r for r in self.edit if r["arm"] == "control" and r["alpha"] == best["alpha"]]
+        return {"alpha": best["alpha"], "efficacy": best["efficacy"], "n": best["n"],
+                "control": control[0]["efficacy"] if control else None}
+
+    def summary(self) -> dict[str, Any]:
+        return {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
+                "naive_check": self.naive_check, "ablation": self.ablation_summary(), "edit": self.edit_summary(),
+                "probes": self.probes, "params": self.params, "seconds": self.seconds}
+
+    def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
+        return {"validation": self.figure}, {"methods.csv": self.to_frame(), "scores.csv": pd.DataFrame(self.scores),
+                                             "ablation.csv": pd.DataFrame(self.ablation),
+                                             "edit.csv": pd.DataFrame(self.edit),
+                                             "probes.csv": pd.DataFrame(self.probes)}
+
+    def save(self, out: str | os.PathLike, figure: bool = True) -> Path:
+        """``validation.json`` (everything), the tables as CSV and (with ``figure``) ``validation.html``, each written
+        atomically; ``vlmbind export`` draws the figure from the saved files later."""
+        out = Path(out)
+        document = {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
+                    "scores": self.scores, "naive_check": self.naive_check, "ablation": self.ablation,
+                    "edit": self.edit, "probes": self.probes, "pca": self.pca, "params": self.params,
+                    "seconds": self.seconds, "summary": {"ablation": self.ablation_summary(),
+                                                         "edit": self.edit_summary()}}
+        write_json_atomic(document, out / "validation.json")
+        _, tables = self.exports()
+        for name, frame in tables.items():
+            write_text_atomic(frame.to_csv(index=False), out / name)
+        if figure:
+            write_html_atomic(self.figure(), out / "validation.html")
+        return out
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> ValidationResult:
+        path = Path(directory) / "validation.json"
+        data = read_json_object(path)
+        require_keys(data, ("model", "reference", "heads", "methods", "scores"), path)
+        return cls(**{k: data[k] for k in ("model", "reference", "heads", "methods", "scores")},
+                   **{k: data.get(k, d) for k, d in (("naive_check", {}), ("ablation", []), ("edit", []),
+                                                      ("probes", []), ("pca", []), ("params", {}),
+                                                      ("seconds", {}))})
+
+
+def _score_rows(condition: str, method: str, scores: HeadScores, reference: set[tuple[int, int]]) -> list[dict]:
+    mean, err = scores.scores, scores.stderr
+    return [{"condition": condition, "method": method, "layer": l, "head": h, "score": float(mean[l, h]),
+             "stderr": float(err[l, h]), "n": scores.n, "reference": (l, h) in reference}
+            for l in range(mean.shape[0]) for h in range(mean.shape[1])]
+
+
+def _naive_sample(vlm: Any, pairs: Sequence[Any], exact: HeadScores, reference: Sequence[tuple[int, int]],
+                  n_heads: int, seed: int) -> tuple[list[tuple[int, int]], float]:
+    """``naive`` on the reference heads, the best-scored others and random heads: the largest |exact - naive|."""
+    everyone = [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads)]
+    chosen = list(dict.fromkeys([*reference, *[x for x in exact.top(len(everyone)) if x not in reference][:2]]))
+    rest = [x for x in everyone if x not in chosen]
+    rng = np.random.default_rng(seed)
+    extra = max(0, n_heads - len(chosen))
+    chosen += [rest[int(i)] for i in rng.choice(len(rest), size=min(extra, len(rest)), replace=False)]
+    worst = 0.0
+    layers = sorted({l for l, _ in chosen})
+    for i, pair in enumerate(pairs):
+        task = scene_task(vlm, pair, layers)
+        clean, patched = METHOD_FUNCTIONS["naive"](vlm, task, chosen)
+        for (l, h), value in zip(chosen, patched):
+            worst = max(worst, abs((value - clean) - exact.per_pair[i, l, h]))
+    return chosen, worst
+
+
+def _last_outputs(vlm: Any, examples: Sequence[Any], heads: Sequence[tuple[int, int]],
+                  batch_size: int = 32) -> dict[tuple[int, int], np.ndarray]:
+    """Per head, ``N D`` outputs z at the last prompt token."""
+    layers = sorted({l for l, _ in heads})
+    out: dict[tuple[int, int], list[np.ndarray]] = {h: [] for h in heads}
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk])
+        z = vlm.capture(batch, [f"blocks.{l}.attn.hook_z" for l in layers])
+        last = [row.last_position for row in batch.index]
+        for l, h in heads:
+            values = z[f"blocks.{l}.attn.hook_z"]
+            out[(l, h)].append(np.stack([values[r, p, h].float().cpu().numpy() for r, p in enumerate(last)]))
+    return {h: np.concatenate(v) for h, v in out.items()}
+
+
+def _labels(examples: Sequence[Any], grid: int) -> dict[str, np.ndarray]:
+    targets = [e.objects[e.fields["target"]] for e in examples]
+    return {"cell": np.array([t.row * grid + t.col for t in targets]),
+            "colour": np.array([t.colour for t in targets]), "shape": np.array([t.shape for t in targets])}
+
+
+def probe_heads(vlm: Any, examples: Sequence[Any], heads: Sequence[tuple[int, int]], *, grid: int, seed: int = 0
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Linear probes (standardised logistic regression, 25% held out) for the missing object's cell, colour and
+    shape from each head's last-token output, and its first two principal components.
+
+    Returns:
+        ``(probe rows, pca rows)``.
+    """
+    outputs = _last_outputs(vlm, examples, heads)
+    labels = _labels(examples, grid)
+    probes, points = [], []
+    for (l, h), x in outputs.items():
+        for target in PROBE_TARGETS:
+            y = labels[target]
+            values, counts = np.unique(y, return_counts=True)
+            x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=seed)
+            model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, C=1.0))
+            with warnings.catch_warnings():  # few scenes per cell is reported beside the accuracy (n, chance)
+                warnings.filterwarnings("ignore", message="The number of unique classes", category=UserWarning)
+                model.fit(x_train, y_train)
+            probes.append({"head": f"{l}.{h}", "target": target, "accuracy": float(model.score(x_test, y_test)),
+                           "chance": float(counts.max() / counts.sum()), "classes": int(values.size),
+                           "n_train": int(len(y_train)), "n_test": int(len(y_test))})
+        pcs = PCA(n_components=2, random_state=seed).fit(x)
+        coords = pcs.transform(x)
+        for i in range(min(len(x), 300)):
+            points.append({"head": f"{l}.{h}", "pc1": float(coords[i, 0]), "pc2": float(coords[i, 1]),
+                           "cell": int(labels["cell"][i]), "colour": str(labels["colour"][i]),
+                           "shape": str(labels["shape"][i]),
+                           "explained": [float(v) for v in pcs.explained_variance_ratio_]})
+    return probes, points
+
+
+def _reference(vlm: Any, reference: Mapping[str, Any] | None, source: str | None
+               ) -> tuple[dict[str, list[tuple[int, int]]], str | None]:
+    if reference is not None:
+        heads = {c: parse_heads(list(h)) if not isinstance(h, list) or (h and isinstance(h[0], str)) else
+                 [tuple(x) for x in h] for c, h in reference.items()}
+        unknown = sorted(set(heads) - set(SCENE_CONDITIONS))
+        if unknown:
+            raise InputError(f"reference conditions {unknown} are not scene conditions {SCENE_CONDITIONS}")
+        return heads, source or "given"
+    own = planted_heads(vlm)
+    return own, ("planted" if own else None)
+
+
+def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_source: str | None = None,
+             n_pairs: int = 16, seed: int = 1000, n_objects: int | None = None, entropy: str = "high",
+             methods: Sequence[str] = VALIDATION_METHODS, naive_heads: int = 6, ig_steps: int = 8,
+             modes: Sequence[str] = MODES, n_eval: int = 64, ablation_seeds: int = 5,
+             alphas: Sequence[float] = DEFAULT_ALPHAS, n_estimate: int = 256, n_probe: int = 512,
+             progress: bool = False) -> ValidationResult:
+    """Run every method against the model's planted heads (or ``reference`` heads) on fresh stimuli.
+
+    Args:
+        vlm: a loaded VLM (an organism with a ``planted`` training record, or any model with ``reference``).
+        reference: condition -> heads (``["l.h", ...]``) to score against instead of the model's own planted heads.
+        reference_source: what to call those heads in the result (e.g. the twin model they were planted in).
+        n_pairs: counterfactual pairs per condition.
+        seed: stimulus seed (keep it away from training's).
+        n_objects: objects per scene (default: the count the planting held out, else 3).
+        entropy: scene entropy.
+        methods: the mediation methods (``naive`` runs on ``naive_heads`` heads only).
+        naive_heads: heads ``naive`` is checked on (reference heads first).
+        ig_steps: integrated-gradients path points.
+        modes: ablation modes.
+        n_eval: scenes the ablation is scored on.
+        ablation_seeds: random-k draws.
+        alphas: position-ID edit scales.
+        n_estimate: scenes the position IDs are estimated from.
+        n_probe: scenes the probes and PCA use.
+        progress: show progress bars.
+
+    Raises:
+        InputError: unknown methods or modes, reference heads outside the model, or bad counts.
+    """
+    bad = [m for m in methods if m not in VALIDATION_METHODS]
+    if bad or not methods:
+        raise InputError(f"methods {bad or '(none)'} are not among {VALIDATION_METHODS}")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise InputError(f"ablation modes {bad} are not among {MODES}")
+    for name, value in (("n_pairs", n_pairs), ("n_eval", n_eval), ("ablation_seeds", ablation_seeds),
+                        ("n_probe", n_probe), ("ig_steps", ig_steps), ("n_estimate", n_estimate)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be an int >= 1, got {value!r}")
+    if n_probe < 16:
+        raise InputError(f"n_probe must be at least 16 (a quarter is held out), got {n_probe}")
+    heads, source = _reference(vlm, reference, reference_source)
+    for condition, hs in heads.items():
+        outside = [f"{l}.{h}" for l, h in hs if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
+        if outside:
+            raise InputError(f"reference heads {outside} ({condition}) do not exist in {vlm.name} "
+                             f"({vlm.n_layers} layers x {vlm.n_heads} heads)")
+    objects = held_out_objects(vlm) if n_objects is None else int(n_objects)
+    kwargs = training_defaults(vlm, "scene", {"n_objects": objects, "entropy": entropy})
+    grid = kwargs["canvas"].shape[1] if "canvas" in kwargs else 3
+    result = ValidationResult(model=vlm.name, reference=source,
+                              heads={c: [f"{l}.{h}" for l, h in hs] for c, hs in heads.items()},
+                              params={"n_pairs": n_pairs, "seed": seed, "n_objects": objects, "entropy": entropy,
+                                      "methods": list(methods), "ig_steps": ig_steps, "modes": list(modes),
+                                      "n_eval": n_eval, "ablation_seeds": ablation_seeds, "alphas": list(alphas),
+                                      "n_estimate": n_estimate, "n_probe": n_probe})
+    exact_scores: dict[str, HeadScores] = {}
+    for condition in SCENE_CONDITIONS:
+        pairs = scene_pairs(n_pairs, condition, seed, **kwargs)
+        planted = heads.get(condition, [])
+        for method in methods:
+            if method == "naive":
+                continue
+            start = time.perf_counter()
+            extra = {"steps": ig_steps} if method == "integrated_gradients" else {}
+            scores = locate(vlm, pairs, method=method, verify_top=0, progress=progress, **extra)
+            seconds = time.perf_counter() - start
+            if method == "exact":
+                exact_scores[condition] = scores
+            result.scores += _score_rows(condition, method, scores, set(planted))
+            result.methods.append({"condition": condition, "method": method, "n_pairs": scores.n,
+                                   "k": len(planted), "heads": [f"{l}.{h}" for l, h in planted],
+                                   **rank_metrics(scores.scores, planted),
+                                   "top_heads": [f"{l}.{h}" for l, h in scores.top(max(3, len(planted)))],
+                                   "seconds": seconds})
+        if "naive" in methods and condition in exact_scores:
+            start = time.perf_counter()
+            sampled, worst = _naive_sample(vlm, list(pairs), exact_scores[condition], planted, naive_heads, seed)
+            result.naive_check[condition] = {"heads": [f"{l}.{h}" for l, h in sampled],
+                                             "max_abs_difference": float(worst), "seconds": time.perf_counter() - start}
+    result.seconds["mediation"] = float(sum(r["seconds"] for r in result.methods))
+    start = time.perf_counter()
+    _ablate(vlm, result, heads, exact_scores, kwargs, seed, n_eval, modes, ablation_seeds)
+    result.seconds["ablation"] = time.perf_counter() - start
+    selection = heads.get("id_selection")
+    if selection:
+        start = time.perf_counter()
+        edit = edit_study(vlm, selection, list(alphas), n_estimate=n_estimate, n_eval=n_eval, seed=seed,
+                          n_objects=objects, entropy=entropy, progress=progress)
+        result.edit = [{"alpha": r["alpha"], "arm": r["arm"], "efficacy": r["efficacy"], "n": r["n"]}
+                       for r in edit.rows]
+        result.seconds["edit"] = time.perf_counter() - start
+    probe_set = list(dict.fromkeys(h for hs in heads.values() for h in hs))
+    if probe_set:
+        start = time.perf_counter()
+        scenes = list(scene_description(n_probe, seed + 1, **kwargs))
+        result.probes, result.pca = probe_heads(vlm, scenes, probe_set, grid=grid, seed=seed)
+        result.seconds["probes"] = time.perf_counter() - start
+    return result
+
+
+def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int, int]]],
+            exact: dict[str, HeadScores], kwargs: dict[str, Any], seed: int, n_eval: int, modes: Sequence[str],
+            seeds: int) -> None:
+    """Top-k of the reference conditions together (each condition's k best exact heads; k = its reference count, or
+    1 with no reference) against random-k from the other heads and the bottom-k by |score|."""
+    if not exact:
+        return
+    top: list[tuple[int, int]] = []
+    for condition, scores in exact.items():
+        k = len(heads.get(condition, [])) if heads else 1
+        top += [h for h in scores.top(k) if h not in top] if k else []
+    if not top:
+        return
+    n = vlm.n_layers * vlm.n_heads
+    magnitude = np.max([np.abs(s.scores) / max(np.abs(s.scores).max(), 1e-12) for s in exact.values()], axis=0)
+    frame = pd.DataFrame([{"layer": l, "head": h, "score": (2.0 + magnitude[l, h]) if (l, h) in top else
+                           float(magnitude[l, h])} for l in range(vlm.n_layers) for h in range(vlm.n_heads)])
+    dataset = scene_description(n_eval, seed + 2, **kwargs)
+    k = min(len(top), n // 2)
+    for mode in modes:
+        study = ablation_study(vlm, dataset, frame, k=k, mode=mode, seeds=tuple(range(seeds)), random_from="rest",
+                               bottom_by="abs")
+        result.ablation += [{"mode": mode, "arm": a["arm"], "seed": a["seed"], "heads": " ".join(a["heads"]),
+                             "accuracy": a["accuracy"], "n": a["n"]} for a in study.arms]
