@@ -312,8 +312,7 @@ def probe_heads(vlm: Any, examples: Sequence[Any], heads: Sequence[tuple[int, in
 def _reference(vlm: Any, reference: Mapping[str, Any] | None, source: str | None
                ) -> tuple[dict[str, list[tuple[int, int]]], str | None]:
     if reference is not None:
-        heads = {c: parse_heads(list(h)) if not isinstance(h, list) or (h and isinstance(h[0], str)) else
-                 [tuple(x) for x in h] for c, h in reference.items()}
+        heads = {c: parse_heads(h) for c, h in reference.items()}
         unknown = sorted(set(heads) - set(SCENE_CONDITIONS))
         if unknown:
             raise InputError(f"reference conditions {unknown} are not scene conditions {SCENE_CONDITIONS}")

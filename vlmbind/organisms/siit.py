@@ -411,17 +411,13 @@ def position_readout(hidden: int, cells: int) -> torch.Tensor:
     return w / w.norm(dim=0, keepdim=True)
 
 
-def position_code_loss(hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
-                       cells: int) -> torch.Tensor:
-    """Cross-entropy of every image token's grid cell read from ``hidden_states`` (``B P D``, one decoder layer's
-    output) through :func:`position_readout` (cosine logits, scaled by :data:`POSITION_LOGIT_SCALE`). Image tokens are in raster order, ``cells`` per image."""
+def _image_cells(input_ids: torch.Tensor, image_token_id: int, cells: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The image tokens' mask and each one's grid cell (image tokens are in raster order, ``cells`` per image)."""
     mask = input_ids == image_token_id
     counts = mask.sum(1)
     if bool((counts % cells).any()):
         raise TrainingError(f"rows hold {counts.tolist()} image tokens, not a multiple of the grid's {cells} cells")
-    h = hidden_states[mask]  # row-major: each row's image tokens in order
-    target = torch.cat([torch.arange(int(c)) % cells for c in counts])
-    return torch.nn.functional.cross_entropy(_position_logits(h, cells), target.to(h.device))
+    return mask, torch.cat([torch.arange(int(c)) % cells for c in counts])
 
 
 def _position_logits(h: torch.Tensor, cells: int) -> torch.Tensor:
@@ -429,12 +425,13 @@ def _position_logits(h: torch.Tensor, cells: int) -> torch.Tensor:
     return POSITION_LOGIT_SCALE * unit @ position_readout(h.shape[-1], cells).to(h.dtype)
 
 
-def _image_cells(input_ids: torch.Tensor, image_token_id: int, cells: int) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = input_ids == image_token_id
-    counts = mask.sum(1)
-    if bool((counts % cells).any()):
-        raise TrainingError(f"rows hold {counts.tolist()} image tokens, not a multiple of the grid's {cells} cells")
-    return mask, torch.cat([torch.arange(int(c)) % cells for c in counts])
+def position_code_loss(hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
+                       cells: int) -> torch.Tensor:
+    """Cross-entropy of every image token's grid cell read from ``hidden_states`` (``B P D``, one decoder layer's
+    output) through :func:`position_readout` (cosine logits, scaled by :data:`POSITION_LOGIT_SCALE`)."""
+    mask, target = _image_cells(input_ids, image_token_id, cells)
+    return torch.nn.functional.cross_entropy(_position_logits(hidden_states[mask], cells),
+                                             target.to(hidden_states.device))
 
 
 class PositionProbe(torch.nn.Module):
@@ -463,10 +460,8 @@ class PositionProbe(torch.nn.Module):
 def position_code_accuracy(hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
                            cells: int) -> float:
     """Share of image tokens whose cell the fixed readout gets right."""
-    mask = input_ids == image_token_id
-    h = hidden_states[mask]
-    target = torch.cat([torch.arange(int(c)) % cells for c in mask.sum(1)])
-    pred = _position_logits(h, cells).argmax(-1).cpu()
+    mask, target = _image_cells(input_ids, image_token_id, cells)
+    pred = _position_logits(hidden_states[mask], cells).argmax(-1).cpu()
     return float((pred == target).float().mean())
 
 

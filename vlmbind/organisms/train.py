@@ -539,8 +539,7 @@ def _save_probe(directory: Path, probe: PositionProbe, optimizer: torch.optim.Op
     by_id = {id(p): n for n, p in probe.named_parameters()}
     for p, st in optimizer.state.items():
         for key, value in st.items():
-            tensors[f"state.{by_id[id(p)]}.{key}"] = torch.as_tensor(value).detach().clone().reshape(
-                torch.as_tensor(value).shape)
+            tensors[f"state.{by_id[id(p)]}.{key}"] = torch.as_tensor(value).detach().clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / PROBE_FILE))
 
 
