@@ -95,6 +95,8 @@ def test_models_failing_row_is_reported_and_exits_1(monkeypatch, capsys):
         (["demo", "--seed", "abc"], ["'abc'"]),
         (["models", "--bogus"], ["--bogus"]),
         (["demo", "--model", "tiny-qwen25"], ["'tiny-qwen25'", "tiny-qwen2_5_vl"]),
+        (["demo", "--model", "tiny-qwen2_5_vl", "--validate-model", "organism-p2a"],
+         ["--validate-model", "'organism-p2a'", "no planted heads", "--no-validate"]),
     ],
 )
 def test_bad_usage_exits_2_with_one_line(argv, needles, capsys, tmp_path):

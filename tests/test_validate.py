@@ -75,6 +75,7 @@ def test_validate_on_a_tiny_model_with_given_heads(tmp_path, capsys):
     (["--reference", "organism-p2a"], "lists no planted heads"),
     (["--reference", "/nonexistent/model"], "no training record"),
     (["--methods", "exact,magic"], "not among"),
+    (["--methods", "naive"], "add exact"),
     (["--alpha", "1,x"], "comma-separated numbers"),
 ])
 def test_bad_references_exit_2_with_a_named_reason(tmp_path, capsys, argv, match):

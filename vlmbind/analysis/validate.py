@@ -81,7 +81,7 @@ def recorded_planted(model: str) -> dict[str, list[str]]:
                          f"directory written by vlmbind.organisms.ship")
     planted = read_json_object(path).get("planted")
     if not planted:
-        raise InputError(f"{model!r}'s training record lists no planted heads; name an organism trained with SIIT "
+        raise InputError(f"the training record of {model!r} lists no planted heads; name an organism trained with SIIT "
                          f"(e.g. organism-vsm)")
     return {c: list(h) for c, h in planted.items()}
 
@@ -337,7 +337,8 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
         seed: stimulus seed (keep it away from training's).
         n_objects: objects per scene (default: the count the planting held out, else 3).
         entropy: scene entropy.
-        methods: the mediation methods (``naive`` runs on ``naive_heads`` heads only).
+        methods: the mediation methods (``naive`` runs on ``naive_heads`` heads only, as a check on ``exact``, so
+            it needs ``exact`` in the list).
         naive_heads: heads ``naive`` is checked on (reference heads first).
         ig_steps: integrated-gradients path points.
         modes: ablation modes.
@@ -354,6 +355,8 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
     bad = [m for m in methods if m not in VALIDATION_METHODS]
     if bad or not methods:
         raise InputError(f"methods {bad or '(none)'} are not among {VALIDATION_METHODS}")
+    if "naive" in methods and "exact" not in methods:
+        raise InputError("naive is checked against exact on a sample of heads: add exact to the methods")
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise InputError(f"ablation modes {bad} are not among {MODES}")

@@ -20,9 +20,10 @@ import torch
 import transformers
 from PIL import Image, ImageDraw
 
+from .. import loading
 from ..analysis.attention import AttentionMass, last_token_attention
 from ..analysis.overview import causal_overview, representation_overview
-from ..analysis.validate import validate
+from ..analysis.validate import recorded_planted, validate
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..io import check_out_dir
@@ -30,7 +31,6 @@ from ..report import causal_sections, demo_report_html, representation_sections,
 from ..stimuli import scene_description
 from ..version import __version__
 from ..viz import attention_overlay, write_bytes_atomic, write_html_atomic, write_text_atomic
-from .. import loading
 from .arguments import load_model, non_negative_int, positive_int
 
 # the shipped organism trained with Point-to-Answer answers (see vlmbind/organisms/weights/organism-p2a/README.md)
@@ -141,6 +141,11 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     """``vlmbind demo``: run a model on a drawn scene and write the CSV, figures, scene, summary and report."""
     start = time.perf_counter()
     out = check_out_dir(args.out)  # a bad --out fails now, not after the whole run
+    if not args.no_validate:  # so does a validation model with nothing planted (read from its record, no weights)
+        try:
+            recorded_planted(args.validate_model)
+        except InputError as exc:
+            raise InputError(f"--validate-model: {exc}, or pass --no-validate") from None
 
     vlm = load_model(args)
     image, objects, prompt, expected = _demo_scene(vlm, args.seed)
@@ -196,9 +201,6 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     validation = None
     if not args.no_validate:
         planted = loading.load(args.validate_model)
-        if not (planted.training or {}).get("planted"):
-            raise InputError(f"--validate-model {args.validate_model!r} has no planted heads in its training record; "
-                             "pass an organism trained with SIIT (e.g. organism-vsm) or --no-validate")
         validation = validate(planted, n_pairs=args.pairs // 2 or 1, seed=1000 + args.seed, ig_steps=4,
                               naive_heads=3, modes=("image_attention",), n_eval=max(8, args.eval_n // 2),
                               n_estimate=2 * args.eval_n, n_probe=max(64, args.probe_n // 2))

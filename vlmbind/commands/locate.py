@@ -8,8 +8,8 @@ from .. import parallel, sweeps
 from ..analysis.mediation import CHECKPOINT, CONDITIONS, METHODS, locate
 from ..analysis.traces import point_swap_pairs
 from ..errors import InputError
-from ..patching import IG_STEPS
 from ..evaluate import training_defaults
+from ..patching import IG_STEPS
 from ..stimuli import scene_pairs
 from .arguments import model_session, out_dir, parse_range, rank_done
 

@@ -24,10 +24,10 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
-import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -58,12 +58,12 @@ from .model import OrganismSize, build_organism, grid_side
 from .siit import (
     SIIT_EVAL_STREAM,
     HeadInterchange,
+    PositionProbe,
     SIITSpec,
     answer_changes,
     draw_pairs,
     evaluating,
     interchange_accuracy,
-    PositionProbe,
     position_code_accuracy,
     position_code_loss,
     siit_losses,
@@ -561,9 +561,7 @@ def _load_probe(directory: Path, probe: PositionProbe, optimizer: torch.optim.Op
 def _evaluate(model: torch.nn.Module, batches: dict[str, list[TrainBatch]], norm: str) -> dict[str, dict[str, float]]:
     """Teacher-forced loss and exact-match accuracy (equal to greedy decoding's) per ``task/variant``."""
     out = {}
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
+    with evaluating(model):
         for key, chunks in batches.items():
             losses, correct, n = [], 0, 0
             for b in chunks:
@@ -572,7 +570,6 @@ def _evaluate(model: torch.nn.Module, batches: dict[str, list[TrainBatch]], norm
                 correct += int(answer_correct(logits, b.labels).sum())
                 n += len(b)
             out[key] = {"loss": sum(losses) / n, "accuracy": correct / n}
-    model.train(was_training)
     return out
 
 
