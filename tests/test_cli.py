@@ -27,8 +27,8 @@ from vlmbind.commands import demo
 from vlmbind.errors import InputError
 from vlmbind.viz import attention_overlay, head_heatmap, write_html_atomic, write_text_atomic
 
-DEMO_FILES = ("validation", "causal", "representations", "attention_mass.csv", "heatmap.html", "overlay.html", "scene.png", "summary.json",
-              "report.html")
+DEMO_FILES = ("validation", "causal", "representations", "attention_mass.csv", "heatmap.html", "overlay.html",
+              "scene.png", "summary.json", "report.html")
 SCRIPT_SRC = re.compile(r"<script[^>]*\bsrc\s*=", re.IGNORECASE)
 
 
