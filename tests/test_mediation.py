@@ -157,8 +157,12 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
         locate(vlm, pairs, checkpoint=path)
     full = locate(vlm, pairs)
     partial = tmp_path / "p.safetensors"
-    _save_checkpoint(partial, {"model": vlm.name, "method": "exact", "condition": "id_selection",
-                               "layers": [0, 1, 2, 3], "pairs": [p.id for p in pairs]}, full.per_pair[:1])
+    key = {"model": vlm.name, "method": "exact", "condition": "id_selection", "layers": [0, 1, 2, 3],
+           "pairs": [p.id for p in pairs], "prompt_format": "chat"}
+    _save_checkpoint(partial, key, full.per_pair[:1])
+    with pytest.raises(vb.InputError, match="prompt_format differ"):  # the tiny model prompts raw by default
+        locate(vlm, pairs, checkpoint=partial)
+    _save_checkpoint(partial, {**key, "prompt_format": "raw"}, full.per_pair[:1])
     resumed = locate(vlm, pairs, checkpoint=partial)
     np.testing.assert_array_equal(resumed.per_pair, full.per_pair)
     assert not partial.exists()

@@ -16,7 +16,7 @@ from PIL import Image
 
 from . import adapters as _adapters  # noqa: F401  (registers the families)
 from .adapters.base import ModelAdapter, adapter_class_for_config
-from .batches import Batch, RunOutput
+from .batches import Batch, RunOutput, append_tokens
 from .decoding import generate_ids
 from .errors import InputError, close_matches
 from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
@@ -25,6 +25,9 @@ from .sites import Site, parse_heads, resolve_sites
 from .tokens import TokenIndex, text_offsets
 
 TRAINING_FILE = "vlmbind_training.json"
+# how a task's prompt reaches the model: ``raw`` (image placeholders then the prompt, as the organisms are trained) or
+# ``chat`` (a user turn of the processor's chat template, then the assistant turn the answer starts)
+PROMPT_FORMATS = ("raw", "chat")
 
 
 class VLM:
@@ -156,6 +159,66 @@ class VLM:
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )
 
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self.processor, "chat_template", None) is not None
+
+    @property
+    def default_prompt_format(self) -> str:
+        """``chat`` for checkpoints with a chat template; ``raw`` for those without one, for models vlmbind trained
+        (they saw raw prompts) and for the registered random tiny models (their templates are stand-ins; pass
+        ``chat`` to exercise the template path)."""
+        built_here = self.training is not None or self.source.startswith("tiny (")
+        return "raw" if built_here or not self.has_chat_template else "chat"
+
+    def prompt_format(self, value: str | None) -> str:
+        """``value`` checked (None: :attr:`default_prompt_format`).
+
+        Raises:
+            InputError: an unknown format, or ``chat`` for a model without a chat template.
+        """
+        if value is None:
+            return self.default_prompt_format
+        if value not in PROMPT_FORMATS:
+            raise InputError(f"unknown prompt format {value!r}; formats: {', '.join(PROMPT_FORMATS)}")
+        if value == "chat" and not self.has_chat_template:
+            raise InputError(f"{self.name} has no chat template; use the raw prompt format")
+        return value
+
+    def answer_separator(self, chat: bool) -> str:
+        """What comes between the prompt and the answer's first word: a space after a raw prompt (``... and a``
+        then `` red``); in a chat reply nothing after a template that opens the reply on a new line (ChatML's
+        ``assistant\n``, Gemma's ``model\n``) and a space after one that ends on a word (LLaVA's ``ASSISTANT:``)."""
+        if not chat:
+            return " "
+        rendered = self.prompt_text("x", 1, chat=True)
+        return "" if rendered[-1:].isspace() else " "
+
+    def answer_ids(self, answer: str, chat: bool) -> list[int]:
+        """The token ids of ``answer`` as it continues a prompt in the given format (see :meth:`answer_separator`).
+
+        Raises:
+            InputError: the answer is empty or gives no token.
+        """
+        if not isinstance(answer, str) or not answer.strip():
+            raise InputError(f"answer must be a non-empty string, got {answer!r}")
+        ids = self.adapter.tokenizer(self.answer_separator(chat) + answer.strip(),
+                                     add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise InputError(f"answer {answer!r} gives no token")
+        return [int(i) for i in ids]
+
+    def extend(self, batch: Batch, ids: Sequence[int]) -> Batch:
+        """A one-row ``batch`` with ``ids`` appended as text tokens (attention 1, token types 0), token index
+        rebuilt. Tokens are appended by id, never re-tokenised from decoded text (a decoded SentencePiece prefix
+        loses its leading space)."""
+        if len(batch) != 1:
+            raise InputError(f"extend takes a one-row batch, got {len(batch)} rows")
+        extra = torch.as_tensor(list(ids), dtype=batch.inputs["input_ids"].dtype)[None]
+        inputs = append_tokens(self.adapter, batch.inputs, extra)
+        return Batch(inputs=inputs, index=self.token_index(inputs, batch.images), prompts=batch.prompts,
+                     images=batch.images)
+
     def token_index(self, inputs: dict[str, torch.Tensor], rows: list[list[Image.Image]]) -> list[TokenIndex]:
         """One TokenIndex per row of processor ``inputs`` (also of inputs extended by appended tokens)."""
         ids = inputs["input_ids"].cpu().numpy()
@@ -186,11 +249,17 @@ class VLM:
         sites: str | Sequence[str | Site] = (),
         interventions: Sequence[Intervention] = (),
         grad: bool = False,
+        logits_at: Sequence[int] | None = None,
     ) -> RunOutput:
         """One forward with ``sites`` captured and ``interventions`` (plus any active ones) applied.
 
+        Args:
+            logits_at: compute the logits only at these positions (``logits_to_keep``): a real vocabulary's logits
+                over every position take ~0.8 GB a row at 1,300 tokens, where a score needs one position.
+
         Returns:
-            RunOutput with ``logits`` ``B P V`` and ``cache`` site name -> tensor (shapes in :mod:`vlmbind.sites`).
+            RunOutput with ``logits`` ``B P V`` (``B len(logits_at) V`` with ``logits_at``) and ``cache`` site name
+            -> tensor (shapes in :mod:`vlmbind.sites`).
         """
         resolved = self.sites(sites) if sites else []
         session = HookSession(
@@ -200,13 +269,16 @@ class VLM:
             if not grad:
                 stack.enter_context(torch.no_grad())
             stack.enter_context(session)
-            out = self.model(**self.model_inputs(batch), use_cache=False)
+            keep = {} if logits_at is None else {"logits_to_keep": torch.as_tensor(list(logits_at), dtype=torch.long,
+                                                                               device=self.device)}
+            out = self.model(**self.model_inputs(batch), use_cache=False, **keep)
         cache = {name: (vals[0] if len(vals) == 1 else torch.cat(vals, 0)) for name, vals in session.captured.items()}
         return RunOutput(logits=out.logits, cache=cache)
 
-    def logits(self, batch: Batch, interventions: Sequence[Intervention] = ()) -> torch.Tensor:
-        """``B P V`` logits of one forward."""
-        return self.run(batch, interventions=interventions).logits
+    def logits(self, batch: Batch, interventions: Sequence[Intervention] = (),
+               at: Sequence[int] | None = None) -> torch.Tensor:
+        """``B P V`` logits of one forward (``B len(at) V``: only at the positions ``at``)."""
+        return self.run(batch, interventions=interventions, logits_at=at).logits
 
     def capture(self, batch: Batch, sites: str | Sequence[str | Site]) -> dict[str, torch.Tensor]:
         """Captured activations for ``sites`` (site name -> tensor)."""

@@ -129,12 +129,13 @@ def naive_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> 
         ``(clean difference, len(heads) patched differences)``.
     """
     check_task(vlm, task, heads)
-    clean = float(_diff(vlm.logits(task.batch)[0, task.score_position], task.a, task.a_star))
+    at = [task.score_position]
+    clean = float(_diff(vlm.logits(task.batch, at=at)[0, 0], task.a, task.a_star))
     out = np.zeros(len(heads))
     for i, (layer, head) in enumerate(heads):
         patch = PatchHeads(layer=layer, heads=[head], positions=task.positions,
                            values=task.values[layer][:, [head]][None])
-        out[i] = float(_diff(vlm.logits(task.batch, [patch])[0, task.score_position], task.a, task.a_star))
+        out[i] = float(_diff(vlm.logits(task.batch, [patch], at=at)[0, 0], task.a, task.a_star))
     return clean, out
 
 
@@ -473,15 +474,16 @@ def _exact_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, 
     adapter = vlm.adapter
     layers = sorted({layer for layer, _ in heads})
     sites = [f"blocks.{l}.hook_resid_pre" for l in layers]
-    run = vlm.run(task.batch, sites=sites)
-    clean = float(_diff(run.logits[0, task.score_position], task.a, task.a_star))
+    at = [task.score_position]
+    run = vlm.run(task.batch, sites=sites, logits_at=at)
+    clean = float(_diff(run.logits[0, 0], task.a, task.a_star))
     out = np.zeros(len(heads))
     for i, (layer, head) in enumerate(heads):
         patch = PatchHeads(layer=layer, heads=[head], positions=task.positions,
                            values=task.values[layer][:, [head]][None])
         with start_at_layer(adapter, layer, run.cache[f"blocks.{layer}.hook_resid_pre"]):
-            logits = vlm.logits(task.batch, [patch])
-        out[i] = float(_diff(logits[0, task.score_position], task.a, task.a_star))
+            logits = vlm.logits(task.batch, [patch], at=at)
+        out[i] = float(_diff(logits[0, 0], task.a, task.a_star))
     return clean, out
 
 
@@ -525,8 +527,9 @@ def _path_gradients(vlm: Any, task: PatchTask, layers: Sequence[int], alphas: Se
         handles = [adapter.o_proj_module(layer).register_forward_pre_hook(hook_for(layer)) for layer in layers]
         try:
             with torch.enable_grad():
-                logits = vlm.model(**inputs, use_cache=False).logits
-                diff = _diff(logits[0, task.score_position], task.a, task.a_star)
+                keep = torch.tensor([task.score_position], device=vlm.device)
+                logits = vlm.model(**inputs, use_cache=False, logits_to_keep=keep).logits
+                diff = _diff(logits[0, 0], task.a, task.a_star)
                 grads = torch.autograd.grad(diff, [deltas[layer] for layer in layers])
         finally:
             for handle in handles:

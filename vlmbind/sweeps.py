@@ -66,7 +66,7 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
     mine = blocks[group.rank]
     layer_list = list(range(vlm.n_layers)) if layers is None else [int(l) for l in layers]
     key = {"model": vlm.name, "method": method, "layers": layer_list, "verify_top": verify_top,
-           "pairs": [p.id for p in mine]}
+           "pairs": [p.id for p in mine], "prompt_format": method_kwargs.get("prompt_format")}
     verify = method in ESTIMATES and verify_top > 0
     rounds = ("scores", "verified") if verify else ("scores",)
 
@@ -91,7 +91,8 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
     group.wait_for([path(r, name) for name in rounds for r in range(group.world)])
     parts = [HeadScores(condition=pairs[0].condition, method=method, model=vlm.name,
                         per_pair=_read_part(path(r, "scores")), pair_ids=[p.id for p in blocks[r]],
-                        verified=_read_part(path(r, "verified")) if verify else None)
+                        verified=_read_part(path(r, "verified")) if verify else None,
+                        prompt_format=vlm.prompt_format(method_kwargs.get("prompt_format")))
              for r in range(group.world)]
     return HeadScores.concat(parts, seconds=time.perf_counter() - start_time,
                              skipped=list(getattr(pairs_in, "skipped", [])))

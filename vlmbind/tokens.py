@@ -151,18 +151,35 @@ class TokenIndex:
         return np.flatnonzero(hit)
 
 
+def decoded_spans(tokenizer, ids: list[int], *, skip_special_tokens: bool = False) -> tuple[list[tuple[int, int]], str]:
+    """``([(start, end) of each token in the text], text)`` of ``ids`` decoded together.
+
+    Offsets come from decoding growing prefixes, never one token at a time: a SentencePiece decoder drops the leading
+    space of a lone token (``decode([▁red]) == "red"``), so token-by-token text loses every space. A token whose
+    prefix decodes to a text that does not extend the previous one (a byte-fallback character still incomplete)
+    starts where the two texts agree.
+    """
+    spans, previous = [], ""
+    for k in range(len(ids)):
+        current = tokenizer.decode(ids[: k + 1], skip_special_tokens=skip_special_tokens,
+                                   clean_up_tokenization_spaces=False)
+        start = len(previous)
+        if not current.startswith(previous):
+            start = next((i for i, (a, b) in enumerate(zip(previous, current)) if a != b), min(len(previous),
+                                                                                              len(current)))
+        spans.append((start, len(current)))
+        previous = current
+    return spans, previous
+
+
 def text_offsets(tokenizer, input_ids: np.ndarray, roles: np.ndarray) -> tuple[np.ndarray, str]:
-    """Decode the text tokens one by one and record where each lands in the concatenated text."""
+    """The prompt's text tokens decoded together (image and special tokens left out) and where each token lands."""
     offsets = np.full((len(input_ids), 2), -1, dtype=np.int64)
-    pieces, cursor = [], 0
-    for pos, (tid, role) in enumerate(zip(input_ids.tolist(), roles.tolist())):
-        if role != "text":
-            continue
-        piece = tokenizer.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        offsets[pos] = (cursor, cursor + len(piece))
-        pieces.append(piece)
-        cursor += len(piece)
-    return offsets, "".join(pieces)
+    positions = np.flatnonzero(np.asarray(roles) == "text")
+    spans, text = decoded_spans(tokenizer, [int(i) for i in np.asarray(input_ids)[positions]])
+    for pos, span in zip(positions, spans):
+        offsets[pos] = span
+    return offsets, text
 
 
 def grid_boxes(rows: int, cols: int, cell_w: float, cell_h: float, x_off: float = 0.0, y_off: float = 0.0,

@@ -23,7 +23,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +48,18 @@ CHECKPOINT = "locate.partial.safetensors"
 ESTIMATES = ("attribution", "integrated_gradients")
 
 
-def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str) -> tuple[list[int], int, int]:
-    """``(shared prefix ids, id of a, id of a*)`` at the first token where `` answer`` and `` answer_cf`` differ.
+def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str, separator: str = " ") -> tuple[list[int], int, int]:
+    """``(shared prefix ids, id of a, id of a*)`` at the first token where ``separator + answer`` and
+    ``separator + answer_cf`` differ (``separator``: :meth:`vlmbind.models.VLM.answer_separator`).
 
     Raises:
         InputError: the answers tokenise identically (nothing to score).
     """
-    a = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
-    b = tokenizer(" " + answer_cf, add_special_tokens=False)["input_ids"]
+    a = tokenizer(separator + answer, add_special_tokens=False)["input_ids"]
+    b = tokenizer(separator + answer_cf, add_special_tokens=False)["input_ids"]
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            return list(a[:i]), int(x), int(y)
+            return [int(t) for t in a[:i]], int(x), int(y)
     raise InputError(f"answers {answer!r} and {answer_cf!r} have no differing token: nothing to score")
 
 
@@ -76,6 +77,7 @@ class HeadScores(Result):
         pair_ids: the pairs, in order.
         verified: ``attribution`` only: ``N L H`` exact scores of the top candidates (NaN elsewhere).
         skipped: examples that gave no pair (attention_swap traces without two usable points).
+        prompt_format: how the scene pairs were prompted (``raw`` or ``chat``).
         table: a result loaded from its files (:meth:`load`): the saved per-head table; ``per_pair`` is then None
             and the means, standard errors and counts come from the table.
     """
@@ -93,6 +95,7 @@ class HeadScores(Result):
     pair_ids: list[str] = field(default_factory=list)
     verified: np.ndarray | None = None
     skipped: list[str] = field(default_factory=list)
+    prompt_format: str = "raw"
     table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -105,7 +108,8 @@ class HeadScores(Result):
         require_keys(summary, ("condition", "method", "model", "n"), directory / "summary.json")
         return cls(condition=summary["condition"], method=summary["method"], model=summary["model"], per_pair=None,
                    seconds=summary.get("seconds", 0.0), pair_ids=summary.get("pair_ids", []),
-                   skipped=summary.get("skipped_examples", []), table=frame)
+                   skipped=summary.get("skipped_examples", []), prompt_format=summary.get("prompt_format", "raw"),
+                   table=frame)
 
     def _saved(self, column: str) -> np.ndarray:
         """``L H`` of one column of the loaded table (NaN where a head has no row)."""
@@ -170,7 +174,7 @@ class HeadScores(Result):
     def summary(self) -> dict[str, Any]:
         out = {"condition": self.condition, "method": self.method, "model": self.model, "n": self.n,
                "seconds": self.seconds, "top_heads": [f"{l}.{h}" for l, h in self.top(10)],
-               "pair_ids": self.pair_ids}
+               "pair_ids": self.pair_ids, "prompt_format": self.prompt_format}
         if self.skipped:
             out["skipped_examples"] = self.skipped
         if self.verified is not None:
@@ -190,7 +194,8 @@ class HeadScores(Result):
         verified = None if first.verified is None else np.concatenate([p.verified for p in parts])
         return cls(condition=first.condition, method=first.method, model=first.model,
                    per_pair=np.concatenate([p.per_pair for p in parts]), seconds=seconds,
-                   pair_ids=[i for p in parts for i in p.pair_ids], verified=verified, skipped=list(skipped))
+                   pair_ids=[i for p in parts for i in p.pair_ids], verified=verified, skipped=list(skipped),
+                   prompt_format=first.prompt_format)
 
     def recall(self, reference: HeadScores, k: int = 10) -> float:
         """Share of ``reference``'s top-``k`` heads that are also in this result's top-``k``."""
@@ -205,28 +210,27 @@ class HeadScores(Result):
         return out
 
 
-def _extended(pair: Any, prefix_text: str) -> Any:
-    """The pair with the answers' shared leading text appended to both prompts (last-token patches follow)."""
-    if not prefix_text:
-        return pair
-    clean = replace(pair.clean, prompt=pair.clean.prompt + prefix_text)
-    cf = replace(pair.counterfactual, prompt=pair.counterfactual.prompt + prefix_text)
-    return replace(pair, clean=clean, counterfactual=cf)
-
-
-def scene_task(vlm: Any, pair: Any, layers: Sequence[int]) -> PatchTask:
+def scene_task(vlm: Any, pair: Any, layers: Sequence[int], prompt_format: str = "raw") -> PatchTask:
     """The :class:`PatchTask` of one scene pair: aligned clean prompt, its patch positions, the counterfactual's z of
-    ``layers`` there, and the first differing answer tokens (shared leading tokens appended to the prompt)."""
-    prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual)
-    pair = _extended(pair, vlm.adapter.tokenizer.decode(prefix) if prefix else "")
-    aligned = check_alignment(vlm, [pair])
-    return PatchTask.from_counterfactual(vlm, aligned.clean, aligned.counterfactual, aligned.positions[0], layers, a,
-                                         a_star)
+    ``layers`` there, and the first differing answer tokens. When the answers share leading tokens (``red square``
+    vs ``red circle``) those tokens are appended to both sides by id, and the scored position (and a last-token
+    patch) moves to the new last token."""
+    chat = prompt_format == "chat"
+    prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual,
+                                         vlm.answer_separator(chat))
+    aligned = check_alignment(vlm, [pair], chat=chat)
+    clean, counterfactual, positions = aligned.clean, aligned.counterfactual, aligned.positions[0]
+    if prefix:
+        clean, counterfactual = vlm.extend(clean, prefix), vlm.extend(counterfactual, prefix)
+        if pair.patch.get("kind") == "last":
+            positions = np.array([clean.index[0].last_position])
+    return PatchTask.from_counterfactual(vlm, clean, counterfactual, positions, layers, a, a_star)
 
 
 def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | None = None,
            progress: bool = False, verify_top: int = 10, checkpoint: str | os.PathLike | None = None,
-           gather: Callable[[np.ndarray], np.ndarray] | None = None, **method_kwargs: Any) -> HeadScores:
+           gather: Callable[[np.ndarray], np.ndarray] | None = None, prompt_format: str | None = None,
+           **method_kwargs: Any) -> HeadScores:
     """Score every head (or those of ``layers``) on counterfactual pairs.
 
     Args:
@@ -246,6 +250,8 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
             it stopped and ends with the same numbers. It is removed when the run completes.
         gather: ``attribution``: maps these pairs' ``N L H`` estimates to the estimates the verification candidates
             are chosen from (a sweep's ranks pool theirs through it, :func:`vlmbind.sweeps.locate`); None: their own.
+        prompt_format: ``raw`` or ``chat`` (None: the model's default, :attr:`vlmbind.models.VLM.default_prompt_format`);
+            scene pairs only, recorded in the summary.
         method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``; ``integrated_gradients``:
             ``steps``).
 
@@ -266,17 +272,18 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     if bad:
         raise InputError(f"layers {bad} are out of range; the model has layers 0..{n_layers - 1}")
     heads = [(l, h) for l in layers for h in range(n_heads)]
+    fmt = vlm.prompt_format(prompt_format)
     compute = METHOD_FUNCTIONS[method]
     per_pair = np.zeros((len(pairs), n_layers, n_heads))
     start = time.perf_counter()
     run_key = {"model": vlm.name, "method": method, "condition": str(next(iter(conditions))), "layers": layers,
-               "pairs": [p.id for p in pairs]}
+               "pairs": [p.id for p in pairs], "prompt_format": fmt}
     done = _resume(checkpoint, run_key, per_pair)
     tasks: dict[int, Any] = {}
     for i, pair in enumerate(tqdm(pairs, desc=f"locate ({method})", disable=not progress)):
         if i < done:
             continue
-        task = pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers)
+        task = pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers, fmt)
         clean, patched = compute(vlm, task, heads, **method_kwargs)
         for (layer, head), value in zip(heads, patched):
             per_pair[i, layer, head] = value - clean
@@ -287,12 +294,12 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     verified = None
     if method in ESTIMATES and verify_top > 0:
         candidates = top_candidates(per_pair if gather is None else gather(per_pair), heads, verify_top)
-        verified = verify_heads(vlm, pairs, layers, candidates, per_pair.shape[1:], tasks)
+        verified = verify_heads(vlm, pairs, layers, candidates, per_pair.shape[1:], tasks, fmt)
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
     return HeadScores(condition=next(iter(conditions)), method=method, model=vlm.name, per_pair=per_pair,
                       seconds=time.perf_counter() - start, pair_ids=[p.id for p in pairs], verified=verified,
-                      skipped=list(getattr(pairs_in, "skipped", [])))
+                      skipped=list(getattr(pairs_in, "skipped", [])), prompt_format=fmt)
 
 
 def top_candidates(per_pair: np.ndarray, heads: Sequence[tuple[int, int]], k: int) -> list[tuple[int, int]]:
@@ -302,7 +309,8 @@ def top_candidates(per_pair: np.ndarray, heads: Sequence[tuple[int, int]], k: in
 
 
 def verify_heads(vlm: Any, pairs: Sequence[Any], layers: Sequence[int], candidates: Sequence[tuple[int, int]],
-                 shape: tuple[int, int], tasks: dict[int, PatchTask] | None = None) -> np.ndarray:
+                 shape: tuple[int, int], tasks: dict[int, PatchTask] | None = None,
+                 prompt_format: str = "raw") -> np.ndarray:
     """Exact scores of ``candidates`` on every pair: ``N L H`` with NaN at the heads not verified.
 
     Args:
@@ -312,11 +320,13 @@ def verify_heads(vlm: Any, pairs: Sequence[Any], layers: Sequence[int], candidat
         candidates: ``(layer, head)`` to verify.
         shape: ``(L, H)`` of the model.
         tasks: already built tasks by pair index (built here when missing).
+        prompt_format: how scene pairs are prompted when their tasks are built here.
     """
     tasks = tasks or {}
     verified = np.full((len(pairs), *shape), np.nan)
     for i, pair in enumerate(pairs):
-        task = tasks.get(i) or (pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers))
+        task = tasks.get(i) or (pair.task(vlm, layers) if hasattr(pair, "task")
+                                else scene_task(vlm, pair, layers, prompt_format))
         clean, patched = METHOD_FUNCTIONS["exact"](vlm, task, list(candidates))
         for (layer, head), value in zip(candidates, patched):
             verified[i, layer, head] = value - clean

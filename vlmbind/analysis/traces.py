@@ -19,33 +19,26 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ..batches import Batch, append_tokens
 from ..decoding import generate_ids
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..patching import PatchTask
 from ..stimuli import counting, visual_search
 from ..stimuli.points import point_spans
+from ..tokens import decoded_spans
 
 _OPEN = re.compile(r"\(\s*")
 
 
 def extend_batch(vlm: Any, batch: Any, ids: list[int]) -> Any:
-    """A one-row batch with ``ids`` appended as text tokens (attention 1, token types 0)."""
-    if len(batch) != 1:
-        raise InputError(f"extend_batch takes a one-row batch, got {len(batch)} rows")
-    extra = torch.as_tensor(ids, dtype=batch.inputs["input_ids"].dtype)[None]
-    inputs = append_tokens(vlm.adapter, batch.inputs, extra)
-    return Batch(inputs=inputs, index=vlm.token_index(inputs, batch.images), prompts=batch.prompts,
-                 images=batch.images)
+    """A one-row batch with ``ids`` appended as text tokens (:meth:`vlmbind.models.VLM.extend`)."""
+    return vlm.extend(batch, ids)
 
 
 def x_token_steps(tokenizer: Any, ids: list[int]) -> list[int]:
     """For each ``(x, y)`` point of the decoded ``ids``, the index of the token holding x's first character."""
-    ends = [len(tokenizer.decode(ids[: k + 1])) for k in range(len(ids))]
-    text = tokenizer.decode(ids)
+    spans, text = decoded_spans(tokenizer, ids)
+    ends = [e for _, e in spans]
     steps = []
     for start, _, points in point_spans(text):
         if len(points) != 1:

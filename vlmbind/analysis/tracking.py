@@ -49,6 +49,7 @@ from ..io import json_default, write_text_atomic
 from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli import counting, visual_search
 from ..stimuli.points import point_spans
+from ..tokens import decoded_spans
 from ..viz import write_html_atomic
 from ..viz.tracking import points_figure, rmse_figure
 
@@ -184,9 +185,8 @@ def point_token_steps(tokenizer: Any, ids: Sequence[int]) -> tuple[list[tuple[li
         (tags holding no point or several points, whose tokens cannot be attributed to one point).
     """
     ids = [int(i) for i in ids]
-    ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
-    starts = [0, *ends[:-1]]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+    spans, text = decoded_spans(tokenizer, ids, skip_special_tokens=True)
+    starts, ends = [a for a, _ in spans], [b for _, b in spans]
     out, skipped = [], 0
     for s, e, points in point_spans(text):
         if len(points) != 1:

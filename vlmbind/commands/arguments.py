@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import loading, parallel
 from ..io import check_out_dir
+from ..models import PROMPT_FORMATS
 
 
 class UsageError(Exception):
@@ -75,6 +76,13 @@ def add_capture_arguments(p: Any) -> None:
                    help="split the capture's shards over N worker processes (default 1; implied by torchrun / "
                         "accelerate launch)")
     p.add_argument("--shard-size", type=int, default=64, help="examples per activation shard (default 64)")
+
+
+def add_prompt_format(p: Any) -> None:
+    """``--prompt-format raw|chat`` (default: the model's own, chat for checkpoints with a chat template)."""
+    p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=None,
+                   help="how prompts reach the model: raw text after the image, or the chat template's user turn "
+                        "(default: chat for checkpoints with a chat template, raw for organisms and tiny models)")
 
 
 def out_dir(args: argparse.Namespace, command: str, *qualifiers: str) -> Path:

@@ -11,7 +11,7 @@ from ..errors import InputError
 from ..evaluate import training_defaults
 from ..patching import IG_STEPS
 from ..stimuli import scene_pairs
-from .arguments import model_session, out_dir, parse_range, rank_done
+from .arguments import add_prompt_format, model_session, out_dir, parse_range, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -24,6 +24,7 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
     p.add_argument("--entropy", choices=("high", "low"), default="high")
+    add_prompt_format(p)
     p.add_argument("--method", choices=METHODS, default="exact",
                    help="exact (fast, equal to naive), naive (one forward per head), attribution (first-order "
                         "estimate), integrated_gradients (path estimate)")
@@ -46,7 +47,7 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
     if args.ig_steps < 1:
         raise InputError(f"--ig-steps must be at least 1, got {args.ig_steps}")
-    method_kwargs = {"steps": args.ig_steps} if args.method == "integrated_gradients" else {}
+    method_kwargs: dict[str, Any] = {"steps": args.ig_steps} if args.method == "integrated_gradients" else {}
     if args.verify_top < 0:
         raise InputError(f"--verify-top must be 0 or more, got {args.verify_top}")
     out = out_dir(args, "locate", args.condition)
@@ -56,6 +57,8 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         raise InputError(f"--n-pairs {args.n_pairs} cannot be shared by {world} processes; pass --processes "
                          f"{args.n_pairs} or more pairs")
     with model_session(args, command, out, sweep="locate", checkpoint=checkpoint) as (group, vlm):
+        if args.condition != "attention_swap":
+            method_kwargs["prompt_format"] = vlm.prompt_format(args.prompt_format)
         if args.condition == "attention_swap":
             extra = {"objects": args.objects} if args.objects else {}
             pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task, **extra)
@@ -76,6 +79,7 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     if group.world > 1:
         summary["processes"] = group.world
     top = ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})" for l, h in scores.top(5))
-    text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}: {scores.seconds:.1f} s\n"
+    text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}, {scores.prompt_format} prompts: "
+            f"{scores.seconds:.1f} s\n"
             f"  top heads: {top}\n  wrote {out}/scores.csv, heatmap.html, summary.json")
     return summary, text, 0

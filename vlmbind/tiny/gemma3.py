@@ -46,12 +46,13 @@ def tiny_gemma3(seed: int = 0, **kwargs: Any) -> tuple[Gemma3ForConditionalGener
 
     Args:
         seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``).
+        **kwargs: ``attn_implementation`` (default ``"eager"``); ``tokenizer`` and ``chat_template`` replace the
+            tiny ones (:mod:`vlmbind.tiny.real`).
 
     Returns:
         ``(model, processor)``; the model is in eval mode.
     """
-    tok = build_tokenizer(
+    tok = kwargs.pop("tokenizer", None) or build_tokenizer(
         SPECIALS,
         bos_token="<bos>",
         eos_token="<eos>",
@@ -99,6 +100,7 @@ def tiny_gemma3(seed: int = 0, **kwargs: Any) -> tuple[Gemma3ForConditionalGener
         proj.copy_(torch.randn(proj.shape, generator=g) * embed_std / proj.shape[0] ** 0.5)
     image_processor = Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = Gemma3Processor(
-        image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE, image_seq_length=n_tokens
+        image_processor=image_processor, tokenizer=tok,
+        chat_template=kwargs.pop("chat_template", None) or CHAT_TEMPLATE, image_seq_length=n_tokens,
     )
     return model.eval(), processor

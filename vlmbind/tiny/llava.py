@@ -74,12 +74,13 @@ def tiny_llava(seed: int = 0, **kwargs: Any) -> tuple[LlavaForConditionalGenerat
 
     Args:
         seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``).
+        **kwargs: ``attn_implementation`` (default ``"eager"``); ``tokenizer`` and ``chat_template`` replace the
+            tiny ones (:mod:`vlmbind.tiny.real`).
 
     Returns:
         ``(model, processor)``; the model is in eval mode.
     """
-    tok = build_tokenizer(
+    tok = kwargs.pop("tokenizer", None) or build_tokenizer(
         LLAVA_SPECIALS, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", add_bos=True,
         extra_special_tokens={"image_token": "<image>"},
     )
@@ -108,7 +109,7 @@ def tiny_llava(seed: int = 0, **kwargs: Any) -> tuple[LlavaForConditionalGenerat
     processor = LlavaProcessor(
         image_processor=image_processor, tokenizer=tok, patch_size=LLAVA_PATCH_SIZE,
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=LLAVA_CHAT_TEMPLATE,
+        chat_template=kwargs.pop("chat_template", None) or LLAVA_CHAT_TEMPLATE,
     )
     return model.eval(), processor
 

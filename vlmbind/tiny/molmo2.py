@@ -66,12 +66,13 @@ def tiny_molmo2(seed: int = 0, **kwargs: Any) -> tuple[Molmo2ForConditionalGener
 
     Args:
         seed: weights are a function of the seed alone.
-        **kwargs: ``attn_implementation`` (default ``"eager"``).
+        **kwargs: ``attn_implementation`` (default ``"eager"``); ``tokenizer`` and ``chat_template`` replace the
+            tiny ones (:mod:`vlmbind.tiny.real`).
 
     Returns:
         ``(model, processor)``; the model is in eval mode.
     """
-    tok = build_tokenizer(
+    tok = kwargs.pop("tokenizer", None) or build_tokenizer(
         SPECIALS,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
@@ -116,6 +117,7 @@ def tiny_molmo2(seed: int = 0, **kwargs: Any) -> tuple[Molmo2ForConditionalGener
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     _reinit_adapter(model.model.multi_modal_projector, seed=seed + 2)
     processor = Molmo2Processor(
-        image_processor=image_processor, video_processor=video_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE
+        image_processor=image_processor, video_processor=video_processor, tokenizer=tok,
+        chat_template=kwargs.pop("chat_template", None) or CHAT_TEMPLATE,
     )
     return model.eval(), processor

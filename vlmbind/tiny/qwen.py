@@ -51,6 +51,9 @@ def build_qwen_vl(
     vision_heads: int = 4,
     text_init_std: float | None = 0.08,
     attn_implementation: str = "eager",
+    tokenizer: Any = None,
+    chat_template: str | None = None,
+    processor_defaults: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """A Qwen2.5-VL or Qwen2-VL with random weights, its byte-level BPE tokenizer and a fixed-size processor.
 
@@ -66,11 +69,15 @@ def build_qwen_vl(
             ``2 * vision_hidden``); the last vision block attends globally, the others in windows (Qwen2.5-VL).
         text_init_std: re-draw the text decoder's Linear weights from N(0, std) (tiny models); None keeps HF's init.
         attn_implementation: ``"eager"`` (attention patterns available) or ``"sdpa"``.
+        tokenizer, chat_template: a real tokenizer and template instead of the tiny ones
+            (:mod:`vlmbind.tiny.real`).
+        processor_defaults: the image processor keeps the family's default pixel bounds (real checkpoints'
+            settings: images are resized to multiples of 28 px within them) instead of one fixed size.
 
     Returns:
         ``(model, processor)``, the model in eval mode.
     """
-    tok = build_tokenizer(
+    tok = tokenizer or build_tokenizer(
         SPECIALS,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
@@ -83,8 +90,9 @@ def build_qwen_vl(
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
     pixels = image_size * image_size
-    image_processor = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels)
-    video_processor = Qwen2VLVideoProcessor(min_pixels=pixels, max_pixels=pixels)
+    bounds = {} if processor_defaults else {"min_pixels": pixels, "max_pixels": pixels}
+    image_processor = Qwen2VLImageProcessor(**bounds)
+    video_processor = Qwen2VLVideoProcessor(**bounds)
     text = dict(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -118,7 +126,7 @@ def build_qwen_vl(
     if text_init_std is not None:
         rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
     processor = proc_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                         chat_template=CHAT_TEMPLATE)
+                         chat_template=chat_template or CHAT_TEMPLATE)
     return model.eval(), processor
 
 

