@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("vlmbind.adapters", "vlmbind.tiny", "vlmbind.organisms.model")),
     ("engine", ("vlmbind.interventions", "vlmbind.hooks", "vlmbind.batches", "vlmbind.decoding", "vlmbind.models",
                 "vlmbind.encoders", "vlmbind.loading", "vlmbind.patching", "vlmbind.activations", "vlmbind.interop",
-                "vlmbind.parallel")),
+                "vlmbind.parallel", "vlmbind.precision")),
     ("analyses", ("vlmbind.analysis", "vlmbind.evaluate", "vlmbind.sweeps", "vlmbind.organisms")),
     ("top", ("vlmbind", "vlmbind.commands", "vlmbind.cli", "vlmbind.ui", "vlmbind.export", "vlmbind.report",
              "vlmbind.__main__")),

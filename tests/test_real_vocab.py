@@ -152,3 +152,62 @@ def test_cli_locate_on_a_saved_real_vocabulary_model(saved, loaded, family, tmp_
     assert cli.main(["locate", "--model", saved(family), "--condition", "id_retrieval", "--n-pairs", "2",
                      "--out", str(raw), "--json", "--prompt-format", "raw"]) == 0
     assert json.loads((raw / "summary.json").read_text())["prompt_format"] == "raw"
+
+
+def test_bfloat16_scores_print_the_measured_agreement(saved, tmp_path, capsys):
+    from vlmbind.precision import PRECISION_FILE
+
+    measured = json.loads(PRECISION_FILE.read_text())
+    code = cli.main(["locate", "--model", saved("qwen2_5_vl"), "--device", "cpu", "--dtype", "bfloat16",
+                     "--condition", "id_retrieval", "--n-pairs", "1", "--out", str(tmp_path / "o"), "--json"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "runs in bfloat16" in err and f"median Spearman of {measured['median_spearman']:.2f}" in err
+    assert cli.main(["locate", "--model", saved("qwen2_5_vl"), "--dtype", "float32", "--condition", "id_retrieval",
+                     "--n-pairs", "1", "--out", str(tmp_path / "f"), "--json"]) == 0
+    assert "bfloat16" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--device", "cuda:7"], "not available here"),
+    (["--device", "cpu", "--device-map", "auto"], "not both"),
+    (["--device", "gpu"], "unknown device"),
+])
+def test_bad_placement_exits_2_with_one_line(saved, tmp_path, capsys, argv, needle):
+    model = saved("llava")
+    capsys.readouterr()
+    code = cli.main(["locate", "--model", model, "--condition", "id_retrieval", "--n-pairs", "1",
+                     "--out", str(tmp_path / "o"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0]
+
+
+def test_greedy_ignores_the_checkpoints_penalties(loaded):
+    """Qwen2.5-VL-Instruct's generation config carries repetition_penalty 1.05, which HF applies under greedy too."""
+    from vlmbind.decoding import greedy_decode
+
+    vlm = loaded("qwen2_5_vl")
+    pairs = list(scene_pairs(3, "id_retrieval", 0, **training_defaults(vlm, "scene", {"n_objects": 3})))
+    batch = vlm.prepare([p.clean.image for p in pairs], [p.clean.prompt for p in pairs], chat=True)
+    config = vlm.model.generation_config
+    before = config.repetition_penalty
+    try:
+        config.repetition_penalty = 5.0  # strong enough to change a random model's continuation
+        ours, _ = vlm.generate(batch, max_new_tokens=6)
+        penalised = vlm.model.generate(**vlm.model_inputs(batch), max_new_tokens=6, do_sample=False)
+    finally:
+        config.repetition_penalty = before
+    reference = greedy_decode(vlm, batch, max_new_tokens=6)  # argmax of full forwards, no penalty anywhere
+    assert ours == reference
+    tok = vlm.adapter.tokenizer
+    prompt_len = batch.inputs["input_ids"].shape[1]
+    assert [tok.decode(r[prompt_len:], skip_special_tokens=True) for r in penalised] != ours
+
+
+def test_cli_eval_records_the_prompt_format_and_generation(saved, tmp_path, capsys):
+    out = tmp_path / "e"
+    assert cli.main(["eval", "--model", saved("gemma3"), "--task", "scene", "--n", "2", "--out", str(out),
+                     "--json"]) == 0, capsys.readouterr().err
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["prompt_format"] == "chat"
+    assert summary["generation"]["repetition_penalty"] == 1.0 and summary["generation"]["do_sample"] is False

@@ -19,12 +19,20 @@ import torch
 from .batches import Batch, append_tokens
 
 
+# greedy means greedy: a checkpoint's generation config may carry penalties (Qwen2-VL / Qwen2.5-VL Instruct:
+# repetition_penalty 1.05, which HF applies under greedy decoding too and which penalises the colour words already in
+# the prompt), so they are switched off unless a caller asks for them
+GREEDY = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+
+
 def generate_ids(vlm: Any, batch: Batch, max_new_tokens: int, session: Any = None, **kwargs: Any) -> torch.Tensor:
     """``B (P + T)`` ids from ``vlm.model.generate`` on ``batch`` under ``session`` (None: no hooks), no gradients.
 
-    ``kwargs`` go to ``generate``; ``do_sample`` is False unless given.
+    ``kwargs`` go to ``generate``; what they leave out is :data:`GREEDY` (no sampling, no penalties), whatever the
+    checkpoint's generation config says.
     """
-    kwargs.setdefault("do_sample", False)
+    for key, value in GREEDY.items():
+        kwargs.setdefault(key, value)
     with torch.no_grad(), (session if session is not None else contextlib.nullcontext()):
         return vlm.model.generate(**vlm.model_inputs(batch), max_new_tokens=max_new_tokens, **kwargs)
 

@@ -29,6 +29,7 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
+from .decoding import GREEDY
 from .errors import InputError
 from .io import json_default, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from .results import Result, read_json_object, register_result, require_keys
@@ -77,12 +78,16 @@ class EvalResult(Result):
         task: the data set's task.
         records: one dict per example: id, n_objects, prompt, expected, output, parsed, correct, points.
         params: the data set's parameters and seed.
+        prompt_format: ``raw`` or ``chat``.
+        generation: the decoding settings (greedy, penalties off).
     """
 
     model: str
     task: str
     records: list[dict[str, Any]]
     params: dict[str, Any] = field(default_factory=dict)
+    prompt_format: str = "raw"
+    generation: dict[str, Any] = field(default_factory=dict)
 
     kind = "eval"
     marker_files = ("answers.jsonl",)
@@ -108,7 +113,8 @@ class EvalResult(Result):
                 raise InputError(f"{str(path)!r} line {number} is not an answer record (no 'correct' or "
                                  f"'n_objects'); re-run vlmbind eval")
             records.append(record_from_json(record))
-        return cls(model=summary["model"], task=summary["task"], records=records, params=summary.get("params", {}))
+        return cls(model=summary["model"], task=summary["task"], records=records, params=summary.get("params", {}),
+                   prompt_format=summary.get("prompt_format", "raw"), generation=summary.get("generation", {}))
 
     @property
     def n(self) -> int:
@@ -130,7 +136,8 @@ class EvalResult(Result):
 
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "task": self.task, "n": self.n, "accuracy": self.accuracy,
-                "per_count": {str(k): v for k, v in self.per_count.items()}, "params": self.params}
+                "per_count": {str(k): v for k, v in self.per_count.items()}, "params": self.params,
+                "prompt_format": self.prompt_format, "generation": self.generation}
 
     def save(self, out: str | os.PathLike) -> Path:
         out = Path(out)
@@ -265,7 +272,8 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
         checkpoint.unlink(missing_ok=True)
     params = dataset.describe() if isinstance(dataset, Dataset) else {}
     params.pop("n", None)
-    return EvalResult(model=vlm.name, task=examples[0].task, records=records, params=params)
+    return EvalResult(model=vlm.name, task=examples[0].task, records=records, params=params,
+                      prompt_format="chat" if chat else "raw", generation=dict(GREEDY))
 
 
 def training_defaults(vlm: Any, task: str, kwargs: dict[str, Any]) -> dict[str, Any]:

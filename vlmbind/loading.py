@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 import transformers
 from safetensors import SafetensorError
 from transformers import CONFIG_MAPPING, AutoConfig, AutoProcessor
@@ -21,7 +22,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoProcessor
 from . import tiny
 from .adapters.base import adapter_class_for_config, supported_families
 from .encoders import ENCODER_NAMES, ENCODERS, build_tiny_encoder, load_encoder
-from .errors import ModelLoadError, UnsupportedModelError, close_matches
+from .errors import InputError, ModelLoadError, UnsupportedModelError, close_matches
 from .models import TRAINING_FILE, VLM
 from .shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
 
@@ -31,27 +32,109 @@ def registered_names() -> list[str]:
     return [*shipped_organisms(), *tiny.TINY_NAMES, *ENCODER_NAMES]
 
 
-def load(name_or_path: str | os.PathLike, **hf_kwargs: Any) -> VLM:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+
+
+def resolve_device(device: str | None) -> str | None:
+    """``auto``: the first CUDA device when there is one, else the CPU; None stays None (HF's default placement).
+
+    Raises:
+        InputError: a device this machine does not have or a name torch does not know.
+    """
+    if device is None:
+        return None
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"unknown device {device!r}; use cpu, cuda, cuda:N, mps or auto") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (parsed.index or 0) >= count:
+            raise InputError(f"device {device!r} is not available here ({count} CUDA devices); use --device cpu")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise InputError("device 'mps' is not available here; use --device cpu")
+    return str(parsed)
+
+
+def placement_kwargs(*, device: str | None = None, dtype: str | None = None, device_map: str | None = None,
+                     attn_implementation: str | None = None) -> dict[str, Any]:
+    """``from_pretrained`` keywords for a placement: ``device`` (one device) or ``device_map`` (accelerate's
+    sharding, e.g. ``auto``), ``dtype`` (``float32``, ``bfloat16``, ``float16`` or ``auto``: the checkpoint's own;
+    None: float32 on the CPU, the checkpoint's own on an accelerator) and the attention implementation.
+
+    Raises:
+        InputError: both ``device`` and ``device_map``, or an unknown dtype or attention implementation.
+    """
+    if device is not None and device_map is not None:
+        raise InputError("pass --device or --device-map, not both (--device-map auto shards over every GPU)")
+    out: dict[str, Any] = {}
+    resolved = resolve_device(device)
+    if resolved is not None:
+        out["device_map"] = {"": resolved}
+    elif device_map is not None:
+        out["device_map"] = device_map
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; dtypes: {', '.join(DTYPES)}")
+    on_cpu = resolved in (None, "cpu") and device_map is None
+    out["dtype"] = DTYPES[dtype] if dtype is not None else (torch.float32 if on_cpu else "auto")
+    if attn_implementation is not None:
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise InputError(f"unknown attention implementation {attn_implementation!r}; choose from "
+                             f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+        out["attn_implementation"] = attn_implementation
+    return out
+
+
+def _place_built(model: Any, dtype: Any, device_map: Any) -> Any:
+    """Apply a dtype and a one-device placement to a model built in this process (tiny models)."""
+    if isinstance(dtype, torch.dtype):
+        model = model.to(dtype)
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        model = model.to(device_map[""])
+    elif device_map is not None:
+        raise InputError(f"device_map {device_map!r} is for checkpoints; a tiny model goes on one --device")
+    return model
+
+
+def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
+         device_map: str | None = None, attn_implementation: str | None = None, **hf_kwargs: Any) -> VLM:
     """Load a model by registered name, local directory or hub id.
 
     Args:
         name_or_path: ``tiny-<family>``, a directory saved with ``save_pretrained``, or a hub id. Standalone vision
             encoders (CLIP, SigLIP, DINOv2 vision models; ``tiny-clip``, ``tiny-siglip``, ``tiny-dinov2``) load as a
             :class:`~vlmbind.encoders.VisionEncoder`.
-        **hf_kwargs: passed to ``from_pretrained`` (``torch_dtype``, ``device_map``, ``attn_implementation``, ...).
-            ``attn_implementation`` defaults to ``"eager"``; attention patterns are available with any choice.
+        device: ``cpu``, ``cuda``, ``cuda:N``, ``mps`` or ``auto`` (a GPU when there is one); None: the CPU.
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's own); None: float32 on the CPU,
+            the checkpoint's own on an accelerator. Scores are computed in float32 from the logits either way, but
+            bfloat16 weights change head scores (see ``benchmarks/RESULTS.md``).
+        device_map: accelerate's placement for checkpoints too large for one device (``auto``).
+        attn_implementation: ``sdpa`` (the default for checkpoints), ``eager`` or ``flash_attention_2``; vlmbind
+            switches to its own eager attention for the runs that read or edit attention patterns, whatever this is.
+        **hf_kwargs: passed to ``from_pretrained``.
 
     Raises:
+        InputError: a device this machine lacks, both device and device_map, an unknown dtype.
         UnsupportedModelError: the config's family is not supported (the message lists the supported ones).
         ModelLoadError: the directory or hub id has no loadable config, weights or processor.
     """
     name = os.fspath(name_or_path)
+    placement = placement_kwargs(device=device, dtype=dtype, device_map=device_map,
+                                 attn_implementation=attn_implementation)
     if name in ENCODER_NAMES:
         return build_tiny_encoder(name, seed=int(hf_kwargs.pop("seed", 0)))
     if name in tiny.TINY_NAMES:
         seed = int(hf_kwargs.pop("seed", 0))
-        model, processor = tiny.build(name, seed=seed, **hf_kwargs)
+        device_map = hf_kwargs.pop("device_map", None) or placement.get("device_map")
+        impl = hf_kwargs.pop("attn_implementation", None) or placement.get("attn_implementation")
+        hf_kwargs.pop("dtype", None)
+        model, processor = tiny.build(name, seed=seed, **({"attn_implementation": impl} if impl else {}), **hf_kwargs)
+        model = _place_built(model, placement["dtype"], device_map)
         return VLM(model, processor, name=name, source=f"tiny (random weights, seed {seed})")
+    hf_kwargs = {**placement, **hf_kwargs}
     if name in ORGANISM_NAMES:
         path = organism_dir(name)
         if not (path / "config.json").is_file():
@@ -102,7 +185,7 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
         return load_encoder(name, config, **hf_kwargs)
     adapter_cls = adapter_class_for_config(config)
     model_cls = getattr(transformers, adapter_cls.model_class_name)
-    hf_kwargs.setdefault("attn_implementation", "eager")
+    hf_kwargs.setdefault("attn_implementation", "sdpa")
     try:
         model = model_cls.from_pretrained(name, **hf_kwargs)
         processor = AutoProcessor.from_pretrained(name, **config_kwargs)

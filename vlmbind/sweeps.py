@@ -27,6 +27,7 @@ from .activations import MANIFEST, ActivationSet
 from .activations import capture as capture_one
 from .analysis.mediation import ESTIMATES, HeadScores
 from .analysis.mediation import locate as locate_one
+from .decoding import GREEDY
 from .errors import InputError
 from .evaluate import EvalResult, record_from_json, run_key
 from .evaluate import evaluate as evaluate_one
@@ -132,7 +133,8 @@ def evaluate(group: Group, vlm: Any, dataset: Any, out: str | os.PathLike, *, ba
     records = [record_from_json(r) for rank in range(group.world) for r in _read_json_part(path(rank))["records"]]
     params = dataset.describe() if hasattr(dataset, "describe") else {}
     params.pop("n", None)
-    return EvalResult(model=vlm.name, task=examples[0].task, records=records, params=params)
+    return EvalResult(model=vlm.name, task=examples[0].task, records=records, params=params,
+                      prompt_format="chat" if chat else "raw", generation=dict(GREEDY))
 
 
 def check_shards(n: int, shard_size: Any, world: int) -> int:

@@ -12,7 +12,7 @@ from ..errors import InputError
 from ..evaluate import training_defaults
 from ..sites import parse_heads
 from ..stimuli.tasks import generate
-from .arguments import load_model, out_dir, parse_range
+from .arguments import add_placement, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -20,6 +20,7 @@ def add_parser(sub: Any, common: Any) -> None:
                        description="Ablate heads given by --heads, or the top / random / bottom k of a scores.csv "
                                    "written by `vlmbind locate`, and report task accuracy for each arm.")
     p.add_argument("--model", required=True)
+    add_placement(p)
     p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"))
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")

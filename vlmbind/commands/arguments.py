@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from .. import loading, parallel
 from ..io import check_out_dir
 from ..models import PROMPT_FORMATS
+from ..precision import low_precision_warning
 
 
 class UsageError(Exception):
@@ -85,6 +87,27 @@ def add_prompt_format(p: Any) -> None:
                         "(default: chat for checkpoints with a chat template, raw for organisms and tiny models)")
 
 
+def add_placement(p: Any) -> None:
+    """Where and in what precision the model runs: ``--device``, ``--dtype``, ``--device-map``,
+    ``--attn-implementation`` (the keywords of :func:`vlmbind.load`)."""
+    g = p.add_argument_group("placement and precision")
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one); default: the CPU")
+    g.add_argument("--dtype", choices=tuple(loading.DTYPES), default=None,
+                   help="weights' dtype (default: float32 on the CPU, the checkpoint's own on a GPU); scores are "
+                        "computed in float32 either way, but bfloat16 weights change them (a warning says how much)")
+    g.add_argument("--device-map", default=None, help="accelerate placement for large checkpoints, e.g. auto")
+    g.add_argument("--attn-implementation", choices=loading.ATTN_IMPLEMENTATIONS, default=None,
+                   help="attention kernel (default sdpa for checkpoints); runs that read or edit attention "
+                        "patterns switch to vlmbind's eager attention on their own")
+
+
+def placement(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`vlmbind.load` keywords of :func:`add_placement`'s flags (absent flags: none)."""
+    keys = ("device", "dtype", "device_map", "attn_implementation")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
 def out_dir(args: argparse.Namespace, command: str, *qualifiers: str) -> Path:
     """``--out``, or ``runs/<command>/<model>[-<qualifier>...]``, checked before any work (:func:`check_out_dir`)."""
     default = "-".join([f"runs/{command}/{Path(str(args.model)).name}", *qualifiers])
@@ -93,7 +116,15 @@ def out_dir(args: argparse.Namespace, command: str, *qualifiers: str) -> Path:
 
 def load_model(args: argparse.Namespace) -> Any:
     """``--model``, loaded in this process (commands that run on one process)."""
-    return loading.load(args.model)
+    return _warned(loading.load(args.model, **placement(args)))
+
+
+def _warned(vlm: Any) -> Any:
+    """``vlm``, after printing the measured low-precision warning to stderr when its weights are bf16 / fp16."""
+    warning = low_precision_warning(vlm)
+    if warning:
+        print(warning, file=sys.stderr)
+    return vlm
 
 
 @contextlib.contextmanager
@@ -109,7 +140,11 @@ def model_session(args: argparse.Namespace, command: list[str], out: Path | None
         world = parallel.world_size(args.processes)
         parallel.check_leftovers(out, sweep, checkpoint, world, args.resume)
     with parallel.session(args.processes, command[1:], entry=args.rank_entry, quiet=True) as group:
-        yield group, loading.load(args.model, **group.load_kwargs())
+        options = placement(args)
+        if "device" not in options and "device_map" not in options:
+            options.update(group.load_kwargs())
+        vlm = loading.load(args.model, **options)
+        yield group, (_warned(vlm) if group.is_main else vlm)
 
 
 def rank_done(group: parallel.Group, out: str | Path) -> tuple[dict[str, Any], str, int]:

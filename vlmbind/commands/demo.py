@@ -31,7 +31,7 @@ from ..report import causal_sections, demo_report_html, representation_sections,
 from ..stimuli import scene_description
 from ..version import __version__
 from ..viz import attention_overlay, write_bytes_atomic, write_html_atomic, write_text_atomic
-from .arguments import load_model, non_negative_int, positive_int
+from .arguments import add_placement, load_model, non_negative_int, placement, positive_int
 
 # the shipped organism trained with Point-to-Answer answers (see vlmbind/organisms/weights/organism-p2a/README.md)
 DEFAULT_MODEL = "organism-p2a"
@@ -61,6 +61,7 @@ def add_parser(sub: Any, common: Any) -> None:
     )
     demo.add_argument("--model", default=DEFAULT_MODEL,
                       help=f"registered name, model directory or hub id (default: {DEFAULT_MODEL})")
+    add_placement(demo)
     demo.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     demo.add_argument("--seed", type=non_negative_int, default=0, help="seed of the drawn scene (default: 0)")
     demo.add_argument("--pairs", type=positive_int, default=16,
@@ -200,7 +201,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
 
     validation = None
     if not args.no_validate:
-        planted = loading.load(args.validate_model)
+        planted = loading.load(args.validate_model, **placement(args))
         validation = validate(planted, n_pairs=args.pairs // 2 or 1, seed=1000 + args.seed, ig_steps=4,
                               naive_heads=3, modes=("image_attention",), n_eval=max(8, args.eval_n // 2),
                               n_estimate=2 * args.eval_n, n_probe=max(64, args.probe_n // 2))

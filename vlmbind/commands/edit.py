@@ -18,7 +18,7 @@ from ..analysis.edits import (
 )
 from ..errors import InputError
 from ..sites import parse_heads
-from .arguments import load_model, out_dir, parse_range
+from .arguments import add_placement, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -27,6 +27,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "prompt token, and report how often the answer switches to the object at t "
                                    "(with an empty-cell control); --repair adds the entropy-repair experiment.")
     p.add_argument("--model", required=True)
+    add_placement(p)
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
     heads.add_argument("--scores", help="a scores.csv from vlmbind locate (with --top-k)")

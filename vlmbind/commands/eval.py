@@ -8,13 +8,15 @@ from .. import parallel, sweeps
 from ..errors import InputError
 from ..evaluate import CHECKPOINT, evaluate, training_defaults
 from ..stimuli.tasks import generate, task_kwargs
-from .arguments import model_session, out_dir, parse_range, rank_done
+from .arguments import add_placement, add_prompt_format, model_session, out_dir, parse_range, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("eval", parents=[common], help="task accuracy of a model by greedy generation",
                        description="Generate a task's stimuli, let the model answer greedily, and score the answers.")
     p.add_argument("--model", required=True, help="registered name, model directory or hub id")
+    add_placement(p)
+    add_prompt_format(p)
     p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"))
     p.add_argument("--n", type=int, default=200, help="number of examples (default 200)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1; training uses others)")
@@ -54,12 +56,13 @@ def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     with model_session(args, command, out, sweep="eval", checkpoint=checkpoint) as (group, vlm):
         kwargs = training_defaults(vlm, args.task, kwargs)
         dataset = generate(args.task, args.n, args.seed, kwargs)
+        chat = vlm.prompt_format(args.prompt_format) == "chat"
         if group.world == 1:
             result = evaluate(vlm, dataset, batch_size=args.batch_size, progress=not args.json,
-                              checkpoint=checkpoint)
+                              checkpoint=checkpoint, chat=chat)
         else:
             result = sweeps.evaluate(group, vlm, dataset, out, batch_size=args.batch_size,
-                                     progress=group.is_main and not args.json)
+                                     progress=group.is_main and not args.json, chat=chat)
             if not group.is_main:
                 return rank_done(group, out)
     result.save(out)
@@ -67,7 +70,8 @@ def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
     if group.world > 1:
         summary["processes"] = group.world
-    lines = [f"{vlm.name} on {args.task} (n={result.n}, seed {args.seed}): accuracy {result.accuracy:.3f}"]
+    lines = [f"{vlm.name} on {args.task} (n={result.n}, seed {args.seed}, {result.prompt_format} prompts, greedy): "
+             f"accuracy {result.accuracy:.3f}"]
     lines += [f"  {k} objects: {v['accuracy']:.3f} (n={v['n']})" for k, v in result.per_count.items()]
     lines.append(f"  wrote {out}/results.json and answers.jsonl")
     return summary, "\n".join(lines), 0

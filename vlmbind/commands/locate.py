@@ -11,13 +11,14 @@ from ..errors import InputError
 from ..evaluate import training_defaults
 from ..patching import IG_STEPS
 from ..stimuli import scene_pairs
-from .arguments import add_prompt_format, model_session, out_dir, parse_range, rank_done
+from .arguments import add_placement, add_prompt_format, model_session, out_dir, parse_range, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("locate", parents=[common], help="head-level causal mediation on counterfactual scene pairs",
                        description="Score every attention head by patching its output from counterfactual scenes.")
     p.add_argument("--model", required=True)
+    add_placement(p)
     p.add_argument("--condition", required=True, choices=CONDITIONS,
                    help="scene pairs (VSM's three) or attention_swap (PbP: the model's own pointing traces)")
     p.add_argument("--n-pairs", type=int, default=16)

@@ -15,7 +15,7 @@ from ..analysis.binding import (
 )
 from ..errors import InputError
 from ..probes import ProbeConfig
-from .arguments import add_capture_arguments, model_session, out_dir, rank_done
+from .arguments import add_capture_arguments, add_placement, model_session, out_dir, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -23,6 +23,7 @@ def add_parser(sub: Any, common: Any) -> None:
                        description="Capture BalancedColorShape (train/val/test splits by feature code) and estimate "
                                    "each site's binding information in bits (FBP) or IsSameObject accuracy (VOB).")
     p.add_argument("--model", required=True)
+    add_placement(p)
     p.add_argument("--sites", default=None, help="comma-separated sites or patterns (default: "
                                                  + ", ".join(DEFAULT_SITE_CHOICE) + ")")
     p.add_argument("--family", default="linear",

@@ -9,7 +9,7 @@ from ..analysis.rsa import DEFAULT_SITES, SIMILARITIES, pca, rsa, rsa_stimuli
 from ..errors import InputError
 from ..viz import write_html_atomic
 from ..viz.rsa import pca_figure
-from .arguments import add_capture_arguments, model_session, out_dir, rank_done
+from .arguments import add_capture_arguments, add_placement, model_session, out_dir, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -17,6 +17,7 @@ def add_parser(sub: Any, common: Any) -> None:
                        description="Capture the single-object RSA set, then compare each site's object similarity "
                                    "matrix with the conjunctive, compositional and position model matrices.")
     p.add_argument("--model", required=True)
+    add_placement(p)
     p.add_argument("--sites", default=DEFAULT_SITES, help=f"comma-separated sites or patterns (default {DEFAULT_SITES})")
     p.add_argument("--positions", type=int, default=4, help="cells per colour-shape conjunction (default 4)")
     p.add_argument("--similarity", choices=SIMILARITIES, default="pearson")

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..analysis.tracking import QUERIES, TASKS, track, tracking_dataset
 from ..errors import InputError
-from .arguments import load_model, out_dir, parse_range
+from .arguments import add_placement, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -15,6 +15,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "the image while each point is written, and report the thresholded centroid's "
                                    "RMSE against the point per layer and head.")
     p.add_argument("--model", required=True, help="registered name, model directory or hub id")
+    add_placement(p)
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--n", type=int, default=32, help="number of examples (default 32)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1)")

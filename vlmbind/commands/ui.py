@@ -8,7 +8,7 @@ from typing import Any
 from ..analysis.mediation import CONDITIONS
 from ..errors import InputError
 from ..ui import build_app
-from .arguments import load_model
+from .arguments import add_placement, load_model
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -16,6 +16,7 @@ def add_parser(sub: Any, common: Any) -> None:
                        description="Serve a Dash app on 127.0.0.1 (unless --host): generate or upload an image, "
                                    "click heads of the scores heatmap to ablate or patch them, and see the answer.")
     p.add_argument("--model", default="organism-p2a", help="registered name or model directory")
+    add_placement(p)
     p.add_argument("--scores", default=None, help="a scores.csv from vlmbind locate (default: locate on demand)")
     p.add_argument("--condition", choices=CONDITIONS, default="id_selection",
                    help="counterfactual of generated scenes (patched at the last token)")

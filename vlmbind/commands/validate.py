@@ -9,7 +9,7 @@ from ..analysis.validate import DEFAULT_ALPHAS, VALIDATION_METHODS, recorded_pla
 from ..errors import InputError
 from ..patching import IG_STEPS
 from ..sites import parse_heads
-from .arguments import int_at_least, load_model, out_dir
+from .arguments import add_placement, int_at_least, load_model, out_dir
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -20,6 +20,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "On a model with nothing planted, --reference names heads to score against.")
     p.add_argument("--model", required=True,
                    help="registered name (e.g. organism-vsm), model directory or hub id")
+    add_placement(p)
     ref = p.add_mutually_exclusive_group()
     ref.add_argument("--reference", help="take the reference heads from another organism's training record "
                                          "(e.g. organism-vsm, to validate organism-vsm-natural against them)")
