@@ -77,7 +77,7 @@ def test_save_pretrained_round_trip(tiny, tmp_path, scene):
     """Saving with save_pretrained and loading the directory is the real-checkpoint path: identical logits."""
     tiny.model.save_pretrained(tmp_path)
     tiny.processor.save_pretrained(tmp_path)
-    loaded = vb.load(str(tmp_path))
+    loaded = vb.load(str(tmp_path), attn_implementation="eager")  # the tiny model's kernel: bit-identical logits
     assert loaded.family == tiny.family
     assert loaded.source == str(tmp_path.resolve())
     batch_a = tiny.prepare(scene, PROMPT)
@@ -87,6 +87,10 @@ def test_save_pretrained_round_trip(tiny, tmp_path, scene):
             torch.testing.assert_close(value, batch_b.inputs[key], atol=0, rtol=0, msg=key)
     torch.testing.assert_close(tiny.logits(batch_a), loaded.logits(batch_b), atol=0, rtol=0)
     assert [g.shape for g in batch_a.index[0].grids] == [g.shape for g in batch_b.index[0].grids]
+    default = vb.load(str(tmp_path))  # checkpoints load with sdpa: the same numbers up to float rounding
+    assert default.adapter.text_config._attn_implementation == "sdpa"
+    torch.testing.assert_close(tiny.logits(batch_a), default.logits(default.prepare(scene, PROMPT)), atol=1e-4,
+                               rtol=1e-4)
 
 
 def test_batch_rows_match_single_examples(tiny):
