@@ -22,12 +22,16 @@ class ScriptedVLM:
 
     def __init__(self, outputs):
         self.outputs = list(outputs)
-        self.adapter = SimpleNamespace(tokenizer=get_tiny("tiny-qwen2_5_vl").adapter.tokenizer)
+        self.adapter = SimpleNamespace(tokenizer=get_tiny("tiny-qwen2_5_vl").adapter.tokenizer,
+                                       resized_size=lambda inputs, image_id: None)
         self.calls = []
+
+    def point_frames(self, frame=None):
+        return vb.stimuli.answers.frames_for({"tuple": "canvas"})
 
     def prepare(self, images, prompts, chat=False):
         self.calls.append(list(prompts))
-        return SimpleNamespace(n=len(prompts))
+        return SimpleNamespace(n=len(prompts), inputs={})
 
     def generate(self, batch, max_new_tokens):
         out, self.outputs = self.outputs[: batch.n], self.outputs[batch.n :]
@@ -97,3 +101,17 @@ def test_eval_command(tmp_path, capsys):
     assert summary["n"] == 4 and 0 <= summary["accuracy"] <= 1
     assert (out / "answers.jsonl").read_text().count("\n") == 4
     assert main(["eval", "--model", "tiny-qwen2_5_vl", "--task", "query", "--n", "0", "--out", str(out)]) == 2
+
+
+def test_eval_search_on_an_organism_follows_its_training_object_range(tmp_path, capsys):
+    # the search generator's own default range (up to 50 objects) does not fit organism-p2a's 6 x 6 grid
+    from vlmbind.cli import main
+
+    out = tmp_path / "s"
+    assert main(["eval", "--model", "organism-p2a", "--task", "search", "--n", "3", "--out", str(out), "--json"]) == 0
+    records = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    low, high = vb.load("organism-p2a").training["task_options"]["search"]["objects"]
+    assert all(low <= r["n_objects"] <= high for r in records)
+    # P2A points of a model vlmbind trained are canvas cells, recorded beside the answer
+    pointed = [r for r in records if r["points_raw"]]
+    assert pointed and all(r["point_frame"] == "canvas" and r["points"] == r["points_raw"] for r in pointed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from PIL import Image
 import pytest
 
 import vlmbind as vb
@@ -211,3 +212,14 @@ def test_cli_eval_records_the_prompt_format_and_generation(saved, tmp_path, caps
     summary = json.loads((out / "results.json").read_text())
     assert summary["prompt_format"] == "chat"
     assert summary["generation"]["repetition_penalty"] == 1.0 and summary["generation"]["do_sample"] is False
+
+
+def test_qwen25_points_frame_from_the_real_processor(loaded):
+    vlm = loaded("qwen2_5_vl")
+    batch = vlm.prepare([Image.new("RGB", (200, 200), "white")], ["is there a green circle ?"])
+    assert vlm.adapter.resized_size(batch.inputs, 0) == (196, 196)  # the processor's own resize of 200 px
+    frames = vlm.point_frames()
+    assert frames["json"] == "resized" and frames["tuple"] is None and frames["box"] == "permille"
+    assert vlm.point_frames("pixels")["tuple"] == "pixels"  # the user's frame fills what is unknown
+    assert vlm.point_frames("pixels")["json"] == "resized"  # and never overrides a declared one
+    assert loaded("llava").point_frames()["json"] is None

@@ -136,12 +136,28 @@ def test_point_token_steps_plain_and_molmo_style(organism):
     found, skipped = point_token_steps(tok, ids)
     n1, n2 = len(split[0]), len(split[1])
     assert skipped == 0
-    assert found == [(list(range(n1)), (1.0, 2.0)), (list(range(n1, n1 + n2)), (4.0, 0.0))]
+    assert [(steps, span.points[0]) for steps, span in found] == [(list(range(n1)), (1.0, 2.0)),
+                                                                  (list(range(n1, n1 + n2)), (4.0, 0.0))]
     tag = tok(' <point x="10" y="20">cat</point>', add_special_tokens=False)["input_ids"]
     found, _ = point_token_steps(tok, tag + split[0])
-    assert found == [(list(range(len(tag))), (10.0, 20.0)), (list(range(len(tag), len(tag) + n1)), (1.0, 2.0))]
+    assert [(steps, span.points[0], span.format) for steps, span in found] == [
+        (list(range(len(tag))), (10.0, 20.0), "molmo"), (list(range(len(tag), len(tag) + n1)), (1.0, 2.0), "tuple")]
     assert point_token_steps(tok, tok(" none no", add_special_tokens=False)["input_ids"]) == ([], 0)
     assert "'('" in TOKEN_RULE and "')'" in TOKEN_RULE
+
+
+def test_point_token_steps_keep_qwen2_vl_box_markers():
+    from vlmbind.tiny import real
+
+    tok = real.real_tokenizer("qwen2_vl")
+    ref = tok("<|object_ref_start|>circle<|object_ref_end|>", add_special_tokens=False)["input_ids"]
+    box = tok("<|box_start|>(100,200),(300,400)<|box_end|>", add_special_tokens=False)["input_ids"]
+    end = tok(" 1<|im_end|>", add_special_tokens=False)["input_ids"]
+    found, skipped = point_token_steps(tok, ref + box + end)
+    assert skipped == 0 and len(found) == 1
+    steps, span = found[0]
+    assert steps == list(range(len(ref), len(ref) + len(box)))  # the markers are the box's first and last tokens
+    assert span.format == "box" and span.points == [(200.0, 300.0)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,6 +303,36 @@ def test_track_rejects_bad_input(organism):
         track(organism, list(p2a))
     with pytest.raises(InputError, match="task"):
         tracking_dataset(organism, "scene", 2)
+
+
+def _scripted_trace(monkeypatch, vlm, text):
+    """Every trace writes ``text`` (with all-zero attention maps): what a checkpoint's format does to track."""
+    ids = vlm.adapter.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def fake(vlm_, batch, max_new_tokens, query):
+        maps = np.zeros((len(ids), vlm_.n_layers, vlm_.n_heads, batch.seq_len), dtype=np.float32)
+        return [(list(ids), maps) for _ in range(len(batch))]
+    monkeypatch.setattr(tracking, "_trace", fake)
+
+
+def test_track_refuses_points_in_an_unknown_frame(monkeypatch):
+    # a checkpoint vlmbind did not train writes "(x, y)": pixels? per-mille? cells? Track must not guess
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    ds = counting(2, 0, objects=2, regime="p2a", canvas=Canvas(image_size=112, grid=4))
+    _scripted_trace(monkeypatch, vlm, " (56, 28) 1")
+    with pytest.raises(tracking.UnknownFrameError, match=r"--point-frame.*\(56, 28\)"):
+        track(vlm, ds)
+    res = track(vlm, ds, point_frame="pixels")  # told the frame, it converts: pixel (56, 28) is cell (1.5, 0.5)
+    np.testing.assert_allclose(res.points, [(1.5, 0.5)] * 2)
+    res = track(vlm, ds, point_frame="canvas")
+    np.testing.assert_allclose(res.points, [(56.0, 28.0)] * 2)
+
+
+def test_track_converts_self_describing_formats(monkeypatch):
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    ds = counting(2, 0, objects=2, regime="p2a", canvas=Canvas(image_size=112, grid=4))
+    _scripted_trace(monkeypatch, vlm, ' <point x="62.5" y="12.5">a</point> 1')  # Molmo percent
+    np.testing.assert_allclose(track(vlm, ds).points, [(2.0, 0.0)] * 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .batches import Batch, append_tokens
+from .tokens import decode_generated
 
 
 # greedy means greedy: a checkpoint's generation config may carry penalties (Qwen2-VL / Qwen2.5-VL Instruct:
@@ -61,7 +62,7 @@ def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_n
         max_new_tokens: tokens to generate.
 
     Returns:
-        The decoded continuations (special tokens dropped), one per row.
+        The decoded continuations (special tokens dropped, pointing markers kept), one per row.
     """
     eos = eos_ids(vlm)
     inputs = dict(batch.inputs)
@@ -78,4 +79,4 @@ def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_n
             break
         inputs = append_tokens(vlm.adapter, inputs, nxt)
     ids = torch.stack(new, 1) if new else torch.zeros(len(batch), 0, dtype=torch.long)
-    return vlm.adapter.tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return [decode_generated(vlm.adapter.tokenizer, row.tolist()) for row in ids]

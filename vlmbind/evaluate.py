@@ -1,14 +1,20 @@
 """Task accuracy by greedy generation: ``vb.evaluate(vlm, dataset)`` and ``vlmbind eval``.
 
-Design: one scoring rule per task reads the generated text the way the task's answer is written, with the stimuli's
-parsers, so Direct and Point-to-Answer outputs are judged on the final answer alone (a P2A count is right when the
-number after the points is right; the points are reported beside it, not required to be right):
+Design: one scoring rule per task reads the generated text the way a person reads an answer, with the readers of
+:mod:`vlmbind.stimuli.answers` (case, punctuation, markdown and articles ignored; number words read; every pointing
+format cut out before a count or yes / no is read), so Direct, Point-to-Answer and ordinary Instruct answers are
+judged on the final answer alone (a P2A count is right when its count is right; the points are reported beside it,
+not required to be right):
 
-* scene: the first two words equal the expected ``colour shape``;
-* query: the first word equals the expected word;
-* search: the yes / no after any points equals the expected one;
-* count: the integer after any points equals the expected count;
-* other tasks (rsa, colorshape, user data with answers): the whitespace-normalised text starts with the answer.
+* scene: the first colour word followed by a shape word equals the expected ``colour shape``;
+* query: the first word of the expected word's kind (colour, shape, letter) equals it;
+* search: the first yes / no outside the points equals the expected one;
+* count: the total (a number marked as the total, else the first number) equals the expected count;
+* other tasks (rsa, colorshape, user data with answers): the answer's words start with the expected words.
+
+Each record keeps the points as written (``points_raw``, ``point_formats``) and in canvas cells (``points``) when the
+model's frame for every format it used is known (:meth:`vlmbind.models.VLM.point_frames`); otherwise ``points`` is
+None and ``point_frame`` says why.
 
 Results hold every raw answer, accuracy overall and per object count, and save as ``results.json`` and
 ``answers.jsonl``. A run with a checkpoint appends each finished batch as one JSON line (flushed and synced) to
@@ -34,33 +40,51 @@ from .errors import InputError
 from .io import json_default, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from .results import Result, read_json_object, register_result, require_keys
 from .stimuli.core import Canvas, Dataset, Example
-from .stimuli.points import parse_count, parse_points, parse_yes_no
+from .stimuli.answers import UnknownFrameError, answer_words, read_count, read_query, read_scene, read_yes_no, to_canvas
+from .stimuli.points import pointing_spans
 
 CHECKPOINT = "eval.partial.jsonl"
 
 
-def _words(text: str) -> list[str]:
-    return text.strip().split()
-
-
 def score(example: Example, output: str) -> tuple[bool, Any]:
-    """Whether ``output`` answers ``example`` correctly, and the parsed answer."""
+    """Whether ``output`` answers ``example`` correctly, and the answer read from it (see the module docstring)."""
     task = example.task
+    expected = example.answer
     if task == "scene":
-        parsed = " ".join(_words(output)[:2])
-        return parsed == " ".join(_words(example.answer)[:2]), parsed
+        words = answer_words(expected)
+        want = read_scene(expected, words[:1], words[1:2])
+        parsed = read_scene(output, words[:1], words[1:2])
+        return parsed is not None and parsed == want, parsed
     if task == "query":
-        parsed = (_words(output) or [""])[0]
-        return parsed == _words(example.answer)[0], parsed
+        parsed = read_query(output, expected)
+        return parsed is not None and parsed == (answer_words(expected) or [None])[0], parsed
     if task == "search":
-        parsed = parse_yes_no(output)
-        return parsed is not None and parsed == parse_yes_no(example.answer), parsed
+        parsed = read_yes_no(output)
+        return parsed is not None and parsed == read_yes_no(expected), parsed
     if task == "count":
-        parsed = parse_count(output)
-        return parsed is not None and parsed == parse_count(example.answer), parsed
-    expected = " ".join(_words(example.answer))
-    parsed = " ".join(_words(output))
-    return bool(expected) and parsed.startswith(expected), parsed
+        parsed = read_count(output)
+        return parsed is not None and parsed == read_count(expected), parsed
+    want = answer_words(expected)
+    got = answer_words(output)
+    return bool(want) and got[: len(want)] == want, " ".join(got)
+
+
+def read_points(vlm: Any, output: str, canvas: Any, image: Any, resized: tuple[int, int] | None,
+                frame: str | None = None) -> dict[str, Any]:
+    """The points of ``output``: as written (``points_raw``, with their formats) and in canvas cells (``points``;
+    None when a format's frame is unknown for this model, with the reason in ``point_frame``)."""
+    spans = pointing_spans(output)
+    out: dict[str, Any] = {"points_raw": [p for sp in spans for p in sp.points],
+                           "point_formats": sorted({sp.format for sp in spans})}
+    if canvas is None:
+        return {**out, "points": None, "point_frame": "no canvas"}
+    try:
+        out["points"] = to_canvas(spans, vlm.point_frames(frame), canvas, image_size=image.size,
+                                  resized_size=resized)
+        out["point_frame"] = "canvas"
+    except UnknownFrameError as e:
+        out["points"], out["point_frame"] = None, f"unknown: {e}"
+    return out
 
 
 def max_new_tokens_for(example: Example, tokenizer: Any) -> int:
@@ -160,7 +184,8 @@ def run_key(vlm: Any, examples: list[Example], batch_size: int, chat: bool) -> d
 
 def record_from_json(record: dict[str, Any]) -> dict[str, Any]:
     """A record read back from JSON, with its points as tuples again (as :func:`evaluate` makes them)."""
-    return {**record, "points": [tuple(p) for p in record.get("points", [])]}
+    points = record.get("points")
+    return {**record, "points": None if points is None else [tuple(p) for p in points]}
 
 
 def _resume(path: Path, key: dict[str, Any], batch_sizes: list[int]) -> list[dict[str, Any]]:
@@ -215,7 +240,8 @@ def _append_batch(path: Path, index: int, records: list[dict[str, Any]]) -> None
 
 
 def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16, progress: bool = False,
-             chat: bool = False, checkpoint: str | os.PathLike | None = None) -> EvalResult:
+             chat: bool = False, checkpoint: str | os.PathLike | None = None,
+             point_frame: str | None = None, canvas: Any = None) -> EvalResult:
     """Greedy-generate an answer for every example and score it (see the module docstring).
 
     Args:
@@ -227,6 +253,9 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
         checkpoint: a file each finished batch is appended to; an existing one from the same run (model, data,
             batch size, chat) is continued from, so a killed run resumes and ends with the same answers. It is
             removed when the run completes.
+        point_frame: the frame of points in a format the model does not declare (see
+            :meth:`vlmbind.models.VLM.point_frames`); without one such points are recorded as written only.
+        canvas: the stimulus canvas points are converted to (default: the data set's).
 
     Raises:
         InputError: the data set is empty, has examples without an expected answer, ``batch_size`` is not a
@@ -241,6 +270,8 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
     if missing:
         raise InputError(f"{len(missing)} examples have no expected answer (first: {missing[0]!r})")
     tokenizer = vlm.adapter.tokenizer
+    if canvas is None and isinstance(dataset, Dataset):
+        canvas = dataset.params.get("canvas")
     records: list[dict[str, Any]] = []
     starts = range(0, len(examples), batch_size)
     if checkpoint is not None:
@@ -258,11 +289,12 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
         batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk], chat=chat)
         budget = max(max_new_tokens_for(e, tokenizer) for e in chunk)
         outputs, _ = vlm.generate(batch, max_new_tokens=budget)
-        for e, out in zip(chunk, outputs):
+        for r, (e, out) in enumerate(zip(chunk, outputs)):
             correct, parsed = score(e, out)
             records.append({
                 "id": e.id, "n_objects": len(e.objects), "prompt": e.prompt, "expected": e.answer,
-                "output": out, "parsed": parsed, "correct": bool(correct), "points": parse_points(out),
+                "output": out, "parsed": parsed, "correct": bool(correct),
+                **read_points(vlm, out, canvas, e.image, vlm.adapter.resized_size(batch.inputs, r), point_frame),
             })
         if checkpoint is not None:
             _append_batch(checkpoint, index, records[finished:])
@@ -278,7 +310,7 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
 
 def training_defaults(vlm: Any, task: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Fill stimulus options the user left out from how ``vlm`` was trained (organisms record it): the canvas
-    aligned with its token grid, its colour and shape pools, and its answer regime."""
+    aligned with its token grid, its colour and shape pools, its answer regime and its object range."""
     training = getattr(vlm, "training", None)
     if not training:
         return kwargs
@@ -292,4 +324,8 @@ def training_defaults(vlm: Any, task: str, kwargs: dict[str, Any]) -> dict[str, 
                 kwargs[pool] = tuple(options[pool])
     if task in ("search", "count") and "regime" not in kwargs:
         kwargs["regime"] = training["regime"]
+    # the object range too: a search display drawn with the generator's default range may not fit the canvas
+    key = "objects" if task == "count" else "n_objects"
+    if task in ("search", "count") and key not in kwargs and options.get("objects"):
+        kwargs[key] = tuple(options["objects"])
     return kwargs

@@ -22,7 +22,8 @@ from .errors import InputError, close_matches
 from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
 from .images import to_rgb
 from .sites import Site, parse_heads, resolve_sites
-from .tokens import TokenIndex, text_offsets
+from .stimuli.answers import FRAMES, frames_for
+from .tokens import TokenIndex, decode_generated, text_offsets
 
 TRAINING_FILE = "vlmbind_training.json"
 # how a task's prompt reaches the model: ``raw`` (image placeholders then the prompt, as the organisms are trained) or
@@ -358,8 +359,26 @@ class VLM:
         session = HookSession(self.adapter, resolved, [*self.active, *interventions], index=batch.index)
         out = generate_ids(self, batch, max_new_tokens, session, **kwargs)
         new = out[:, batch.seq_len :]
-        texts = self.adapter.tokenizer.batch_decode(new, skip_special_tokens=True)
+        texts = [decode_generated(self.adapter.tokenizer, row.tolist()) for row in new]
         return texts, session.captured
+
+    def point_frames(self, frame: str | None = None) -> dict[str, str | None]:
+        """The coordinate frame of each point format this model writes (see :mod:`vlmbind.stimuli.answers`).
+
+        Qwen2-VL boxes and Molmo tags carry their frame; plain ``(x, y)`` tuples are canvas cells for a model
+        vlmbind trained (it learned the Point-to-Answer format), the family declares the rest (Qwen2.5-VL JSON:
+        resized pixels), and ``frame`` (a user's ``--point-frame``) sets every format that is still unknown.
+        """
+        declared: dict[str, str | None] = dict(self.adapter.point_frames)
+        if self.training is not None:
+            declared.setdefault("tuple", "canvas")
+        frames = frames_for(declared)
+        if frame is not None:
+            if frame not in FRAMES:
+                raise InputError(f"unknown point frame {frame!r}; frames: {', '.join(FRAMES)}"
+                                 f"{close_matches(frame, FRAMES)}")
+            frames = {f: (v if v is not None else frame) for f, v in frames.items()}
+        return frames
 
     def nnsight(self) -> Any:
         """An ``nnsight.NNsight`` wrapper of the same model object, for ad-hoc traces beside vlmbind's analyses."""

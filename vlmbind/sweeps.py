@@ -100,7 +100,7 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
 
 
 def evaluate(group: Group, vlm: Any, dataset: Any, out: str | os.PathLike, *, batch_size: int = 16,
-             progress: bool = False, chat: bool = False) -> Any:
+             progress: bool = False, chat: bool = False, point_frame: str | None = None) -> Any:
     """:func:`vlmbind.evaluate.evaluate` over the ranks of ``group``. Ranks take contiguous blocks of whole batches,
     so every batch is the one a single process would generate (batch composition can change greedy outputs through
     padding); rank 0 concatenates the records.
@@ -125,7 +125,8 @@ def evaluate(group: Group, vlm: Any, dataset: Any, out: str | os.PathLike, *, ba
 
     if _read_json_part(path(group.rank), key) is None:
         result = evaluate_one(vlm, mine, batch_size=batch_size, progress=progress, chat=chat,
-                              checkpoint=part_path(out, "eval", group.rank, group.world, ".partial.jsonl"))
+                              checkpoint=part_path(out, "eval", group.rank, group.world, ".partial.jsonl"),
+                              point_frame=point_frame, canvas=getattr(dataset, "params", {}).get("canvas"))
         write_json_atomic({"run": key, "records": result.records}, path(group.rank), indent=None)
     if not group.is_main:
         return None

@@ -151,6 +151,37 @@ class TokenIndex:
         return np.flatnonzero(hit)
 
 
+# special tokens that belong to an answer's text: Qwen's grounding markers (a box means nothing without them)
+POINTING_TOKENS = ("<|box_start|>", "<|box_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|quad_start|>",
+                   "<|quad_end|>")
+
+
+def hidden_ids(tokenizer) -> frozenset[int]:
+    """Ids a reader of generated text does not see: the special tokens (end of turn, padding, image placeholders),
+    except :data:`POINTING_TOKENS`. Cached on the tokenizer."""
+    cached = getattr(tokenizer, "_vlmbind_hidden_ids", None)
+    if cached is not None:
+        return cached
+    special = set(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
+    for i, token in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items():
+        if getattr(token, "special", False):
+            special.add(int(i))
+    vocab = tokenizer.get_vocab()
+    hidden = frozenset(special - {vocab[t] for t in POINTING_TOKENS if t in vocab})
+    try:
+        tokenizer._vlmbind_hidden_ids = hidden
+    except AttributeError:  # a tokenizer that refuses attributes: recomputed each time
+        pass
+    return hidden
+
+
+def decode_generated(tokenizer, ids) -> str:
+    """Generated ids as the answer's text: special tokens dropped, Qwen's pointing markers kept (see
+    :func:`hidden_ids`)."""
+    hidden = hidden_ids(tokenizer)
+    return tokenizer.decode([int(i) for i in ids if int(i) not in hidden], skip_special_tokens=False)
+
+
 def decoded_spans(tokenizer, ids: list[int], *, skip_special_tokens: bool = False) -> tuple[list[tuple[int, int]], str]:
     """``([(start, end) of each token in the text], text)`` of ``ids`` decoded together.
 

@@ -95,6 +95,9 @@ class ModelAdapter:
     # sequence when tokens are appended (vlmbind.batches.append_tokens)
     token_inputs: ClassVar[tuple[str, ...]] = ()
     transformer_lens_bridge: ClassVar[bool] = False
+    # the coordinate frames of the point formats this family's checkpoints write, where the format does not carry
+    # its own (format -> frame of vlmbind.stimuli.answers.FRAMES); Qwen2-VL boxes and Molmo tags describe themselves
+    point_frames: ClassVar[dict[str, str]] = {}
 
     def __init__(self, model: nn.Module, processor: Any):
         self.model = model
@@ -239,6 +242,11 @@ class ModelAdapter:
         (Gemma-3) returns ``{"add_special_tokens": False}`` for chat texts, as ``apply_chat_template`` does.
         """
         return {}
+
+    def resized_size(self, inputs: dict[str, torch.Tensor], image_id: int) -> tuple[int, int] | None:
+        """``(width, height)`` in pixels of image ``image_id`` as the processor resized it, where the family writes
+        points in that frame (Qwen2.5-VL); None otherwise."""
+        return None
 
     def forward_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Extra keyword arguments the family's forward needs beyond the processor's outputs."""

@@ -36,6 +36,11 @@ class _QwenVLAdapter(ModelAdapter):
         )
         return position_ids
 
+    def resized_size(self, inputs, image_id):
+        _, h, w = (int(v) for v in inputs["image_grid_thw"][image_id])
+        patch = int(self.config.vision_config.patch_size)
+        return w * patch, h * patch
+
     def image_grids(self, inputs, row, roles, image_ids, image_sizes):
         image_positions = np.flatnonzero(roles == "image")
         thw = inputs["image_grid_thw"].cpu().numpy()
@@ -62,6 +67,8 @@ class _QwenVLAdapter(ModelAdapter):
 class Qwen25VLAdapter(_QwenVLAdapter):
     family = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
+    # grounding answers are JSON with absolute coordinates in the resized image
+    point_frames = {"json": "resized"}
     model_types = ("qwen2_5_vl",)
     model_class_name = "Qwen2_5_VLForConditionalGeneration"
     transformer_lens_bridge = True

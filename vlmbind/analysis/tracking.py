@@ -48,8 +48,9 @@ from ..hooks import LastQuerySession
 from ..io import json_default, write_text_atomic
 from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli import counting, visual_search
-from ..stimuli.points import point_spans
-from ..tokens import decoded_spans
+from ..stimuli.answers import UnknownFrameError, to_canvas
+from ..stimuli.points import PointSpan, pointing_spans
+from ..tokens import decode_generated, decoded_spans, hidden_ids
 from ..viz import write_html_atomic
 from ..viz.tracking import points_figure, rmse_figure
 
@@ -173,7 +174,7 @@ def _canvas_geometry(canvas: Any) -> tuple[float, tuple[int, int]]:
     return float(canvas.image_size), canvas.shape
 
 
-def point_token_steps(tokenizer: Any, ids: Sequence[int]) -> tuple[list[tuple[list[int], tuple[float, float]]], int]:
+def point_token_steps(tokenizer: Any, ids: Sequence[int]) -> tuple[list[tuple[list[int], PointSpan]], int]:
     """The generated points and the token steps that make up each (see ``TOKEN_RULE``).
 
     Args:
@@ -181,20 +182,22 @@ def point_token_steps(tokenizer: Any, ids: Sequence[int]) -> tuple[list[tuple[li
         ids: the generated token ids.
 
     Returns:
-        ``[(steps, (x, y)), ...]`` in order of appearance, and the number of point-bearing spans that were skipped
-        (tags holding no point or several points, whose tokens cannot be attributed to one point).
+        ``[(steps, span), ...]`` in order of appearance (each span holds one point, in its format's own frame), and
+        the number of point-bearing spans that were skipped (tags holding no point or several points, whose tokens
+        cannot be attributed to one point).
     """
     ids = [int(i) for i in ids]
-    spans, text = decoded_spans(tokenizer, ids, skip_special_tokens=True)
-    starts, ends = [a for a, _ in spans], [b for _, b in spans]
+    hidden = hidden_ids(tokenizer)
+    shown = [k for k, t in enumerate(ids) if t not in hidden]  # Qwen's box markers stay: the box is their span
+    spans, text = decoded_spans(tokenizer, [ids[k] for k in shown])
     out, skipped = [], 0
-    for s, e, points in point_spans(text):
-        if len(points) != 1:
+    for span in pointing_spans(text):
+        if len(span.points) != 1:
             skipped += 1
             continue
-        steps = [k for k in range(len(ids)) if ends[k] > starts[k] and starts[k] < e and ends[k] > s]
+        steps = [shown[j] for j, (a, b) in enumerate(spans) if b > a and a < span.end and b > span.start]
         if steps:
-            out.append((steps, points[0]))
+            out.append((steps, span))
         else:
             skipped += 1
     return out, skipped
@@ -499,7 +502,7 @@ def _pick_grid(index: Any, grid: str | None) -> Any:
 
 def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit", grid: str | None = None,
           canvas: Any = None, batch_size: int = 8, max_new_tokens: int | None = None,
-          progress: bool = False) -> TrackResult:
+          point_frame: str | None = None, progress: bool = False) -> TrackResult:
     """Attention-centroid tracking on Point-to-Answer examples (see the module docstring).
 
     Args:
@@ -512,6 +515,8 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
         canvas: the stimulus canvas (default: the data set's ``params["canvas"]``).
         batch_size: examples generated together (left-padded).
         max_new_tokens: trace length limit (default: each batch's longest expected answer plus 4 tokens).
+        point_frame: the coordinate frame of points whose format does not say it and the model does not declare
+            (a key of :data:`vlmbind.stimuli.answers.FRAMES`; see :meth:`vlmbind.models.VLM.point_frames`).
         progress: show a progress bar.
 
     Returns:
@@ -520,6 +525,8 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
     Raises:
         InputError: bad arguments, examples that are not Point-to-Answer count / search, images that do not match
             the canvas, or no example whose trace holds a point.
+        UnknownFrameError: a trace wrote points in a format whose coordinate frame is unknown for this model (a
+            number compared with canvas cells would mean nothing); pass ``point_frame``.
     """
     start = time.perf_counter()
     if query not in QUERIES:
@@ -548,6 +555,7 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
         raise InputError(f"example {wrong[0].id!r} has a {wrong[0].image.size} image but the canvas is "
                          f"{int(size)} px; pass the canvas the stimuli were drawn on")
 
+    frames = vlm.point_frames(point_frame)
     tokenizer = vlm.adapter.tokenizer
     points, means, heads, owner, tokens, records, images = [], [], [], [], [], [], []
     skipped, skipped_spans, n_empty, grid_name = [], 0, 0, None
@@ -562,13 +570,19 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
             found, n_skip = point_token_steps(tokenizer, ids)
             skipped_spans += n_skip
             i = len(records)
-            records.append({"id": e.id, "output": tokenizer.decode(ids, skip_special_tokens=True),
+            records.append({"id": e.id, "output": decode_generated(tokenizer, ids),
                             "target_points": e.fields.get("points", []),
                             "token_text": [tokenizer.decode([t]) for t in ids]})
             images.append(e.image)
             if not found:
                 skipped.append(e.id)
             on_grid = maps[..., g.positions]  # T L H rows cols
+            resized = vlm.adapter.resized_size(batch.inputs, r)
+            try:
+                found = [(steps, to_canvas([span], frames, canvas, image_size=e.image.size, resized_size=resized)[0])
+                         for steps, span in found]
+            except UnknownFrameError as err:
+                raise UnknownFrameError(f"example {e.id!r}: {err} (output {records[-1]['output']!r})") from None
             for steps, point in found:
                 m = on_grid[steps].astype(np.float64)  # k L H rows cols
                 mean_c = centroid(m.mean(2), threshold)  # heads averaged first, then thresholded

@@ -20,6 +20,7 @@ from .. import loading, parallel
 from ..io import check_out_dir
 from ..models import PROMPT_FORMATS
 from ..precision import low_precision_warning
+from ..stimuli.answers import FRAMES
 
 
 class UsageError(Exception):
@@ -151,3 +152,11 @@ def rank_done(group: parallel.Group, out: str | Path) -> tuple[dict[str, Any], s
     """The CLI result of a rank other than 0 (its work is in the parts; rank 0 writes the results)."""
     return ({"rank": group.rank, "processes": group.world, "out": str(out)},
             f"rank {group.rank} of {group.world}: part written to {Path(out) / parallel.PARTS}", 0)
+
+
+def add_point_frame(p: Any) -> None:
+    """``--point-frame``: the coordinate frame of generated points whose format does not carry one."""
+    p.add_argument("--point-frame", choices=tuple(FRAMES), default=None,
+                   help="coordinate frame of points the model writes in a format without its own frame (plain "
+                        "(x, y) from a checkpoint vlmbind did not train, JSON from a family that declares none); "
+                        "default: refuse such points rather than compare numbers in an unknown frame")

@@ -8,7 +8,7 @@ from .. import parallel, sweeps
 from ..errors import InputError
 from ..evaluate import CHECKPOINT, evaluate, training_defaults
 from ..stimuli.tasks import generate, task_kwargs
-from .arguments import add_placement, add_prompt_format, model_session, out_dir, parse_range, rank_done
+from .arguments import add_placement, add_point_frame, add_prompt_format, model_session, out_dir, parse_range, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -17,6 +17,7 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--model", required=True, help="registered name, model directory or hub id")
     add_placement(p)
     add_prompt_format(p)
+    add_point_frame(p)
     p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"))
     p.add_argument("--n", type=int, default=200, help="number of examples (default 200)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1; training uses others)")
@@ -59,10 +60,11 @@ def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
         chat = vlm.prompt_format(args.prompt_format) == "chat"
         if group.world == 1:
             result = evaluate(vlm, dataset, batch_size=args.batch_size, progress=not args.json,
-                              checkpoint=checkpoint, chat=chat)
+                              checkpoint=checkpoint, chat=chat, point_frame=args.point_frame)
         else:
             result = sweeps.evaluate(group, vlm, dataset, out, batch_size=args.batch_size,
-                                     progress=group.is_main and not args.json, chat=chat)
+                                     progress=group.is_main and not args.json, chat=chat,
+                                     point_frame=args.point_frame)
             if not group.is_main:
                 return rank_done(group, out)
     result.save(out)

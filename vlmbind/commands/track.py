@@ -6,7 +6,7 @@ from typing import Any
 
 from ..analysis.tracking import QUERIES, TASKS, track, tracking_dataset
 from ..errors import InputError
-from .arguments import add_placement, load_model, out_dir, parse_range
+from .arguments import add_placement, add_point_frame, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -23,7 +23,8 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--threshold", type=float, default=0.9, help="centroid threshold, fraction of the max (0.9)")
     p.add_argument("--query", choices=QUERIES, default="emit",
                    help="emit: the step producing each token (default); self: the step where it is the query")
-    p.add_argument("--batch-size", type=int, default=8)
+    add_point_frame(p)
+    p.add_argument("--batch-size", type=int, default=8, help="examples generated together (default 8)")
     p.add_argument("--out", default=None, help="output directory (default runs/track/<model>-<task>)")
     p.set_defaults(func=cmd_track)
 
@@ -41,9 +42,10 @@ def cmd_track(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     vlm = load_model(args)
     dataset = tracking_dataset(vlm, args.task, args.n, args.seed, objects=args.objects)
     result = track(vlm, dataset, threshold=args.threshold, query=args.query, batch_size=args.batch_size,
-                   progress=not args.json)
+                   point_frame=args.point_frame, progress=not args.json)
     result.save(out)
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
+    summary = {**result.summary(), "point_frames": vlm.point_frames(args.point_frame), "out": str(out),
+               "command": " ".join(command)}
     rmse = ", ".join(f"L{l} {v:.3f}" for l, v in enumerate(result.rmse_mean))
     best = ", ".join(f"L{l}.H{h} {r:.3f}" for l, h, r in result.best_heads())
     text = (f"{vlm.name}, {args.task}, {len(result.examples)} examples, {result.n_points} points "

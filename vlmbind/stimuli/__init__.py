@@ -5,6 +5,7 @@ and the other generators return data sets whose examples carry every object's co
 (see ``core.py`` for the design). ``vlmbind stimuli TASK`` writes them to disk.
 """
 
+from . import answers
 from .colorshape import balanced_color_shape, code_arrays, covering_count, entropies, split_codes
 from .core import (
     COLOURS,
@@ -41,6 +42,6 @@ __all__ = [
     "StimulusError", "PairAlignmentError",
     "scene_description", "scene_pairs", "check_alignment", "binding_query", "visual_search", "counting", "rsa_set",
     "balanced_color_shape", "code_arrays", "covering_count", "entropies", "split_codes", "user_images",
-    "format_points", "p2a_text", "parse_points", "parse_count", "parse_yes_no",
+    "answers", "format_points", "p2a_text", "parse_points", "parse_count", "parse_yes_no",
     "object_token_positions", "object_tokens", "render",
 ]

@@ -1,12 +1,15 @@
-"""Points in generated text: the Point-to-Answer format and a robust parser for it and Molmo's tags.
+"""Points in generated text: the Point-to-Answer format and a robust parser for it and the real models' formats.
 
 Design: one format is written, several are read. The stimuli write points as ``(x, y)`` pairs separated by single
 spaces, followed by the answer (``(3, 1) (0, 4) 2``); integers print as integers and floats with Python's shortest
 round-tripping ``repr``, so formatting then parsing gives the same numbers back. The parser reads that style (also
 ``(x,y)``, extra spaces, signs, decimals, exponents) and the tags Molmo models emit: Molmo's ``<point x=".." y="..">``
 and ``<points x1=".." y1=".." x2=".." ...>`` (percent of the image) and Molmo2's
-``<points coords="[frame] idx x y idx x y ...">`` (per-mille, frame groups separated by ``;``). Points come back in
-order of appearance, in the coordinate frame of the text (no rescaling: the caller knows the model's convention).
+``<points coords="[frame] idx x y idx x y ...">`` (per-mille, frame groups separated by ``;``), Qwen2-VL's boxes
+``<|box_start|>(x0,y0),(x1,y1)<|box_end|>`` (0-1000; one point, the box centre) and Qwen2.5-VL's JSON objects
+``{"point_2d": [x, y], ...}`` / ``{"bbox_2d": [x0, y0, x1, y1], ...}`` (the box centre). Points come back in order of
+appearance, in the coordinate frame of the text; :func:`pointing_spans` names each span's format, and
+:mod:`vlmbind.stimuli.answers` converts formats to the stimulus canvas.
 Parsing scans the text once with a regular expression that has no nested quantifiers, so it stays linear on hostile
 input and never raises: anything that is not a complete point (an unbalanced parenthesis, ``(a, b)``, a lone
 number, a tag without both coordinates, a non-finite value) is skipped. Text inside a ``<point>..</point>`` element is
@@ -19,10 +22,12 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from numbers import Integral, Real
+from typing import NamedTuple
 
 from .core import StimulusError
 
-__all__ = ["NO_POINTS", "format_points", "p2a_text", "parse_points", "parse_count", "parse_yes_no", "point_spans"]
+__all__ = ["NO_POINTS", "POINT_FORMATS", "PointSpan", "format_points", "p2a_text", "parse_points", "parse_count",
+           "parse_yes_no", "point_spans", "pointing_spans"]
 
 # What a Point-to-Answer trace says when there is nothing to point at (visual search, target absent).
 NO_POINTS = "none"
@@ -31,7 +36,20 @@ NO_POINTS = "none"
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _TAG = r"<(?P<tag>points?)\b(?P<attrs>[^<>]*)>(?:[^<]*</(?P=tag)\s*>)?"
 _TUPLE = rf"\(\s*(?P<x>{_NUM})\s*,\s*(?P<y>{_NUM})\s*\)"
-_SCAN = re.compile(rf"{_TAG}|{_TUPLE}", re.IGNORECASE)
+_BOX = (rf"<\|box_start\|>\s*\(\s*(?P<bx0>{_NUM})\s*,\s*(?P<by0>{_NUM})\s*\)\s*,?\s*"
+        rf"\(\s*(?P<bx1>{_NUM})\s*,\s*(?P<by1>{_NUM})\s*\)\s*<\|box_end\|>")
+# a flat JSON object naming point_2d or bbox_2d (the lookahead stops at the next brace, so the scan stays linear)
+_JSON = r"""\{(?=[^{}]*["'](?:point_2d|bbox_2d)["'])(?P<json>[^{}]*)\}"""
+_JSON_KEY = re.compile(rf"""["'](?P<key>point_2d|bbox_2d)["']\s*:\s*\[(?P<values>[^\[\]]*)\]""")
+_SCAN = re.compile(rf"{_BOX}|{_JSON}|{_TAG}|{_TUPLE}", re.IGNORECASE)
+# what each format is, for messages and docs
+POINT_FORMATS = {
+    "tuple": "(x, y) pairs (vlmbind's Point-to-Answer format)",
+    "json": 'JSON objects with "point_2d": [x, y] or "bbox_2d": [x0, y0, x1, y1] (Qwen2.5-VL; a box gives its centre)',
+    "box": "<|box_start|>(x0,y0),(x1,y1)<|box_end|> (Qwen2-VL; the box centre)",
+    "molmo": '<point x=".." y=".."> and <points x1=".." y1=".." ...> (Molmo)',
+    "molmo2": '<points coords="[frame] idx x y ..."> (Molmo2)',
+}
 _ATTR = re.compile(r"""([A-Za-z_][\w-]*)\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 _INDEXED = re.compile(r"([xy])(\d+)", re.IGNORECASE)
 _NUMBER = re.compile(_NUM)
@@ -122,22 +140,70 @@ def _tag_points(attrs: str) -> list[tuple[float, float]]:
     return out
 
 
-def point_spans(text: str) -> list[tuple[int, int, list[tuple[float, float]]]]:
-    """Every point-bearing span of ``text``: ``(start, end, points)`` in order of appearance.
+class PointSpan(NamedTuple):
+    """One point-bearing span of generated text.
 
-    A plain ``(x, y)`` span holds one point; a Molmo tag element (with its label and closing tag) holds its points,
-    possibly none when its attributes are incomplete.
+    Attributes:
+        start, end: character offsets of the span (a tag element with its label and closing tag; a whole JSON
+            object).
+        format: a key of :data:`POINT_FORMATS`.
+        points: the span's points in the format's own frame (a box gives its centre).
     """
-    spans = []
+
+    start: int
+    end: int
+    format: str
+    points: list[tuple[float, float]]
+
+
+def _centre(x0: str, y0: str, x1: str, y1: str) -> list[tuple[float, float]]:
+    a, b = _finite_pair(x0, y0), _finite_pair(x1, y1)
+    return [((a[0] + b[0]) / 2, (a[1] + b[1]) / 2)] if a is not None and b is not None else []
+
+
+def _json_points(body: str) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for m in _JSON_KEY.finditer(body):
+        nums = [v.strip() for v in m.group("values").split(",")]
+        if not all(_NUMBER.fullmatch(v) for v in nums):
+            continue
+        if m.group("key").lower() == "point_2d" and len(nums) == 2:
+            p = _finite_pair(*nums)
+            out.extend([p] if p is not None else [])
+        elif m.group("key").lower() == "bbox_2d" and len(nums) == 4:
+            out.extend(_centre(*nums))
+    return out
+
+
+def pointing_spans(text: str) -> list[PointSpan]:
+    """Every point-bearing span of ``text`` with its format, in order of appearance; never raises.
+
+    A plain ``(x, y)`` holds one point, a Qwen2-VL box or a JSON object one (its centre for a box), a Molmo tag
+    element its points (possibly none when its attributes are incomplete).
+    """
+    spans: list[PointSpan] = []
     if not isinstance(text, str):
         return spans
     for m in _SCAN.finditer(text):
-        if m.group("tag") is not None:
-            spans.append((m.start(), m.end(), _tag_points(m.group("attrs"))))
+        if m.group("bx0") is not None:
+            spans.append(PointSpan(m.start(), m.end(), "box",
+                                   _centre(m.group("bx0"), m.group("by0"), m.group("bx1"), m.group("by1"))))
+        elif m.group("json") is not None:
+            spans.append(PointSpan(m.start(), m.end(), "json", _json_points(m.group("json"))))
+        elif m.group("tag") is not None:
+            attrs = m.group("attrs")
+            kind = "molmo2" if re.search(r"\bcoords\s*=", attrs, re.IGNORECASE) else "molmo"
+            spans.append(PointSpan(m.start(), m.end(), kind, _tag_points(attrs)))
         else:
             p = _finite_pair(m.group("x"), m.group("y"))
-            spans.append((m.start(), m.end(), [p] if p is not None else []))
+            spans.append(PointSpan(m.start(), m.end(), "tuple", [p] if p is not None else []))
     return spans
+
+
+def point_spans(text: str) -> list[tuple[int, int, list[tuple[float, float]]]]:
+    """Every point-bearing span of ``text``: ``(start, end, points)`` in order of appearance (see
+    :func:`pointing_spans`, which also names the format)."""
+    return [(s.start, s.end, s.points) for s in pointing_spans(text)]
 
 
 def parse_points(text: str) -> list[tuple[float, float]]:
