@@ -20,10 +20,11 @@ CRITICAL = {(1, 2), (3, 0)}
 class HeadSensitiveVLM:
     """Answers correctly unless a critical head is ablated: a stand-in whose ground truth we know."""
 
-    name, n_layers, n_heads = "fake", 4, 4
+    name, n_layers, n_heads, active_prompt_format = "fake", 4, 4, "raw"
 
     def __init__(self):
-        self.adapter = SimpleNamespace(tokenizer=get_tiny("tiny-qwen2_5_vl").adapter.tokenizer)
+        self.adapter = SimpleNamespace(tokenizer=get_tiny("tiny-qwen2_5_vl").adapter.tokenizer,
+                                       resized_size=lambda inputs, image_id: None)
         self.ablated: set = set()
         self.modes: list = []
 
@@ -35,8 +36,11 @@ class HeadSensitiveVLM:
         finally:
             self.ablated = set()
 
+    def point_frames(self, frame=None):
+        return S.answers.frames_for({"tuple": "canvas"})
+
     def prepare(self, images, prompts, chat=False):
-        return SimpleNamespace(n=len(prompts), images=images)
+        return SimpleNamespace(n=len(prompts), images=images, inputs={})
 
     def generate(self, batch, max_new_tokens):
         broken = bool(self.ablated & CRITICAL)

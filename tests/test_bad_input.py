@@ -123,6 +123,13 @@ def env(tmp_path_factory) -> Env:
     (fx / "unclosed.csv").write_text('layer,head,score\n"0,0,1\n')
     (fx / "columns.csv").write_text("a,b\n1,2\n")
     (fx / "empty.csv").write_text("")
+    # score tables with one bad row among good ones, and a text file handed in as a table
+    good_rows = "".join(f"{l},{h},{0.5 * (4 * l + h)}\n" for l in range(4) for h in range(4) if (l, h) != (0, 0))
+    (fx / "word_cell.csv").write_text("layer,head,score\n" + good_rows + "0,zero,abc\n")
+    (fx / "layer99.csv").write_text("layer,head,score\n" + good_rows + "99,0,1.0\n")
+    (fx / "nan_score.csv").write_text("layer,head,score\n" + good_rows + "0,0,nan\n")
+    (fx / "twice.csv").write_text("layer,head,score\n" + good_rows + "1,2,0.0\n")
+    (fx / "notes.txt").write_text("my favourite heads are 2.1 and 3.0\nthey look interesting\n")
     pd.DataFrame([{"layer": l, "head": h, "score": float(4 * l + h)} for l in range(4) for h in range(4)]).to_csv(
         fx / "scores.csv", index=False)
     # result folders for export: malformed JSON, and a valid ablation result
@@ -270,7 +277,17 @@ CLI_CASES = [
     C("ablate-scores-unclosed-quote", f"ablate --model {T} --task scene --scores {{fx}}/unclosed.csv --n 2 {O}",
       "--scores", "not a readable CSV"),
     C("ablate-scores-wrong-columns", f"ablate --model {T} --task scene --scores {{fx}}/columns.csv --n 2 {O}",
-      "columns layer, head, score"),
+      "columns.csv", "no column(s) layer, head, score", "header: ['a', 'b']"),
+    C("ablate-scores-word-cell", f"ablate --model {T} --task scene --scores {{fx}}/word_cell.csv --n 2 {O}",
+      "word_cell.csv", "line 17", "head 'zero'", "not a non-negative integer"),
+    C("edit-scores-layer-99", f"edit --model {T} --scores {{fx}}/layer99.csv {O}", "layer99.csv", "line 17",
+      "layer 99 is outside the model", "0..3"),
+    C("ablate-scores-nan", f"ablate --model {T} --task scene --scores {{fx}}/nan_score.csv --n 2 {O}",
+      "nan_score.csv", "line 17", "score 'nan'", "not a finite number"),
+    C("edit-scores-head-twice", f"edit --model {T} --scores {{fx}}/twice.csv {O}", "twice.csv", "line 17",
+      "head 1.2 is listed again", "first on line 7"),
+    C("ablate-scores-text-file", f"ablate --model {T} --task scene --scores {{fx}}/notes.txt --n 2 {O}",
+      "notes.txt", "no column(s) layer, head, score", "my favourite heads"),
     C("ablate-scores-missing", f"ablate --model {T} --task scene --scores {{fx}}/nope.csv --n 2 {O}",
       "nope.csv", "does not exist"),
     C("edit-scores-empty-file", f"edit --model {T} --scores {{fx}}/empty.csv {O}", "--scores", "not a readable CSV"),

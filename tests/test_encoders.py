@@ -79,3 +79,10 @@ def test_encoder_loads_from_disk(tmp_path):
     torch.testing.assert_close(a, b)
     with pytest.raises(vb.InputError, match="one image per example"):
         loaded.prepare([[image, image]])
+
+
+def test_tiny_encoder_takes_the_placement_it_is_given():
+    encoder = vb.load("tiny-clip", dtype="bfloat16", device="cpu")
+    assert {p.dtype for p in encoder.model.parameters()} == {torch.bfloat16}
+    with pytest.raises(vb.InputError, match="tiny model goes on one --device"):
+        vb.load("tiny-siglip", device_map="auto")

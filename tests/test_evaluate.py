@@ -18,7 +18,7 @@ S = vb.stimuli
 class ScriptedVLM:
     """Answers each prompt from a script keyed by example order: a stand-in whose outputs we control."""
 
-    name = "scripted"
+    name, active_prompt_format = "scripted", "raw"
 
     def __init__(self, outputs):
         self.outputs = list(outputs)

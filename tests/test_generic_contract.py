@@ -80,8 +80,10 @@ def test_save_pretrained_round_trip(tiny, tmp_path, scene):
     loaded = vb.load(str(tmp_path), attn_implementation="eager")  # the tiny model's kernel: bit-identical logits
     assert loaded.family == tiny.family
     assert loaded.source == str(tmp_path.resolve())
+    # saved, the tiny model is a checkpoint with a chat template (chat by default); compare the same raw prompt
+    assert loaded.active_prompt_format == "chat" and tiny.active_prompt_format == "raw"
     batch_a = tiny.prepare(scene, PROMPT)
-    batch_b = loaded.prepare(scene, PROMPT)
+    batch_b = loaded.prepare(scene, PROMPT, chat=False)
     for key, value in batch_a.inputs.items():
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(value, batch_b.inputs[key], atol=0, rtol=0, msg=key)
@@ -89,8 +91,8 @@ def test_save_pretrained_round_trip(tiny, tmp_path, scene):
     assert [g.shape for g in batch_a.index[0].grids] == [g.shape for g in batch_b.index[0].grids]
     default = vb.load(str(tmp_path))  # checkpoints load with sdpa: the same numbers up to float rounding
     assert default.adapter.text_config._attn_implementation == "sdpa"
-    torch.testing.assert_close(tiny.logits(batch_a), default.logits(default.prepare(scene, PROMPT)), atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(tiny.logits(batch_a), default.logits(default.prepare(scene, PROMPT, chat=False)),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_batch_rows_match_single_examples(tiny):

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vlmbind"
 # bottom to top; a module may import modules of its own layer and of the layers below. Longest prefix wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("vlmbind.errors", "vlmbind.version", "vlmbind.io", "vlmbind.images", "vlmbind.sites",
-              "vlmbind.tokens", "vlmbind.shipped")),
+              "vlmbind.tokens", "vlmbind.shipped", "vlmbind.userfiles")),
     ("data", ("vlmbind.stimuli", "vlmbind.probes", "vlmbind.viz", "vlmbind.results")),
     ("models", ("vlmbind.adapters", "vlmbind.tiny", "vlmbind.organisms.model")),
     ("engine", ("vlmbind.interventions", "vlmbind.hooks", "vlmbind.batches", "vlmbind.decoding", "vlmbind.models",

@@ -163,6 +163,47 @@ def test_batched_layout_keeps_the_prefix_cache_under_the_budget(condition):
         np.testing.assert_allclose(got, results[64], atol=1e-6, err_msg=str(rows_allowed))
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_layout_keeps_its_attention_under_the_budget(attn):
+    from vlmbind.patching import packed_bytes
+
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    task = strong_task(vlm, "mid_prompt")
+    heads = all_heads(vlm)
+    inputs = vlm.model_inputs(task.batch)
+    prefix = prefix_end(vlm, task.batch, inputs, int(task.positions.min()))
+    suffix = inputs["input_ids"].shape[1] - prefix
+    assert prefix > 0 and suffix > 1
+    clean, naive = naive_diffs(vlm, task, heads)
+    before = vlm.model.config._attn_implementation
+    vlm.model.set_attn_implementation(attn)
+    try:
+        for blocks_allowed in (1, 2, 5):
+            budget = packed_bytes(vlm, prefix, suffix, blocks_allowed)
+            masks, logit_rows = [], []
+
+            def spy(module, args, kwargs):
+                mask = kwargs.get("attention_mask")
+                if isinstance(mask, torch.Tensor) and mask.ndim == 4 and mask.shape[-2] > 1:
+                    masks.append(tuple(mask.shape))
+            handle = vlm.model.register_forward_pre_hook(spy, with_kwargs=True)
+            out_hook = vlm.model.register_forward_hook(lambda m, a, o: logit_rows.append(o.logits.shape[1]))
+            try:
+                c, patched = exact_diffs(vlm, task, heads, layout="packed", max_tokens=10_000,
+                                         memory_budget=budget)
+            finally:
+                handle.remove(), out_hook.remove()
+            packed = [shape for shape in masks if shape[-1] > prefix + suffix or shape[-2] != prefix + suffix]
+            blocks = [shape[-2] // suffix for shape in packed]
+            assert max(blocks) == blocks_allowed and sum(blocks) == len(heads), blocks
+            assert all(packed_bytes(vlm, prefix, suffix, b) <= budget for b in blocks)
+            assert set(logit_rows[1:]) <= set(range(1, blocks_allowed + 1))  # logits at the scored rows only
+            effects = naive - clean
+            np.testing.assert_allclose(patched - c, effects, atol=1e-4 * np.ptp(effects) + 1e-6)
+    finally:
+        vlm.model.set_attn_implementation(before)
+
+
 def test_memory_budget_below_one_row_still_runs_one_row_at_a_time():
     vlm = get_tiny("tiny-qwen2_5_vl")
     task = strong_task(vlm, "id_selection")

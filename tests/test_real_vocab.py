@@ -13,6 +13,7 @@ import json
 import numpy as np
 from PIL import Image
 import pytest
+import torch
 
 import vlmbind as vb
 from vlmbind import cli
@@ -145,6 +146,7 @@ def test_cli_locate_on_a_saved_real_vocabulary_model(saved, loaded, family, tmp_
     assert code == 0, capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["prompt_format"] == "chat"
+    assert summary["answer_casing"]["n"] == 2 and 0 <= summary["answer_casing"]["share"] <= 1
     pairs = scene_pairs(2, "id_retrieval", 0, **training_defaults(loaded(family), "scene", {"n_objects": 3}))
     direct = locate(loaded(family), pairs, method="exact", prompt_format="chat")
     saved_scores = vb.analysis.HeadScores.load(out)
@@ -223,3 +225,115 @@ def test_qwen25_points_frame_from_the_real_processor(loaded):
     assert vlm.point_frames("pixels")["tuple"] == "pixels"  # the user's frame fills what is unknown
     assert vlm.point_frames("pixels")["json"] == "resized"  # and never overrides a declared one
     assert loaded("llava").point_frames()["json"] is None
+
+
+def test_prepare_follows_the_models_prompt_format(loaded):
+    vlm = loaded("llava")
+    image = Image.new("RGB", (64, 64), "white")
+    assert vlm.active_prompt_format == "chat"  # a checkpoint with a template
+    assert "ASSISTANT:" in vlm.prepare(image, "is there a red circle ?").index[0].text
+    try:
+        assert vlm.use_prompt_format("raw") == "raw"
+        assert "ASSISTANT:" not in vlm.prepare(image, "is there a red circle ?").index[0].text
+        assert "ASSISTANT:" in vlm.prepare(image, "is there a red circle ?", chat=True).index[0].text
+        with pytest.raises(vb.InputError, match="unknown prompt format"):
+            vlm.use_prompt_format("instruct")
+    finally:
+        vlm.use_prompt_format(None)
+
+
+# every command that prompts, on every family, through the saved checkpoint and both formats
+COMMANDS = {
+    "ablate": ["--task", "query", "--heads", "0.0,1.1", "--n", "2", "--seeds", "1", "--top-k", "1",
+               "--mode", "zero"],
+    "edit": ["--heads", "1.0", "--alpha", "0,2", "--n-estimate", "48", "--n-eval", "2"],
+    "probe": ["--n-train", "8", "--n-val", "4", "--n-test", "4", "--epochs", "1"],
+    "rsa": ["--positions", "1", "--permutations", "10"],
+}
+
+
+@pytest.mark.parametrize("fmt", ["chat", "raw"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cli_commands_on_a_saved_real_vocabulary_model(saved, family, fmt, tmp_path, capsys):
+    for command, argv in COMMANDS.items():
+        if fmt == "raw" and command != "ablate":  # raw prompts are the organisms' path, tested everywhere else
+            continue
+        out = tmp_path / command
+        code = cli.main([command, "--model", saved(family), *argv, "--prompt-format", fmt, "--out", str(out),
+                         "--json"])
+        captured = capsys.readouterr()
+        assert code == 0, (command, captured.err)
+        assert json.loads(captured.out)["prompt_format"] == fmt, command
+
+
+# what each family's checkpoints write when asked to point at two objects, each in its own frame, and the canvas
+# cells vlmbind must read from it
+NATIVE_POINTS = {
+    "qwen2_5_vl": '```json\n[{{"point_2d": [{a}, {b}]}}, {{"point_2d": [{c}, {d}]}}]\n```\n2',
+    "qwen2_vl": "<|box_start|>({a},{b}),({a},{b})<|box_end|> <|box_start|>({c},{d}),({c},{d})<|box_end|> 2",
+    "molmo2": '<points coords="1 {a} {b} 2 {c} {d}">objects</points> 2',
+    "llava": "({a}, {b}) ({c}, {d}) 2",
+    "gemma3": "({a}, {b}) ({c}, {d}) 2",
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cli_track_reads_each_familys_points(saved, loaded, family, tmp_path, capsys, monkeypatch):
+    from vlmbind.analysis import tracking
+
+    vlm = loaded(family)
+    dataset = tracking.tracking_dataset(vlm, "count", 1, objects=2)
+    canvas = dataset.params["canvas"]
+    size = int(canvas["image_size"])
+    rows, cols = (canvas["grid"], canvas["grid"]) if isinstance(canvas["grid"], int) else canvas["grid"]
+    cells = [(0, 1), (cols - 1, rows - 1)]
+    centre = [((c + 0.5) * size / cols, (r + 0.5) * size / rows) for c, r in cells]
+    batch = vlm.prepare([dataset[0].image], [dataset[0].prompt])
+    resized = vlm.adapter.resized_size(batch.inputs, 0)
+    if family == "qwen2_5_vl":
+        written = [(x * resized[0] / size, y * resized[1] / size) for x, y in centre]
+    elif family in ("qwen2_vl", "molmo2"):
+        written = [(x * 1000 / size, y * 1000 / size) for x, y in centre]
+    else:
+        written = centre  # pixels: these families have no pointing format, the user says so with --point-frame
+    text = NATIVE_POINTS[family].format(a=round(written[0][0], 1), b=round(written[0][1], 1),
+                                        c=round(written[1][0], 1), d=round(written[1][1], 1))
+    ids = vlm.adapter.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def scripted(vlm_, batch_, max_new_tokens, query):
+        maps = np.zeros((len(ids), vlm_.n_layers, vlm_.n_heads, batch_.seq_len), dtype=np.float32)
+        return [(list(ids), maps) for _ in range(len(batch_))]
+    monkeypatch.setattr(tracking, "_trace", scripted)
+    argv = ["track", "--model", saved(family), "--task", "count", "--n", "1", "--objects", "2", "--json"]
+    if family in ("llava", "gemma3"):
+        capsys.readouterr()
+        assert cli.main([*argv, "--out", str(tmp_path / "refused")]) == 2
+        err = [l for l in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in l]
+        assert len(err) == 1 and "--point-frame" in err[0] and not (tmp_path / "refused").exists()
+        argv += ["--point-frame", "pixels"]
+    out = tmp_path / "t"
+    assert cli.main([*argv, "--out", str(out)]) == 0, capsys.readouterr().err
+    centroids = json.loads((out / "centroids.json").read_text())
+    points = [p["point"] for p in centroids["examples"][0]["points"]]
+    np.testing.assert_allclose(points, cells, atol=0.02)
+    assert centroids["prompt_format"] == "chat"
+
+
+def test_answer_casing_is_measured_against_an_independent_forward(loaded):
+    from vlmbind.analysis.mediation import answer_casing
+
+    vlm = loaded("qwen2_5_vl")
+    pairs = list(scene_pairs(3, "id_retrieval", 0, **training_defaults(vlm, "scene", {"n_objects": 3})))
+    casing = answer_casing(vlm, pairs, "chat")
+    tok = vlm.adapter.tokenizer
+    gaps = []
+    for p in pairs:
+        batch = vlm.prepare([p.clean.image], [p.clean.prompt], chat=True)
+        with torch.no_grad():
+            logits = vlm.model(**vlm.model_inputs(batch)).logits[0, -1].float()  # the HF forward, every position
+        upper = tok(p.answer[:1].upper() + p.answer[1:], add_special_tokens=False)["input_ids"][0]
+        lower = tok(p.answer, add_special_tokens=False)["input_ids"][0]  # chat replies start without a space
+        assert upper != lower
+        gaps.append(float(logits[upper] - logits[lower]))
+    assert casing["n"] == 3 and casing["capitalised_preferred"] == sum(g > 0 for g in gaps)
+    assert casing["mean_logit_gap"] == pytest.approx(np.mean(gaps), abs=1e-4)

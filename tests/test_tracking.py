@@ -146,6 +146,24 @@ def test_point_token_steps_plain_and_molmo_style(organism):
     assert "'('" in TOKEN_RULE and "')'" in TOKEN_RULE
 
 
+def test_point_token_steps_split_a_molmo2_tag_into_its_points(organism):
+    tok = organism.adapter.tokenizer
+    head = tok(' <points coords="1', add_special_tokens=False)["input_ids"]
+    first = tok(" 1 100 300", add_special_tokens=False)["input_ids"]
+    second = tok(" 2 900 900", add_special_tokens=False)["input_ids"]
+    tail = tok('">objects</points> 2', add_special_tokens=False)["input_ids"]
+    ids = head + first + second + tail
+    text = tok.decode(ids)
+    assert text == ' <points coords="1 1 100 300 2 900 900">objects</points> 2'  # the pieces tokenise apart
+    found, skipped = point_token_steps(tok, ids)
+    assert skipped == 0 and [span.points for _, span in found] == [[(100.0, 300.0)], [(900.0, 900.0)]]
+    n0, n1 = len(head), len(first)
+    # each point owns the tokens of its own triple (the leading space rides along), never the other's
+    assert set(found[0][0]) <= set(range(n0, n0 + n1))
+    assert set(found[1][0]) <= set(range(n0 + n1, n0 + n1 + len(second)))
+    assert found[0][0] and found[1][0]
+
+
 def test_point_token_steps_keep_qwen2_vl_box_markers():
     from vlmbind.tiny import real
 

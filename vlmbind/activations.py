@@ -338,6 +338,7 @@ def capture(
         "format": FORMAT, "model": vlm.name, "family": vlm.family, "sites": resolved, "tokens": tokens,
         "n": len(examples), "shard_size": shard_size, "n_shards": n_shards, "shards": [], "dtype": str(dtype),
         "projector_in_sequence_order": bool(vlm.adapter.projector_in_sequence_order),
+        "prompt_format": getattr(vlm, "active_prompt_format", None),  # None: a vision encoder, no prompt
         # sites whose rows line up with each example's token table (so they can be pooled per object)
         "aligned_sites": [s for s in resolved if encoder or s.startswith("blocks.")
                           or (s.startswith("projector.") and vlm.adapter.projector_in_sequence_order)],
@@ -353,7 +354,8 @@ def capture(
             if not resume:
                 raise InputError(f"{root} already holds a capture; pass resume=True (--resume) to continue it, or "
                                  "choose another directory")
-            keys = ("format", "model", "sites", "tokens", "n", "shard_size")
+            keys = ("format", "model", "sites", "tokens", "n", "shard_size", "prompt_format")
+            old.setdefault("prompt_format", manifest["prompt_format"])  # written before formats were recorded
             diff = [k for k in keys if old.get(k) != manifest[k]]
             if diff:
                 raise InputError(f"cannot resume {root}: {', '.join(diff)} differ from the run on disk")
@@ -374,7 +376,10 @@ def capture(
         for b0 in range(start, stop, batch_size):
             chunk = examples[b0 : min(b0 + batch_size, stop)]
             batch = vlm.prepare([ex.image for ex in chunk], [ex.prompt for ex in chunk])
-            cache = vlm.run(batch, sites=resolved).cache
+            # the captured sites are all a capture keeps: logits at one position only (a real vocabulary's logits
+            # over the whole sequence cost more than the capture)
+            keep = {} if encoder else {"logits_at": [batch.seq_len - 1]}
+            cache = vlm.run(batch, sites=resolved, **keep).cache
             for r, ex in enumerate(chunk):
                 table, grid_names = _token_table(batch.index[r], ex, tokens)
                 shard_meta.append({**meta[b0 + r], "index": b0 + r, "grids": grid_names})

@@ -40,7 +40,15 @@ from .errors import InputError
 from .io import json_default, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from .results import Result, read_json_object, register_result, require_keys
 from .stimuli.core import Canvas, Dataset, Example
-from .stimuli.answers import UnknownFrameError, answer_words, read_count, read_query, read_scene, read_yes_no, to_canvas
+from .stimuli.answers import (
+    UnknownFrameError,
+    answer_words,
+    read_count,
+    read_query,
+    read_scene,
+    read_yes_no,
+    to_canvas,
+)
 from .stimuli.points import pointing_spans
 
 CHECKPOINT = "eval.partial.jsonl"
@@ -240,7 +248,7 @@ def _append_batch(path: Path, index: int, records: list[dict[str, Any]]) -> None
 
 
 def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16, progress: bool = False,
-             chat: bool = False, checkpoint: str | os.PathLike | None = None,
+             chat: bool | None = None, checkpoint: str | os.PathLike | None = None,
              point_frame: str | None = None, canvas: Any = None) -> EvalResult:
     """Greedy-generate an answer for every example and score it (see the module docstring).
 
@@ -249,7 +257,7 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
         dataset: the examples (a :class:`~vlmbind.stimuli.core.Dataset` also records its parameters).
         batch_size: examples generated together.
         progress: show a progress bar.
-        chat: wrap prompts in the model's chat template.
+        chat: wrap prompts in the model's chat template (None: as the model's active prompt format says).
         checkpoint: a file each finished batch is appended to; an existing one from the same run (model, data,
             batch size, chat) is continued from, so a killed run resumes and ends with the same answers. It is
             removed when the run completes.
@@ -269,6 +277,8 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
     missing = [e.id for e in examples if not e.answer]
     if missing:
         raise InputError(f"{len(missing)} examples have no expected answer (first: {missing[0]!r})")
+    if chat is None:
+        chat = vlm.active_prompt_format == "chat"
     tokenizer = vlm.adapter.tokenizer
     if canvas is None and isinstance(dataset, Dataset):
         canvas = dataset.params.get("canvas")

@@ -25,6 +25,7 @@ from .encoders import ENCODER_NAMES, ENCODERS, build_tiny_encoder, load_encoder
 from .errors import InputError, ModelLoadError, UnsupportedModelError, close_matches
 from .models import TRAINING_FILE, VLM
 from .shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
+from .userfiles import read_json_object
 
 
 def registered_names() -> list[str]:
@@ -125,7 +126,9 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
     placement = placement_kwargs(device=device, dtype=dtype, device_map=device_map,
                                  attn_implementation=attn_implementation)
     if name in ENCODER_NAMES:
-        return build_tiny_encoder(name, seed=int(hf_kwargs.pop("seed", 0)))
+        encoder = build_tiny_encoder(name, seed=int(hf_kwargs.pop("seed", 0)))
+        _place_built(encoder.model, placement["dtype"], placement.get("device_map"))  # in place: Module.to
+        return encoder
     if name in tiny.TINY_NAMES:
         seed = int(hf_kwargs.pop("seed", 0))
         device_map = hf_kwargs.pop("device_map", None) or placement.get("device_map")
@@ -195,7 +198,15 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
     vlm = VLM(model, processor, name=name, source=str(Path(name).resolve()) if is_dir else f"hub:{name}")
     card = Path(name) / TRAINING_FILE
     if is_dir and card.is_file():
-        vlm.training = json.loads(card.read_text())
+        vlm.training = read_json_object(card, "the model folder's training record")
+    elif is_dir and (Path(name) / "train_config.json").is_file() and (Path(name) / "trainer_state.json").is_file():
+        # a checkpoint of vlmbind's trainer (not yet shipped): the facts the shipped card would carry, so it is
+        # prompted raw and its stimuli follow its training, as the shipped organism's would
+        config = read_json_object(Path(name) / "train_config.json", "the checkpoint's train_config.json")
+        if isinstance(config.get("image_size"), int):
+            vlm.training = {"regime": config.get("regime"), "image_size": config["image_size"],
+                            "grid": config["image_size"] // 28, "tasks": config.get("tasks", {}),
+                            "task_options": config.get("task_options", {}), "checkpoint": str(Path(name))}
     return vlm
 
 

@@ -52,6 +52,7 @@ class VLM:
         self.active: list[Intervention] = []
         # how the model was trained, for models vlmbind trained (task pools, image size), else None
         self.training: dict[str, Any] | None = None
+        self._prompt_format: str | None = None  # None: default_prompt_format
 
     def __repr__(self) -> str:
         a = self.adapter
@@ -100,7 +101,7 @@ class VLM:
         images: Image.Image | Sequence[Image.Image | Sequence[Image.Image]],
         prompts: str | Sequence[str],
         *,
-        chat: bool = False,
+        chat: bool | None = None,
     ) -> Batch:
         """Turn images and prompts into a model batch (left-padded) with a TokenIndex per row.
 
@@ -108,7 +109,9 @@ class VLM:
             images: one image per prompt (or a list of images per prompt); PIL images of any still mode are
                 converted to RGB, transparency composited on white (:func:`vlmbind.images.to_rgb`).
             prompts: the text after the image(s).
-            chat: wrap each prompt in the processor's chat template (real instruction-tuned checkpoints).
+            chat: wrap each prompt in the processor's chat template (real instruction-tuned checkpoints); None:
+                as :attr:`active_prompt_format` says (chat for checkpoints with a template, raw for organisms and
+                the tiny models, unless :meth:`use_prompt_format` chose).
 
         Raises:
             InputError: counts do not match, a prompt is empty, or an image is not a PIL image or is animated.
@@ -133,6 +136,8 @@ class VLM:
                 if not isinstance(im, Image.Image):
                     raise InputError(f"example {i}: expected a PIL image, got {type(im).__name__}")
             rows.append([to_rgb(im, f"example {i}'s image") for im in group])
+        if chat is None:
+            chat = self.active_prompt_format == "chat"
         texts = [self.prompt_text(p, len(r), chat) for p, r in zip(prompts, rows)]
         tok = self.adapter.tokenizer
         old_side = tok.padding_side
@@ -172,14 +177,26 @@ class VLM:
         built_here = self.training is not None or self.source.startswith("tiny (")
         return "raw" if built_here or not self.has_chat_template else "chat"
 
+    @property
+    def active_prompt_format(self) -> str:
+        """The format :meth:`prepare` uses when not told: set by :meth:`use_prompt_format` (every command's
+        ``--prompt-format``), else :attr:`default_prompt_format`."""
+        return self._prompt_format or self.default_prompt_format
+
+    def use_prompt_format(self, value: str | None) -> str:
+        """Make ``value`` (checked as :meth:`prompt_format` checks it; None: the default) the format every prompt
+        of this model is rendered in from now on; returns it."""
+        self._prompt_format = None if value is None else self.prompt_format(value)
+        return self.active_prompt_format
+
     def prompt_format(self, value: str | None) -> str:
-        """``value`` checked (None: :attr:`default_prompt_format`).
+        """``value`` checked (None: :attr:`active_prompt_format`).
 
         Raises:
             InputError: an unknown format, or ``chat`` for a model without a chat template.
         """
         if value is None:
-            return self.default_prompt_format
+            return self.active_prompt_format
         if value not in PROMPT_FORMATS:
             raise InputError(f"unknown prompt format {value!r}; formats: {', '.join(PROMPT_FORMATS)}")
         if value == "chat" and not self.has_chat_template:
@@ -192,8 +209,11 @@ class VLM:
         ``assistant\n``, Gemma's ``model\n``) and a space after one that ends on a word (LLaVA's ``ASSISTANT:``)."""
         if not chat:
             return " "
-        rendered = self.prompt_text("x", 1, chat=True)
-        return "" if rendered[-1:].isspace() else " "
+        cached = getattr(self, "_chat_separator", None)
+        if cached is None:  # rendered once: every pair asks
+            rendered = self.prompt_text("x", 1, chat=True)
+            cached = self._chat_separator = "" if rendered[-1:].isspace() else " "
+        return cached
 
     def answer_ids(self, answer: str, chat: bool) -> list[int]:
         """The token ids of ``answer`` as it continues a prompt in the given format (see :meth:`answer_separator`).

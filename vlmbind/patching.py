@@ -230,6 +230,25 @@ def _rows_per_chunk(vlm: Any, prefix: int, max_rows: int, memory_budget: int) ->
     return int(max(1, min(max_rows, memory_budget // per_row)))
 
 
+def packed_bytes(vlm: Any, prefix: int, suffix: int, blocks: int) -> int:
+    """Bytes the attention of one packed row takes per layer: its additive mask (queries x keys), and under eager
+    attention also the scores and probabilities of every head."""
+    itemsize = next(vlm.model.parameters()).element_size()
+    queries = blocks * suffix
+    keys = prefix + queries
+    eager = getattr(vlm.model.config, "_attn_implementation", None) == "eager"
+    return queries * keys * itemsize * (1 + (2 * vlm.adapter.n_heads if eager else 0))
+
+
+def _packed_per_chunk(vlm: Any, prefix: int, suffix: int, max_tokens: int, memory_budget: int) -> int:
+    """Experiments per packed forward: at most ``max_tokens`` suffix tokens, and the packed row's attention
+    (:func:`packed_bytes`) within ``memory_budget``; never fewer than one."""
+    n = max(1, max_tokens // suffix)
+    while n > 1 and packed_bytes(vlm, prefix, suffix, n) > memory_budget:
+        n -= 1
+    return n
+
+
 def _chunks(heads: Sequence[tuple[int, int]], per_chunk: int) -> list[list[int]]:
     """Indices of ``heads`` in layer order, cut into chunks of at most ``per_chunk``."""
     order = sorted(range(len(heads)), key=lambda i: heads[i])
@@ -373,7 +392,8 @@ def exact_diffs(
         max_tokens: ``packed`` layout: most suffix tokens (experiments x suffix length) in one forward; 64 was
             fastest on CPU (smaller chunks start at higher layers, larger ones amortise the call); raise it on GPUs.
         max_rows: ``batched`` layout: most experiments in one forward.
-        memory_budget: ``batched`` layout: bytes the materialised prefix cache of one forward may take.
+        memory_budget: bytes one forward's extra memory may take: the materialised prefix cache (``batched``), or
+            the packed row's attention mask and, under eager attention, its scores (``packed``, per layer).
         layout: ``single`` (the clean prompt and every experiment's suffix in one forward; families whose mask is
             plainly causal, when all experiments fit in ``max_tokens``), ``packed`` (the experiments' suffixes side
             by side in one row after the clean forward, a block mask keeping them apart; the prefix cache is
@@ -442,7 +462,7 @@ def exact_diffs(
             layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
 
         if layout == "packed":
-            per_chunk = max(1, max_tokens // suffix)
+            per_chunk = _packed_per_chunk(vlm, start, suffix, max_tokens, memory_budget)
         else:
             per_chunk = _rows_per_chunk(vlm, start, max_rows, memory_budget)
         for part in _chunks([heads[i] for i in todo], per_chunk):
@@ -455,6 +475,9 @@ def exact_diffs(
                 interventions = _entries(task, chunk_heads, blocks, [0] * n)
                 hidden = resid[low].repeat(1, n, 1)
                 kwargs = _packed_inputs(vlm, inputs, position_ids, start, n, cache)
+                # logits only at each copy's scored position, never over the packed row
+                scored_at = (task.score_position - start) + suffix * torch.arange(n, device=hidden.device)
+                kwargs["logits_to_keep"] = scored_at
             else:
                 interventions = _entries(task, chunk_heads, [local] * n, list(range(n)))
                 hidden = resid[low].expand(n, -1, -1)
@@ -462,7 +485,7 @@ def exact_diffs(
             with start_at_layer(adapter, low, hidden), HookSession(adapter, (), interventions):
                 logits = model(**kwargs).logits
             if layout == "packed":
-                scored = logits[0, (task.score_position - start) + suffix * torch.arange(n)]
+                scored = logits[0]
             else:
                 scored = logits[:, 0]
             out[chunk] = _diff(scored, task.a, task.a_star).cpu().numpy()

@@ -19,7 +19,6 @@ errors and counts (not the per-pair scores), and comes back with exactly those.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,6 +26,8 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from .errors import InputError
+# the readers of files a user hands in live in one place; results re-export the ones saved results use
+from .userfiles import read_csv_columns, read_json_object, require_keys  # noqa: F401
 
 RESULTS: dict[str, type[Result]] = {}
 
@@ -115,46 +116,6 @@ def load_result(directory: str | Path) -> Result:
 # ----------------------------------------------------------------------------------------------------------------
 def has_files(directory: Path, *names: str) -> bool:
     return all((Path(directory) / name).is_file() for name in names)
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``.
-
-    Raises:
-        InputError: unreadable, not JSON, or not an object.
-    """
-    try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot read {str(path)!r} as JSON ({exc}); re-run the command that wrote it") from None
-    if not isinstance(value, dict):
-        raise InputError(f"{str(path)!r} holds a JSON {type(value).__name__}, not an object; it is not a vlmbind result")
-    return value
-
-
-def read_csv_columns(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
-    """A CSV with (at least) ``columns``, floats parsed exactly as written.
-
-    Raises:
-        InputError: unreadable, not CSV, or a column missing.
-    """
-    try:
-        # round_trip: the parsed floats are exactly the written ones (hover texts show repr())
-        frame = pd.read_csv(path, float_precision="round_trip")
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise InputError(f"cannot read {str(path)!r} as CSV ({exc}); re-run the command that wrote it") from None
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
-        raise InputError(f"{str(path)!r} has no column(s) {missing} (it has {list(frame.columns)}); it is not the "
-                         f"file vlmbind wrote")
-    return frame
-
-
-def require_keys(data: dict[str, Any], keys: tuple[str, ...], path: Path) -> None:
-    """Raise InputError naming ``path`` when ``data`` lacks one of ``keys``."""
-    missing = [k for k in keys if k not in data]
-    if missing:
-        raise InputError(f"{str(path)!r} has no key(s) {missing}; it is not the file vlmbind wrote")
 
 
 def results_json_has(directory: Path, *keys: str) -> bool:

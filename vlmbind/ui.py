@@ -17,7 +17,6 @@ import hashlib
 import io
 import threading
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +30,7 @@ from .errors import InputError
 from .evaluate import training_defaults
 from .hooks import PatchHeads
 from .stimuli import scene_pairs
+from .userfiles import SCORE_COLUMNS, read_scores
 from .viz import attention_overlay, head_heatmap
 
 MODES = ("image_attention", "zero", "mean")
@@ -131,10 +131,7 @@ def scores_frame(scores: Any, n_layers: int, n_heads: int) -> pd.DataFrame:
     elif isinstance(scores, pd.DataFrame):
         frame = scores
     else:
-        path = Path(scores)
-        if not path.is_file():
-            raise InputError(f"scores file {str(path)!r} does not exist; pass a scores.csv from vlmbind locate")
-        frame = pd.read_csv(path)
+        return read_scores(scores, n_layers=n_layers, n_heads=n_heads, what="scores file")[list(SCORE_COLUMNS)]
     missing = {"layer", "head", "score"} - set(frame.columns)
     if missing:
         raise InputError(f"scores need columns layer, head, score; missing {sorted(missing)}")

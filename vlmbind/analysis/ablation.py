@@ -31,7 +31,7 @@ class AblationResult(Result):
     """Accuracy with no heads ablated and with each arm's heads ablated.
 
     Attributes:
-        model, task, mode, k: what was run.
+        model, task, mode, k: what was run; prompt_format: ``raw`` or ``chat``.
         arms: ``[{"arm": "clean"|"top"|"random"|"bottom", "seed": s or None, "heads": ["l.h", ...], "accuracy": a,
             "n": n}, ...]``.
     """
@@ -42,6 +42,7 @@ class AblationResult(Result):
     k: int
     renormalize: bool
     arms: list[dict[str, Any]] = field(default_factory=list)
+    prompt_format: str = "raw"
 
     kind = "ablate"
     marker_keys = ("arms",)
@@ -50,7 +51,8 @@ class AblationResult(Result):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AblationResult:
         return cls(model=data["model"], task=data["task"], mode=data["mode"], k=data["k"],
-                   renormalize=data["renormalize"], arms=data["arms"])
+                   renormalize=data["renormalize"], arms=data["arms"],
+                   prompt_format=data.get("prompt_format", "raw"))
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> AblationResult:
@@ -87,7 +89,7 @@ class AblationResult(Result):
 
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
-                "renormalize": self.renormalize,
+                "renormalize": self.renormalize, "prompt_format": self.prompt_format,
                 "accuracy": {arm: self.accuracy(arm) for arm in ("clean", "top", "random", "bottom")},
                 "arms": self.arms}
 
@@ -142,7 +144,8 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
     if not 1 <= k <= n_heads // 2:
         raise InputError(f"k = {k} must be between 1 and half the heads ({n_heads // 2}) so top and bottom differ")
     means = _means(vlm, dataset, ranked) if mode == "mean" else None
-    result = AblationResult(vlm.name, dataset[0].task, mode, k, renormalize)
+    result = AblationResult(vlm.name, dataset[0].task, mode, k, renormalize,
+                            prompt_format=vlm.active_prompt_format)
 
     def run(arm: str, heads: list[tuple[int, int]], seed: int | None = None) -> None:
         if heads:

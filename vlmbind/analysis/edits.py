@@ -409,6 +409,7 @@ class EditResult(Result):
         norms: per head, the mean ``|d_t - d_o|`` (edit) and ``|d_c - d_o|`` (control) over the evaluated examples.
         params, seed, seconds: stimuli, seed and wall time.
         repair: an attached :class:`RepairResult` (saved in the same files), or None.
+        prompt_format: ``raw`` or ``chat``.
     """
 
     model: str
@@ -429,6 +430,7 @@ class EditResult(Result):
     seed: int
     seconds: float = 0.0
     repair: RepairResult | None = None
+    prompt_format: str = "raw"
 
     kind = "edit"
     marker_keys = ("rows", "efficacy")
@@ -446,6 +448,7 @@ class EditResult(Result):
             estimate=data.get("estimate", {}), norms=data.get("norms", {}), params=data.get("params", {}),
             seed=data.get("seed", 0), seconds=data.get("seconds", 0.0),
             repair=RepairResult.from_dict(data["repair"]) if data.get("repair") else None,
+            prompt_format=data.get("prompt_format", "raw"),
         )
 
     @classmethod
@@ -476,6 +479,7 @@ class EditResult(Result):
             "alpha0_identical": self.alpha0_identical, "n_estimate": self.n_estimate, "n_eval": self.n_eval,
             "n_used": self.n_used, "skipped": self.skipped, "rows": self.rows, "estimate": self.estimate,
             "norms": self.norms, "params": self.params, "seed": self.seed, "seconds": self.seconds,
+            "prompt_format": self.prompt_format,
         }
         if self.repair is not None:
             out["repair"] = self.repair.summary()
@@ -632,7 +636,7 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
         clean_accuracy=_share(clean_records, "correct"), clean_names_t=_share(clean_records, "names_t"),
         alpha0_identical=not any(r["changed"] for r in records if r["alpha"] == 0.0), n_estimate=n_estimate,
         n_eval=n_eval, n_used=n_used, skipped=skipped, estimate=ids.summary(), norms=norms, params=data.params,
-        seed=seed, seconds=time.perf_counter() - start,
+        seed=seed, seconds=time.perf_counter() - start, prompt_format=vlm.active_prompt_format,
     )
 
 

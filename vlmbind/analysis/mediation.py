@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 from safetensors import safe_open
 from safetensors.numpy import save
 from scipy.stats import spearmanr
@@ -78,6 +79,8 @@ class HeadScores(Result):
         verified: ``attribution`` only: ``N L H`` exact scores of the top candidates (NaN elsewhere).
         skipped: examples that gave no pair (attention_swap traces without two usable points).
         prompt_format: how the scene pairs were prompted (``raw`` or ``chat``).
+        answer_casing: :func:`answer_casing` of the pairs, where it was measured (the scores use the answers'
+            lower-case tokens; this says how often the model would rather start with a capital).
         table: a result loaded from its files (:meth:`load`): the saved per-head table; ``per_pair`` is then None
             and the means, standard errors and counts come from the table.
     """
@@ -96,6 +99,7 @@ class HeadScores(Result):
     verified: np.ndarray | None = None
     skipped: list[str] = field(default_factory=list)
     prompt_format: str = "raw"
+    answer_casing: dict[str, Any] | None = None
     table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -109,7 +113,7 @@ class HeadScores(Result):
         return cls(condition=summary["condition"], method=summary["method"], model=summary["model"], per_pair=None,
                    seconds=summary.get("seconds", 0.0), pair_ids=summary.get("pair_ids", []),
                    skipped=summary.get("skipped_examples", []), prompt_format=summary.get("prompt_format", "raw"),
-                   table=frame)
+                   answer_casing=summary.get("answer_casing"), table=frame)
 
     def _saved(self, column: str) -> np.ndarray:
         """``L H`` of one column of the loaded table (NaN where a head has no row)."""
@@ -177,6 +181,8 @@ class HeadScores(Result):
                "pair_ids": self.pair_ids, "prompt_format": self.prompt_format}
         if self.skipped:
             out["skipped_examples"] = self.skipped
+        if self.answer_casing is not None:
+            out["answer_casing"] = self.answer_casing
         if self.verified is not None:
             exact = self.verified_scores
             heads = [tuple(int(v) for v in idx) for idx in np.argwhere(~np.isnan(exact))]
@@ -195,7 +201,7 @@ class HeadScores(Result):
         return cls(condition=first.condition, method=first.method, model=first.model,
                    per_pair=np.concatenate([p.per_pair for p in parts]), seconds=seconds,
                    pair_ids=[i for p in parts for i in p.pair_ids], verified=verified, skipped=list(skipped),
-                   prompt_format=first.prompt_format)
+                   prompt_format=first.prompt_format, answer_casing=first.answer_casing)
 
     def recall(self, reference: HeadScores, k: int = 10) -> float:
         """Share of ``reference``'s top-``k`` heads that are also in this result's top-``k``."""
@@ -208,6 +214,40 @@ class HeadScores(Result):
         write_html_atomic(self.figure(), out / "heatmap.html")
         write_json_atomic(self.summary(), out / "summary.json")
         return out
+
+
+def answer_casing(vlm: Any, pairs: Sequence[Any], prompt_format: str | None = None,
+                  batch_size: int = 16) -> dict[str, Any] | None:
+    """How often the model would rather start its answer with a capital: on each pair's clean prompt, the logit of
+    the capitalised answer's first token (``Red``) against the lower-case one (``red``) that the scores use.
+
+    Returns:
+        ``{"n", "capitalised_preferred", "share", "mean_logit_gap", "rule"}`` (gap: capitalised minus lower-case),
+        or None for pairs without a scene answer or answers that have no distinct capitalised token.
+    """
+    pairs = [p for p in pairs if hasattr(p, "clean") and isinstance(getattr(p, "answer", None), str)]
+    chat = vlm.prompt_format(prompt_format) == "chat"
+    rows = []
+    for p in pairs:
+        lower = vlm.answer_ids(p.answer, chat)[0]
+        upper = vlm.answer_ids(p.answer[:1].upper() + p.answer[1:], chat)[0]
+        if upper != lower:
+            rows.append((p, lower, upper))
+    if not rows:
+        return None
+    gaps = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        batch = vlm.prepare([p.clean.image for p, _, _ in chunk], [p.clean.prompt for p, _, _ in chunk], chat=chat)
+        with torch.no_grad():
+            logits = vlm.logits(batch, at=[batch.seq_len - 1])[:, 0].float()
+        for r, (_, lower, upper) in enumerate(chunk):
+            gaps.append(float(logits[r, upper] - logits[r, lower]))
+    preferred = sum(g > 0 for g in gaps)
+    return {"n": len(gaps), "capitalised_preferred": int(preferred), "share": preferred / len(gaps),
+            "mean_logit_gap": float(np.mean(gaps)),
+            "rule": "clean prompt, first answer token: logit of the capitalised answer's token minus the lower-case "
+                    "one's (the scores use the lower-case tokens)"}
 
 
 def scene_task(vlm: Any, pair: Any, layers: Sequence[int], prompt_format: str = "raw") -> PatchTask:
@@ -250,7 +290,7 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
             it stopped and ends with the same numbers. It is removed when the run completes.
         gather: ``attribution``: maps these pairs' ``N L H`` estimates to the estimates the verification candidates
             are chosen from (a sweep's ranks pool theirs through it, :func:`vlmbind.sweeps.locate`); None: their own.
-        prompt_format: ``raw`` or ``chat`` (None: the model's default, :attr:`vlmbind.models.VLM.default_prompt_format`);
+        prompt_format: ``raw`` or ``chat`` (None: the model's, :attr:`vlmbind.models.VLM.active_prompt_format`);
             scene pairs only, recorded in the summary.
         method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``; ``integrated_gradients``:
             ``steps``).

@@ -63,7 +63,8 @@ PATTERN_SITES = "blocks.*.attn.hook_pattern"
 QUERIES = ("emit", "self")
 TASKS = ("count", "search")
 TOKEN_RULE = ("every generated token whose decoded characters overlap the point's span, i.e. the tokens from the one "
-              "holding '(' to the one holding ')' (a leading space in the '(' token rides along)")
+              "holding '(' to the one holding ')' (a leading space in the '(' token rides along); in a Molmo2 tag "
+              "with several points, the tokens of each point's 'idx x y' triple")
 POINT_FRAME = "stimulus canvas cells: x = column, y = row, 0-based, cell centres at integers"
 
 
@@ -192,14 +193,20 @@ def point_token_steps(tokenizer: Any, ids: Sequence[int]) -> tuple[list[tuple[li
     spans, text = decoded_spans(tokenizer, [ids[k] for k in shown])
     out, skipped = [], 0
     for span in pointing_spans(text):
-        if len(span.points) != 1:
-            skipped += 1
-            continue
-        steps = [shown[j] for j, (a, b) in enumerate(spans) if b > a and a < span.end and b > span.start]
-        if steps:
-            out.append((steps, span))
+        if len(span.points) == 1:
+            pieces = [(span.start, span.end, span)]
+        elif span.parts is not None:  # Molmo2: one tag, each point's triple its own characters
+            pieces = [(a, b, span._replace(start=a, end=b, points=[p], parts=None))
+                      for (a, b), p in zip(span.parts, span.points)]
         else:
             skipped += 1
+            continue
+        for start, end, piece in pieces:
+            steps = [shown[j] for j, (a, b) in enumerate(spans) if b > a and a < end and b > start]
+            if steps:
+                out.append((steps, piece))
+            else:
+                skipped += 1
     return out, skipped
 
 
@@ -297,6 +304,8 @@ class TrackResult(Result):
         seconds: wall time.
         images: the examples' images (for :meth:`example_figure`; not saved).
         saved_rmse: a result loaded from its files (:meth:`load`): ``rmse.csv`` as saved.
+        prompt_format: ``raw`` or ``chat``.
+        point_frames: the coordinate frame each point format was read in (None: unknown, refused).
     """
 
     kind = "track"
@@ -321,6 +330,8 @@ class TrackResult(Result):
     seconds: float = 0.0
     images: list[Image.Image] = field(default_factory=list, repr=False)
     saved_rmse: pd.DataFrame | None = field(default=None, repr=False, compare=False)
+    prompt_format: str = "raw"
+    point_frames: dict[str, str | None] = field(default_factory=dict)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> TrackResult:
@@ -368,6 +379,7 @@ class TrackResult(Result):
             points=_nan_array(points, (2,)), mean_centroids=_nan_array(means, (n_layers, 2)),
             head_centroids=_nan_array(per_head, (n_layers, n_heads, 2)), point_example=np.array(owner, dtype=int),
             point_tokens=tokens, examples=examples, saved_rmse=rmse,
+            prompt_format=centroids.get("prompt_format", "raw"), point_frames=centroids.get("point_frames", {}),
         )
 
     def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
@@ -430,7 +442,7 @@ class TrackResult(Result):
             "rmse_mean": _json_xy(self.rmse_mean),
             "best_heads": [{"layer": l, "head": h, "rmse": r} for l, h, r in self.best_heads()],
             "n_empty_maps": self.n_empty_maps, "skipped_examples": self.skipped, "skipped_spans": self.skipped_spans,
-            "seconds": self.seconds,
+            "seconds": self.seconds, "prompt_format": self.prompt_format, "point_frames": self.point_frames,
         }
 
     def centroids_json(self) -> dict[str, Any]:
@@ -450,7 +462,7 @@ class TrackResult(Result):
         return {"model": self.model, "task": self.task, "threshold": self.threshold, "query": self.query,
                 "token_rule": TOKEN_RULE, "point_frame": POINT_FRAME, "grid": self.grid, "canvas": self.canvas,
                 "layout": {"centroid_mean": "layer -> [x, y]", "centroid_heads": "layer -> head -> [x, y]"},
-                "examples": examples}
+                "prompt_format": self.prompt_format, "point_frames": self.point_frames, "examples": examples}
 
     def figure(self) -> Any:
         """Plotly figure: RMSE by layer for head-averaged maps, every head's RMSE, and the best head per layer."""
@@ -603,7 +615,7 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
         canvas=canvas, points=np.asarray(points, dtype=np.float64), mean_centroids=np.stack(means),
         head_centroids=np.stack(heads), point_example=np.asarray(owner), point_tokens=tokens, examples=records,
         n_empty_maps=n_empty, skipped=skipped, skipped_spans=skipped_spans, seconds=time.perf_counter() - start,
-        images=images,
+        images=images, prompt_format=vlm.active_prompt_format, point_frames=frames,
     )
 
 

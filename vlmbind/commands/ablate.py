@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -12,7 +11,8 @@ from ..errors import InputError
 from ..evaluate import training_defaults
 from ..sites import parse_heads
 from ..stimuli.tasks import generate
-from .arguments import add_placement, load_model, out_dir, parse_range
+from ..userfiles import read_scores
+from .arguments import add_placement, add_prompt_format, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -21,6 +21,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "written by `vlmbind locate`, and report task accuracy for each arm.")
     p.add_argument("--model", required=True)
     add_placement(p)
+    add_prompt_format(p)
     p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"))
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
@@ -48,14 +49,7 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
     dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
     if args.scores:
-        path = Path(args.scores)
-        if not path.is_file():
-            raise InputError(f"--scores {args.scores!r} does not exist; write one with vlmbind locate")
-        try:
-            scores = pd.read_csv(path)
-        except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-            raise InputError(f"--scores {args.scores!r} is not a readable CSV: {str(exc).splitlines()[0]}; write "
-                             "one with vlmbind locate") from None
+        scores = read_scores(args.scores, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
         result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=args.mode,
                                 renormalize=args.renormalize, seeds=tuple(range(args.seeds)))
     else:
@@ -73,7 +67,8 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
                                 seeds=tuple(range(args.seeds)))
     result.save(out)
     acc = result.summary()["accuracy"]
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
+    summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
+               "out": str(out), "command": " ".join(command)}
     text = (f"{vlm.name} on {args.task} (n={args.n}), {args.mode} ablation of {result.k} heads: clean "
             f"{acc['clean']:.3f}, top {acc['top']:.3f}, random {acc['random']:.3f}, bottom {acc['bottom']:.3f}\n"
             f"  wrote {out}/results.json")

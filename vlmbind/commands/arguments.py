@@ -116,8 +116,14 @@ def out_dir(args: argparse.Namespace, command: str, *qualifiers: str) -> Path:
 
 
 def load_model(args: argparse.Namespace) -> Any:
-    """``--model``, loaded in this process (commands that run on one process)."""
-    return _warned(loading.load(args.model, **placement(args)))
+    """``--model``, loaded in this process (commands that run on one process), in ``--prompt-format``."""
+    return _warned(_formatted(loading.load(args.model, **placement(args)), args))
+
+
+def _formatted(vlm: Any, args: argparse.Namespace) -> Any:
+    """``vlm`` prompting in ``--prompt-format`` (the one place a command's choice reaches every prompt)."""
+    vlm.use_prompt_format(getattr(args, "prompt_format", None))
+    return vlm
 
 
 def _warned(vlm: Any) -> Any:
@@ -144,7 +150,7 @@ def model_session(args: argparse.Namespace, command: list[str], out: Path | None
         options = placement(args)
         if "device" not in options and "device_map" not in options:
             options.update(group.load_kwargs())
-        vlm = loading.load(args.model, **options)
+        vlm = _formatted(loading.load(args.model, **options), args)
         yield group, (_warned(vlm) if group.is_main else vlm)
 
 

@@ -31,7 +31,7 @@ from ..report import causal_sections, demo_report_html, representation_sections,
 from ..stimuli import scene_description
 from ..version import __version__
 from ..viz import attention_overlay, write_bytes_atomic, write_html_atomic, write_text_atomic
-from .arguments import add_placement, load_model, non_negative_int, placement, positive_int
+from .arguments import add_placement, add_prompt_format, load_model, non_negative_int, placement, positive_int
 
 # the shipped organism trained with Point-to-Answer answers (see vlmbind/organisms/weights/organism-p2a/README.md)
 DEFAULT_MODEL = "organism-p2a"
@@ -62,6 +62,7 @@ def add_parser(sub: Any, common: Any) -> None:
     demo.add_argument("--model", default=DEFAULT_MODEL,
                       help=f"registered name, model directory or hub id (default: {DEFAULT_MODEL})")
     add_placement(demo)
+    add_prompt_format(demo)
     demo.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     demo.add_argument("--seed", type=non_negative_int, default=0, help="seed of the drawn scene (default: 0)")
     demo.add_argument("--pairs", type=positive_int, default=16,

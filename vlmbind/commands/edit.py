@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
-
-import pandas as pd
 
 from ..analysis.ablation import ranked_heads
 from ..analysis.edits import (
@@ -18,7 +15,8 @@ from ..analysis.edits import (
 )
 from ..errors import InputError
 from ..sites import parse_heads
-from .arguments import add_placement, load_model, out_dir, parse_range
+from ..userfiles import read_scores
+from .arguments import add_placement, add_prompt_format, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -28,6 +26,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "(with an empty-cell control); --repair adds the entropy-repair experiment.")
     p.add_argument("--model", required=True)
     add_placement(p)
+    add_prompt_format(p)
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
     heads.add_argument("--scores", help="a scores.csv from vlmbind locate (with --top-k)")
@@ -44,13 +43,7 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, int]]:
-    path = Path(path_text)
-    if not path.is_file():
-        raise InputError(f"--scores {path_text!r} does not exist; write one with vlmbind locate")
-    try:
-        frame = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise InputError(f"--scores {path_text!r} is not a readable CSV: {str(exc).splitlines()[0]}") from None
+    frame = read_scores(path_text, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
     ranked = ranked_heads(frame)
     if not 1 <= top_k <= len(ranked):
         raise InputError(f"--top-k {top_k} must be between 1 and the {len(ranked)} heads in {path_text!r}")
@@ -71,7 +64,8 @@ def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     if args.repair:
         result.repair = entropy_repair(vlm, heads, alphas, **options)
     result.save(out)
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
+    summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
+               "out": str(out), "command": " ".join(command)}
     eff = ", ".join(f"{alpha_label(a)}: {result.efficacy(a):.3f}/{result.efficacy(a, 'control'):.3f}"
                     for a in alphas)
     lines = [f"{vlm.name}, position-ID edit at heads {', '.join(f'{l}.{h}' for l, h in heads)} "

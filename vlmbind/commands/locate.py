@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import parallel, sweeps
-from ..analysis.mediation import CHECKPOINT, CONDITIONS, METHODS, locate
+from ..analysis.mediation import CHECKPOINT, CONDITIONS, METHODS, answer_casing, locate
 from ..analysis.traces import point_swap_pairs
 from ..errors import InputError
 from ..evaluate import training_defaults
@@ -74,13 +74,21 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
                                    progress=group.is_main and not args.json, **method_kwargs)
             if not group.is_main:
                 return rank_done(group, out)
+        if args.condition != "attention_swap":
+            scores.answer_casing = answer_casing(vlm, pairs, method_kwargs["prompt_format"])
     scores.save(out)
     parallel.remove_parts(out, "locate")
     summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
     if group.world > 1:
         summary["processes"] = group.world
     top = ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})" for l, h in scores.top(5))
+    casing = scores.answer_casing
+    note = ""
+    if casing and casing["share"] > 0.5:
+        note = (f"  note: on {casing['capitalised_preferred']}/{casing['n']} clean prompts the model prefers the "
+                f"capitalised answer token (mean gap {casing['mean_logit_gap']:+.2f}); the scores use the lower-case "
+                f"tokens\n")
     text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}, {scores.prompt_format} prompts: "
             f"{scores.seconds:.1f} s\n"
-            f"  top heads: {top}\n  wrote {out}/scores.csv, heatmap.html, summary.json")
+            f"  top heads: {top}\n{note}  wrote {out}/scores.csv, heatmap.html, summary.json")
     return summary, text, 0

@@ -15,7 +15,7 @@ from ..analysis.binding import (
 )
 from ..errors import InputError
 from ..probes import ProbeConfig
-from .arguments import add_capture_arguments, add_placement, model_session, out_dir, rank_done
+from .arguments import add_capture_arguments, add_placement, add_prompt_format, model_session, out_dir, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -24,6 +24,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "each site's binding information in bits (FBP) or IsSameObject accuracy (VOB).")
     p.add_argument("--model", required=True)
     add_placement(p)
+    add_prompt_format(p)
     p.add_argument("--sites", default=None, help="comma-separated sites or patterns (default: "
                                                  + ", ".join(DEFAULT_SITE_CHOICE) + ")")
     p.add_argument("--family", default="linear",
@@ -68,7 +69,9 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     result = probe_sites(acts, split, families=families, config=config, checkpoint=checkpoint)
     result.save(out)
     checkpoint.unlink(missing_ok=True)
-    summary = {"model": vlm.name, "rows": result.frame.to_dict(orient="records"), "out": str(out),
+    summary = {"model": vlm.name, "rows": result.frame.to_dict(orient="records"),
+               "prompt_format": vlm.active_prompt_format,
+               "out": str(out),
                "command": " ".join(command), "recipe": {"epochs": args.epochs, "lr": args.lr,
                                                         "batch_size": args.batch_size}}
     lines = [f"{vlm.name}: probes on BalancedColorShape ({args.n_train}/{args.n_val}/{args.n_test} images)"]

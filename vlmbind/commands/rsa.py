@@ -9,7 +9,7 @@ from ..analysis.rsa import DEFAULT_SITES, SIMILARITIES, pca, rsa, rsa_stimuli
 from ..errors import InputError
 from ..viz import write_html_atomic
 from ..viz.rsa import pca_figure
-from .arguments import add_capture_arguments, add_placement, model_session, out_dir, rank_done
+from .arguments import add_capture_arguments, add_placement, add_prompt_format, model_session, out_dir, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -18,6 +18,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "matrix with the conjunctive, compositional and position model matrices.")
     p.add_argument("--model", required=True)
     add_placement(p)
+    add_prompt_format(p)
     p.add_argument("--sites", default=DEFAULT_SITES, help=f"comma-separated sites or patterns (default {DEFAULT_SITES})")
     p.add_argument("--positions", type=int, default=4, help="cells per colour-shape conjunction (default 4)")
     p.add_argument("--similarity", choices=SIMILARITIES, default="pearson")
@@ -52,7 +53,8 @@ def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
             write_html_atomic(pca_figure(frames, colour_by), out / f"pca_by_{colour_by}.html")
     frame = result.frame
     best = frame.loc[frame.groupby("site")["r"].idxmax().dropna()]
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command), "n_objects": len(data)}
+    summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
+               "out": str(out), "command": " ".join(command), "n_objects": len(data)}
     lines = [f"{vlm.name}: RSA on {len(data)} single-object images ({args.similarity}, {args.permutations} permutations)"]
     for _, row in best.iterrows():
         lines.append(f"  {row['site']}: best {row['model_matrix']} r={row['r']:.3f} (p={row['p']:.3g})")

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..analysis.tracking import QUERIES, TASKS, track, tracking_dataset
 from ..errors import InputError
-from .arguments import add_placement, add_point_frame, load_model, out_dir, parse_range
+from .arguments import add_placement, add_point_frame, add_prompt_format, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -16,6 +16,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "RMSE against the point per layer and head.")
     p.add_argument("--model", required=True, help="registered name, model directory or hub id")
     add_placement(p)
+    add_prompt_format(p)
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--n", type=int, default=32, help="number of examples (default 32)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1)")
@@ -44,8 +45,7 @@ def cmd_track(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     result = track(vlm, dataset, threshold=args.threshold, query=args.query, batch_size=args.batch_size,
                    point_frame=args.point_frame, progress=not args.json)
     result.save(out)
-    summary = {**result.summary(), "point_frames": vlm.point_frames(args.point_frame), "out": str(out),
-               "command": " ".join(command)}
+    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
     rmse = ", ".join(f"L{l} {v:.3f}" for l, v in enumerate(result.rmse_mean))
     best = ", ".join(f"L{l}.H{h} {r:.3f}" for l, h, r in result.best_heads())
     text = (f"{vlm.name}, {args.task}, {len(result.examples)} examples, {result.n_points} points "

@@ -8,7 +8,7 @@ from typing import Any
 from ..analysis.mediation import CONDITIONS
 from ..errors import InputError
 from ..ui import build_app
-from .arguments import add_placement, load_model
+from .arguments import add_placement, add_prompt_format, load_model
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -17,6 +17,7 @@ def add_parser(sub: Any, common: Any) -> None:
                                    "click heads of the scores heatmap to ablate or patch them, and see the answer.")
     p.add_argument("--model", default="organism-p2a", help="registered name or model directory")
     add_placement(p)
+    add_prompt_format(p)
     p.add_argument("--scores", default=None, help="a scores.csv from vlmbind locate (default: locate on demand)")
     p.add_argument("--condition", choices=CONDITIONS, default="id_selection",
                    help="counterfactual of generated scenes (patched at the last token)")

@@ -9,7 +9,7 @@ from ..analysis.validate import DEFAULT_ALPHAS, VALIDATION_METHODS, recorded_pla
 from ..errors import InputError
 from ..patching import IG_STEPS
 from ..sites import parse_heads
-from .arguments import add_placement, int_at_least, load_model, out_dir
+from .arguments import add_placement, add_prompt_format, int_at_least, load_model, out_dir
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -21,6 +21,7 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--model", required=True,
                    help="registered name (e.g. organism-vsm), model directory or hub id")
     add_placement(p)
+    add_prompt_format(p)
     ref = p.add_mutually_exclusive_group()
     ref.add_argument("--reference", help="take the reference heads from another organism's training record "
                                          "(e.g. organism-vsm, to validate organism-vsm-natural against them)")
@@ -85,7 +86,8 @@ def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, in
                       ig_steps=args.ig_steps, modes=modes, n_eval=args.n_eval, ablation_seeds=args.ablation_seeds,
                       alphas=alphas, n_estimate=args.n_estimate, n_probe=args.n_probe, progress=not args.json)
     result.save(out)
-    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
+    summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
+               "out": str(out), "command": " ".join(command)}
     return summary, render_text(result, out), 0
 
 

