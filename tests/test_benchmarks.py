@@ -78,3 +78,23 @@ def test_gpu_benchmark_ci_scale_runs_on_cpu(tmp_path):
         assert check["effect_range"] > 1e-2, "effects too small for the comparison to mean anything"
         assert check["matches"] and check["max_abs_diff"] <= max(1e-4 * check["effect_range"], 1e-5)
     assert c["suffix"] > 1  # the mid-prompt condition patches a span before the last token
+
+
+def test_memory_results_come_from_the_saved_run_and_meet_the_budget(tmp_path, monkeypatch):
+    memory = load_benchmark("memory")
+    saved = json.loads((ROOT / "benchmarks" / "memory.json").read_text())
+    rows = {r["job"]: r for r in saved["rows"]}
+    assert set(rows) == set(memory.JOBS) and saved["budget_bytes"] == memory.BUDGET_BYTES
+    assert rows["locate"]["tokens"] > 1200  # a real prompt length, not a tiny one
+    assert all(rows[j]["extra_bytes"] <= memory.BUDGET_BYTES for j in ("locate", "eval"))
+    # the straightforward full-logits forward needs at least its logits: 2 rows x tokens x 151,665 floats
+    assert rows["full_logits"]["extra_bytes"] >= 2 * rows["full_logits"]["tokens"] * 151_665 * 4
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n")
+    monkeypatch.setattr(memory, "RESULTS", results)
+    memory.write_results(saved)
+    memory.write_results(saved)  # replaces its block, never appends a second
+    text = results.read_text()
+    assert text.count(memory.BEGIN) == 1
+    assert f"| locate | {rows['locate']['tokens']} | {rows['locate']['extra_bytes'] / 2**30:.2f} GiB |" in text
+    assert text.split(memory.BEGIN)[1] in (ROOT / "benchmarks" / "RESULTS.md").read_text()  # RESULTS.md is current
