@@ -32,7 +32,9 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--n-train", type=int, default=1024)
     p.add_argument("--n-val", type=int, default=256)
     p.add_argument("--n-test", type=int, default=256)
-    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--epochs", type=int, default=None,
+                   help="a fixed number of epochs (FBP: 40); default: train each probe to convergence on the "
+                        "validation loss")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (FBP: 1e-3; small sets want ~1e-2)")
     p.add_argument("--batch-size", type=int, default=512, help="probe mini-batch (FBP: 512)")
     p.add_argument("--seed", type=int, default=0)
@@ -48,7 +50,7 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     bad = [f for f in families if f not in PROBE_FAMILIES]
     if bad or not families:
         raise InputError(f"--family {args.family!r}: unknown {bad}; families: {', '.join(PROBE_FAMILIES)}")
-    if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
+    if (args.epochs is not None and args.epochs < 1) or args.batch_size < 1 or not args.lr > 0:
         raise InputError(f"--epochs and --batch-size must be at least 1 and --lr positive, got {args.epochs}, "
                          f"{args.batch_size}, {args.lr}")
     out = out_dir(args, "probe")

@@ -206,6 +206,10 @@ class AutoregressiveProbe(nn.Module):
         """Number of trainable parameters (masked-out conditioning weights included)."""
         return sum(p.numel() for p in self.parameters())
 
+    def output_bias(self) -> nn.Parameter:
+        """The ``[K]`` bias added to every output's logit (set to the training prior's log-odds before training)."""
+        return self.bias
+
 
 class LinearProbe(AutoregressiveProbe):
     """``l_k = w_k . z + v_k . (m_k * c) + b_k``."""
@@ -270,6 +274,9 @@ class DNNProbe(AutoregressiveProbe):
         for w, b in zip(self.w_mid, self.b_mid):
             x = nnf.gelu(torch.einsum("nkh,khg->nkg", x, w) + b)
         return (x * self.w_out).sum(-1) + self.b_out, None
+
+    def output_bias(self) -> nn.Parameter:
+        return self.b_out
 
 
 class SharedFactorProbe(AutoregressiveProbe):
@@ -462,6 +469,13 @@ class TrainedProbe:
         return torch.cat(logits), (torch.cat(atts) if atts else None), per_output
 
 
+def prior_log_odds(p: torch.Tensor, n: int) -> torch.Tensor:
+    """The log-odds of each bit's training frequency ``p`` over ``n`` examples, kept finite by add-half smoothing
+    (a bit that is always 1 gets ``log((n + 0.5) / 0.5)``, not infinity)."""
+    p = (p.double() * n + 0.5) / (n + 1.0)
+    return torch.log(p / (1 - p)).float()
+
+
 def fit_autoregressive(family: str, z_train: ArrayLike, o_train: ArrayLike, z_val: ArrayLike, o_val: ArrayLike, *,
                        mask_train: ArrayLike | None = None, mask_val: ArrayLike | None = None,
                        config: ProbeConfig | None = None,
@@ -510,7 +524,10 @@ def fit_autoregressive(family: str, z_train: ArrayLike, o_train: ArrayLike, z_va
     else:
         mean, std = torch.zeros(dim), torch.ones(dim)
     module = build_probe(family, n_out, dim, config=config, centre=ot.mean(0), code_std=ot.std(0, unbiased=False),
-                         factor_map=factor_map).to(device)
+                         factor_map=factor_map)
+    with torch.no_grad():  # start at the training prior: an uninformative Z then costs nothing over the prior
+        module.output_bias().copy_(prior_log_odds(ot.mean(0), ot.shape[0]))
+    module = module.to(device)
     train_rows, val_rows = _Rows(zt, mean, std, device), _Rows(zv, mean, std, device)
     ot_d, ov_d = ot.to(device), ov.to(device)
     mt_d = None if mt is None else mt.to(device)

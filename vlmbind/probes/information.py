@@ -112,6 +112,8 @@ class ProbeResult:
         H_O, H_F, H_O_given_F: the entropies used.
         n_train, n_val, n_test: examples per split.
         epochs_O, epochs_F: epochs run by each probe (early stopping may end a run before ``config.epochs``).
+        steps_O, steps_F: optimiser steps of each probe; val_loss_O, val_loss_F: the kept parameters' validation
+            loss (bits); converged_O, converged_F: training stopped because the validation loss stopped improving.
         seconds: wall time of training and evaluation.
         n_params: trainable parameters of the object probe.
         bits_per_output_O: ``[K]`` test CE of each conditional ``q(o_k | o_<k, z)``.
@@ -143,6 +145,12 @@ class ProbeResult:
     attention: torch.Tensor | None = None
     test_index: np.ndarray | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    steps_O: int = 0
+    steps_F: int | None = None
+    val_loss_O: float = float("nan")
+    val_loss_F: float | None = None
+    converged_O: bool = False
+    converged_F: bool | None = None
 
     def to_dict(self, include_attention: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (the attention tensor, large, only when asked; its shape always)."""
@@ -259,7 +267,11 @@ def binding_information(Z: ArrayLike, O: ArrayLike, F: ArrayLike | None, split: 
         n_train=len(tr), n_val=len(va), n_test=len(te), epochs_O=probes["O"].fit_info.epochs_run,
         epochs_F=probes["F"].fit_info.epochs_run if "F" in probes else None, seconds=time.perf_counter() - t0,
         n_params=probes["O"].module.n_params(), bits_per_output_O=per_output, attention=attention,
-        test_index=te, config=asdict(config))
+        test_index=te, config=asdict(config), steps_O=probes["O"].fit_info.steps,
+        steps_F=probes["F"].fit_info.steps if "F" in probes else None, val_loss_O=probes["O"].fit_info.best_val_loss,
+        val_loss_F=probes["F"].fit_info.best_val_loss if "F" in probes else None,
+        converged_O=probes["O"].fit_info.converged,
+        converged_F=probes["F"].fit_info.converged if "F" in probes else None)
     return (result, probes) if return_probes else result
 
 

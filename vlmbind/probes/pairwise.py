@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as nnf
 
 from ..errors import InputError, TrainingError, close_matches
-from .autoregressive import ArrayLike, as_tensor
+from .autoregressive import ArrayLike, as_tensor, prior_log_odds
 from .information import split_indices
 from .training import LN2, FitInfo, ProbeConfig, feature_stats, fit
 
@@ -295,7 +295,11 @@ def pairwise_probe(tokens: ArrayLike, object_ids: ArrayLike, split: ArrayLike, *
         mean, std = torch.zeros(dim), torch.ones(dim)
     mean, std = mean.to(device), std.to(device)
     g = torch.Generator().manual_seed(config.seed)
-    module = PAIR_CLASSES[family](dim, config, g).to(device)
+    module = PAIR_CLASSES[family](dim, config, g)
+    with torch.no_grad():  # start at the training prior of "same object"
+        labels = torch.as_tensor(pairs["train"][1], dtype=torch.float32)
+        module.b.copy_(prior_log_odds(labels.mean().reshape(1), len(labels))[0])
+    module = module.to(device)
 
     def side(p: torch.Tensor, col: int) -> torch.Tensor:
         return (toks[p[:, 0], p[:, col]].to(device, torch.float32) - mean) / std
