@@ -390,3 +390,17 @@ def test_default_recipe_converges_to_a_closed_form_information():
     assert fixed.B_O < 0.9 * information  # a small fixed budget under-reports: the default is not vacuous
     pure = binding_information(noise, o, None, split, entropies={"H_O": h_o}, family="linear", config=config)
     assert abs(pure.B_O) <= 0.3, pure.B_O
+    # the prior-only baseline finds nothing in either; the channel clears it by many standard errors, noise does not
+    assert abs(res.B_O_prior) <= 0.05 and abs(pure.B_O_prior) <= 0.05
+    assert res.margin_O > 20 * res.margin_O_se and res.finding.startswith("information found")
+    assert pure.margin_O < 2 * pure.margin_O_se and not pure.finding.startswith("information found")
+    assert res.n_train == 4096 and res.n_val == 1024 and res.n_test == 8192
+
+
+def test_findings_say_what_the_bound_supports():
+    from vlmbind.probes import NO_INFORMATION, finding
+
+    assert finding(-0.8, 0.1, 0.01) == NO_INFORMATION == "no information found (estimator bound below zero)"
+    assert finding(0.5, 0.3, 0.1).startswith("information found")
+    assert finding(0.5, 0.1, 0.1) == "not distinguishable from the prior-only probe"
+    assert finding(float("nan"), 0.0, 0.1) == NO_INFORMATION

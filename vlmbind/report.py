@@ -180,14 +180,17 @@ def representation_sections(overview: Any) -> str:
                   f"model writes, over {overview.track.n_points} points; valley at layer {overview.track.valley_layer}.</p>",
                   f'<div class="fig">{overview.track.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
     if overview.probes is not None:
-        cols = [c for c in ("site", "family", "CE_O", "CE_F", "B_O", "B_star_OF", "beta_O", "beta_star_OF",
-                            "n_test") if c in overview.probes.frame.columns]
+        cols = [c for c in ("site", "family", "CE_O", "CE_F", "B_O", "B_O_prior", "margin_O", "margin_O_se",
+                            "finding", "B_star_OF", "beta_O", "beta_star_OF", "n_train", "n_val", "n_test")
+                if c in overview.probes.frame.columns]
         parts += ["<h2>Binding information (BalancedColorShape probes)</h2>",
                   "<p>B_O = H(O) - CE_O and B*_OF = H(O|F) - (CE_O - CE_F) in bits, with the test split's exact "
                   "entropies; CE is the probe's test cross-entropy (methods.md section 6), so each B is a lower "
                   "bound: a negative value means this probe found no information it could generalise to the "
                   "test split's unseen feature codes (a probe that only knows the codes' structure scores "
-                  "CE_F = 2 log2 28 = 9.6 bits).</p>",
+                  "CE_F = 2 log2 28 = 9.6 bits). B_O_prior is the same recipe on a representation that carries "
+                  "nothing (the estimator's floor on this split); margin_O is the probe's gain over it, with its "
+                  "standard error over the test split.</p>",
                   frame_to_html_table(overview.probes.frame[cols], index=False, float_format="{:.3f}")]
     if overview.skipped:
         parts += ["<h2>Skipped (representations)</h2>", "<ul>"] + [

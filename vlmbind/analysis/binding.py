@@ -207,8 +207,10 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
 
 def _information_row(res: Any) -> dict[str, Any]:
     return {"CE_O": res.CE_O, "CE_F": res.CE_F, "B_O": res.B_O, "B_star_OF": res.B_star_OF, "beta_O": res.beta_O,
-            "beta_star_OF": res.beta_star_OF, "H_O": res.H_O, "H_F": res.H_F, "n_test": res.n_test,
-            "epochs": res.epochs_O}
+            "beta_star_OF": res.beta_star_OF, "H_O": res.H_O, "H_F": res.H_F, "B_O_prior": res.B_O_prior,
+            "margin_O": res.margin_O, "margin_O_se": res.margin_O_se, "finding": res.finding,
+            "n_train": res.n_train, "n_val": res.n_val, "n_test": res.n_test, "epochs": res.epochs_O,
+            "steps": res.steps_O, "converged": res.converged_O, "val_loss_O": res.val_loss_O}
 
 
 def _pairwise_row(res: Any) -> dict[str, Any]:

@@ -270,7 +270,8 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         if representations.track is not None:
             lines.append(f"  centroid RMSE valley: layer {representations.track.valley_layer}")
         for _, r in representations.probes.frame.iterrows():
-            lines.append(f"  probe {r['site']} ({r['family']}): B_O {r['B_O']:.2f} bits, beta_O {r['beta_O']:.3f}")
+            lines.append(f"  probe {r['site']} ({r['family']}): B_O {r['B_O']:.2f} bits, beta_O {r['beta_O']:.3f}"
+                         f" (prior-only probe {r['B_O_prior']:.2f}): {r['finding']}")
     text = "\n".join([
         f"vlmbind demo: {vlm.name} ({vlm.source}), scene seed {args.seed}",
         f"  prompt: {prompt!r}" + (f" (expected: {expected!r})" if expected else ""),

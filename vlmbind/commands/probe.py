@@ -82,6 +82,7 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
             lines.append(f"  {r['site']} pairwise: accuracy {r.get('accuracy', float('nan')):.3f}")
         else:
             lines.append(f"  {r['site']} {r['family']}: B_O {r['B_O']:.2f} bits (beta {r['beta_O']:.3f}), "
-                         f"B*_OF {r['B_star_OF']:.2f} bits")
+                         f"B*_OF {r['B_star_OF']:.2f} bits; over the prior-only probe {r['margin_O']:+.3f} "
+                         f"+- {r['margin_O_se']:.3f} bits: {r['finding']}")
     lines.append(f"  wrote {out}/probe.csv, probe.html")
     return summary, "\n".join(lines), 0

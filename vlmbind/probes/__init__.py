@@ -16,12 +16,21 @@ from .autoregressive import (
     build_probe,
     fit_autoregressive,
 )
-from .information import Entropies, ProbeResult, binding_information, information_estimates, split_indices
+from .information import (
+    NO_INFORMATION,
+    Entropies,
+    ProbeResult,
+    binding_information,
+    finding,
+    information_estimates,
+    split_indices,
+)
 from .pairwise import PAIRWISE_FAMILIES, PairwiseResult, TrainedPairProbe, pairwise_probe, sample_pairs
 from .training import FitInfo, ProbeConfig
 
 __all__ = [
     "FAMILIES", "PAIRWISE_FAMILIES", "AutoregressiveProbe", "TrainedProbe", "build_probe", "fit_autoregressive",
-    "Entropies", "ProbeResult", "binding_information", "information_estimates", "split_indices",
+    "NO_INFORMATION", "Entropies", "ProbeResult", "binding_information", "finding", "information_estimates",
+    "split_indices",
     "PairwiseResult", "TrainedPairProbe", "pairwise_probe", "sample_pairs", "FitInfo", "ProbeConfig",
 ]

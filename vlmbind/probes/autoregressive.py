@@ -447,26 +447,34 @@ class TrainedProbe:
         return self._run(z, o, token_mask)[2]
 
     @torch.no_grad()
+    def per_example_bits(self, z: ArrayLike, o: ArrayLike, token_mask: ArrayLike | None = None) -> torch.Tensor:
+        """``[n]`` bits of each example, ``-log2 q(o|z)`` summed over the K outputs (their mean is the CE)."""
+        return self._run(z, o, token_mask)[3]
+
+    @torch.no_grad()
     def cross_entropy(self, z: ArrayLike, o: ArrayLike, token_mask: ArrayLike | None = None) -> float:
         """Mean over examples of ``-log2 q(o|z)`` (bits, summed over the K outputs): the CE that bounds H(O|Z)."""
         return float(self.bits_per_output(z, o, token_mask).sum())
 
     def _run(self, z: ArrayLike, o: ArrayLike, token_mask: ArrayLike | None, keep_attention: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         rows, ot, mt = self._inputs(z, o, token_mask)
         n = ot.shape[0]
-        logits, atts = [], []
+        logits, atts, examples = [], [], []
         total = torch.zeros(self.module.n_out, dtype=torch.float64)
         for start in range(0, n, self.config.batch_size):
             idx = torch.arange(start, min(n, start + self.config.batch_size))
             ob = ot[idx].to(self.device)
             lg, att = self.module(rows(idx), ob, None if mt is None else mt[idx].to(self.device))
-            total += nnf.binary_cross_entropy_with_logits(lg, ob, reduction="none").sum(0).double().cpu()
+            bce = nnf.binary_cross_entropy_with_logits(lg, ob, reduction="none").double().cpu()
+            total += bce.sum(0)
+            examples.append(bce.sum(1) / LN2)
             logits.append(lg.cpu())
             if keep_attention and att is not None:
                 atts.append(att.cpu())
         per_output = (total / max(n, 1) / LN2).float()
-        return torch.cat(logits), (torch.cat(atts) if atts else None), per_output
+        return (torch.cat(logits), (torch.cat(atts) if atts else None), per_output,
+                torch.cat(examples) if examples else torch.zeros(0, dtype=torch.float64))
 
 
 def prior_log_odds(p: torch.Tensor, n: int) -> torch.Tensor:

@@ -8,8 +8,11 @@ the caller's, not estimated here: synthetic stimuli know them exactly (``vlmbind
 returns ``H_O``, ``H_F``, ``H_O_given_F``), and they must be those of the distribution the TEST split is drawn from.
 :func:`binding_information` takes whole arrays plus one split label per example, trains the probes on ``train``,
 early-stops on ``val`` and evaluates on ``test`` only; training loss is never reported. The estimates can be
-slightly negative (a probe worse than the prior on held-out data, or test-set noise); they are reported as measured,
-not clipped, so that a reader can see the noise floor.
+negative (a probe worse than the prior on held-out data, or test-set noise); they are reported as measured, not
+clipped, beside a prior-only baseline (the same recipe on a representation that carries nothing) and the probe's
+margin over it with its standard error, and :func:`finding` says in words what the numbers support: a bound below
+zero is "no information found (estimator bound below zero)", a statement about the estimator, never a negative
+information.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -114,6 +117,12 @@ class ProbeResult:
         epochs_O, epochs_F: epochs run by each probe (early stopping may end a run before ``config.epochs``).
         steps_O, steps_F: optimiser steps of each probe; val_loss_O, val_loss_F: the kept parameters' validation
             loss (bits); converged_O, converged_F: training stopped because the validation loss stopped improving.
+        CE_O_prior, B_O_prior: the prior-only baseline: the same recipe's linear probe on a constant
+            representation (it learns q(o_k | o_<k) and nothing of Z); its B_O is what an estimator gets from no
+            information at all.
+        margin_O, margin_O_se: the object probe's test bits below the prior-only probe's (mean of per-example
+            differences) and its standard error over the test split.
+        finding: :func:`finding` of the estimate.
         seconds: wall time of training and evaluation.
         n_params: trainable parameters of the object probe.
         bits_per_output_O: ``[K]`` test CE of each conditional ``q(o_k | o_<k, z)``.
@@ -151,6 +160,11 @@ class ProbeResult:
     val_loss_F: float | None = None
     converged_O: bool = False
     converged_F: bool | None = None
+    CE_O_prior: float = float("nan")
+    B_O_prior: float = float("nan")
+    margin_O: float = float("nan")
+    margin_O_se: float = float("nan")
+    finding: str = ""
 
     def to_dict(self, include_attention: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (the attention tensor, large, only when asked; its shape always)."""
@@ -168,6 +182,20 @@ class ProbeResult:
         """One tidy row of the scalar fields."""
         d = self.to_dict()
         return pd.DataFrame([{k: v for k, v in d.items() if not isinstance(v, (list, dict))}])
+
+
+NO_INFORMATION = "no information found (estimator bound below zero)"
+
+
+def finding(b_o: float, margin: float, margin_se: float) -> str:
+    """What an estimate says, in words: a bound below zero finds nothing (it is a statement about the estimator,
+    not a negative information); a margin over the prior-only probe of at least two standard errors is
+    information found; anything else is not distinguishable from the prior."""
+    if not b_o >= 0:
+        return NO_INFORMATION
+    if margin_se >= 0 and margin > 2 * margin_se:
+        return "information found (margin over the prior-only probe > 2 standard errors)"
+    return "not distinguishable from the prior-only probe"
 
 
 def split_indices(split: ArrayLike, n: int) -> dict[str, np.ndarray]:
@@ -259,6 +287,17 @@ def binding_information(Z: ArrayLike, O: ArrayLike, F: ArrayLike | None, split: 
             if fam == "attention":
                 attention = probe.attention(z_te, c_te, m_te)
 
+    # the prior-only baseline: the same recipe on a representation that carries nothing
+    constant = torch.zeros(len(tr) + len(va) + len(te), 1)
+    index = {name: torch.arange(a, b) for name, a, b in (("tr", 0, len(tr)), ("va", len(tr), len(tr) + len(va)),
+                                                         ("te", len(tr) + len(va), len(constant)))}
+    prior = fit_autoregressive("linear", constant[index["tr"]], o[tr], constant[index["va"]], o[va],
+                               config=replace(config, standardize=False))
+    prior_bits = prior.per_example_bits(constant[index["te"]], o[te]).double()
+    probe_bits = probes["O"].per_example_bits(_take(z, te), o[te], _take(m, te)).double()
+    gain = (prior_bits - probe_bits).numpy()
+    margin = float(gain.mean())
+    margin_se = float(gain.std(ddof=1) / math.sqrt(len(gain))) if len(gain) > 1 else float("nan")
     est = information_estimates(ce["O"], h, ce.get("F"))
     result = ProbeResult(
         family=family, feature_family=feature_family if f is not None else None,
@@ -271,8 +310,11 @@ def binding_information(Z: ArrayLike, O: ArrayLike, F: ArrayLike | None, split: 
         steps_F=probes["F"].fit_info.steps if "F" in probes else None, val_loss_O=probes["O"].fit_info.best_val_loss,
         val_loss_F=probes["F"].fit_info.best_val_loss if "F" in probes else None,
         converged_O=probes["O"].fit_info.converged,
-        converged_F=probes["F"].fit_info.converged if "F" in probes else None)
+        converged_F=probes["F"].fit_info.converged if "F" in probes else None,
+        CE_O_prior=float(prior_bits.mean()), B_O_prior=h.H_O - float(prior_bits.mean()), margin_O=margin,
+        margin_O_se=margin_se, finding=finding(est["B_O"], margin, margin_se))
     return (result, probes) if return_probes else result
 
 
-__all__ = ["Entropies", "ProbeResult", "binding_information", "information_estimates", "split_indices"]
+__all__ = ["NO_INFORMATION", "Entropies", "ProbeResult", "binding_information", "finding", "information_estimates",
+           "split_indices"]

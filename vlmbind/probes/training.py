@@ -8,9 +8,10 @@ and training stops after ``patience`` epochs without improvement (or at ``max_ep
 validation state. A fixed budget (``epochs=N``: FBP's 40 epochs with a step decay at ``lr_milestones``) is kept for
 reproducing the paper's recipe; on a few thousand examples it stops after a few hundred steps, far from
 convergence, and under-reports information. The probes start from the training prior (their output biases at the
-training split's log-odds), so an uninformative representation starts at the prior's cross-entropy, not above it. The trainer never sees data directly: the caller hands it a
-``batch_loss(indices)`` closure and a ``val_loss()`` closure, so the same loop serves pooled vectors, spatial tokens
-and token pairs, and data stays in its stored dtype (half-precision captures are cast per batch, never copied whole).
+training split's log-odds), so an uninformative representation starts at the prior's cross-entropy, not above it.
+The trainer never sees data directly: the caller hands it a ``batch_loss(indices)`` closure and a ``val_loss()``
+closure, so the same loop serves pooled vectors, spatial tokens and token pairs, and data stays in its stored dtype
+(half-precision captures are cast per batch, never copied whole).
 All randomness (initialisation and shuffling) comes from one ``torch.Generator`` seeded by ``ProbeConfig.seed`` and
 the global RNG is never touched, so the same seed gives the same numbers on CPU.
 """

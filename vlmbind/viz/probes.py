@@ -16,13 +16,20 @@ def binding_figure(frame: pd.DataFrame, *, model: str) -> Any:
     fig = go.Figure()
     for family in dict.fromkeys(part["family"]):
         rows = part[part["family"] == family]
-        fig.add_trace(go.Bar(x=rows["site"], y=rows["B_O"], name=family,
+        # a bound below zero says the estimator found nothing: the bar says so in words, not only as a sign
+        labels = ["no information found" if b < 0 else "" for b in rows["B_O"]]
+        fig.add_trace(go.Bar(x=rows["site"], y=rows["B_O"], name=family, text=labels, textposition="outside",
                              customdata=np.stack([rows["beta_O"], rows["B_star_OF"]], -1),
                              hovertemplate="%{x}<br>B_O %{y:.2f} bits<br>beta_O %{customdata[0]:.3f}<br>"
                                            "B*_OF %{customdata[1]:.2f} bits<extra>" + family + "</extra>"))
+        if "B_O_prior" in rows:
+            fig.add_trace(go.Scatter(x=rows["site"], y=rows["B_O_prior"], mode="markers", name=f"{family}: prior only",
+                                     marker={"symbol": "line-ew-open", "size": 18, "color": "black"},
+                                     hovertemplate="%{x}<br>prior-only probe: B_O %{y:.2f} bits<extra></extra>"))
     h_o = float(part["H_O"].iloc[0]) if len(part) else float("nan")
     fig.update_layout(barmode="group", template="plotly_white",
                       title=f"Binding information B_O = H(O) - CE_O (H(O) = {h_o:.2f} bits)<br><sup>{model}, "
-                            f"n_test={int(part['n_test'].max()) if len(part) else 0}</sup>",
+                            f"n_test={int(part['n_test'].max()) if len(part) else 0}; a bar below zero: no information "
+                            f"found (estimator bound below zero); marks: the prior-only probe</sup>",
                       xaxis_title="site", yaxis_title="bits")
     return fig
