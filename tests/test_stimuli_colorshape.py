@@ -280,3 +280,72 @@ def test_rsa_determinism_prefix_and_validation(tmp_path):
         rsa_set(colours=("red", "mauve"))
     with pytest.raises(StimulusError, match="positions="):
         rsa_set(positions="some")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ColorShape worlds: any palette and counts, exact entropies checked by enumeration and by sampling
+# ------------------------------------------------------------------------------------------------------------------
+def test_world_entropies_equal_brute_force_enumeration():
+    import itertools
+    import math
+
+    from vlmbind.stimuli.colorshape import ColorShapeWorld, all_f_codes, entropies, f_from_o, split_codes
+
+    small = ColorShapeWorld(name="small", colours=("red", "green", "blue", "yellow"),
+                            shapes=("square", "circle", "triangle"), n_colours=2, n_shapes=2, n_objects=3,
+                            image_size=112, grid=4, object_size=None)
+    codes = all_f_codes(small)
+    # enumerate every object code: k-subsets of the 4 x 3 conjunctions, kept when they use exactly 2 + 2 features
+    n_o = len(small.colours) * len(small.shapes)
+    by_f: dict[str, int] = {}
+    for subset in itertools.combinations(range(n_o), small.n_objects):
+        bits = "".join("1" if i in subset else "0" for i in range(n_o))
+        f = f_from_o(bits, small)
+        if f.count("1", 0, 4) == 2 and f.count("1", 4) == 2:
+            by_f[f] = by_f.get(f, 0) + 1
+    assert sorted(by_f) == sorted(codes) and len(codes) == math.comb(4, 2) * math.comb(3, 2) == 18
+    assert len(set(by_f.values())) == 1  # every feature code has the same number of object codes
+    splits = {s: set(split_codes(s, small)) for s in ("train", "val", "test")}
+    assert sum(map(len, splits.values())) == 18 and not (splits["train"] & splits["test"])
+    for split in ("train", "val", "test"):
+        h = entropies(split, small)
+        n_objects_given_f = next(iter(by_f.values()))
+        assert h["n_o_given_f"] == n_objects_given_f
+        assert h["H_O"] == pytest.approx(math.log2(len(splits[split]) * n_objects_given_f), abs=1e-12)
+
+
+def test_world_presets_and_fbp_numbers():
+    from vlmbind.stimuli.colorshape import FBP, ORGANISM, entropies
+
+    h = entropies("test", FBP)
+    assert (round(h["H_O"], 2), round(h["H_F"], 2), round(h["H_O_given_F"], 2)) == (39.94, 7.03, 32.91)
+    assert entropies("test") == h  # FBP is the default
+    o = entropies("test", ORGANISM)
+    assert ORGANISM.split_sizes == {"train": 10, "val": 3, "test": 3}
+    assert o["n_o_given_f"] == 90 and round(o["H_O_given_F"], 2) == 6.49 and round(o["H_O"], 2) == 8.08
+
+
+def test_organism_world_images_follow_their_codes_and_the_entropy_by_sampling():
+    import math
+
+    from vlmbind.stimuli.colorshape import ORGANISM, covering_count, split_codes
+
+    ds = balanced_color_shape(400, 0, split="train", world="organism")
+    assert ds.params["world"] == "organism" and ds.params["canvas"]["image_size"] == 168
+    codes = set(split_codes("train", ORGANISM))
+    seen_o = set()
+    for e in ds:
+        assert len(e.objects) == 5 and e.fields["f_code"] in codes and len(e.fields["o_code"]) == 16
+        assert {o.colour for o in e.objects} == set(e.fields["colours"]) and len(e.fields["colours"]) == 3
+        assert {o.shape for o in e.objects} == set(e.fields["shapes"]) and len(e.fields["shapes"]) == 3
+        assert len({(o.row, o.col) for o in e.objects}) == 5  # one object per token cell
+        seen_o.add(e.fields["o_code"])
+    # Monte-Carlo on FBP's preset, too large to enumerate (C(36, 18) = 9.1e9 subsets): the share of uniform 18-subsets
+    # of the 6 x 6 conjunctions that use every row and column estimates N / C(36, 18), N = covering_count(6, 6, 18)
+    rng = np.random.default_rng(1)
+    draws = np.array([len(set((s // 6).tolist())) == 6 and len(set((s % 6).tolist())) == 6
+                      for s in (rng.choice(36, size=18, replace=False) for _ in range(20000))])
+    expected = covering_count(6, 6, 18) / math.comb(36, 18)
+    assert abs(draws.mean() - expected) < 4 * math.sqrt(expected * (1 - expected) / len(draws))
+    # 400 images over 10 codes x 90 object sets: nearly every object code is distinct, as a uniform draw gives
+    assert len(seen_o) > 300

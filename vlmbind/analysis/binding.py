@@ -26,7 +26,7 @@ from ..errors import InputError
 from ..io import json_default, write_json_atomic, write_text_atomic
 from ..probes import binding_information, pairwise_probe
 from ..results import Result, read_csv_columns, read_json_object, register_result
-from ..stimuli.colorshape import COLOURS, SHAPES, balanced_color_shape, entropies
+from ..stimuli.colorshape import FBP, ORGANISM, ColorShapeWorld, balanced_color_shape, entropies, world_named
 from ..viz import write_html_atomic
 from ..viz.probes import binding_figure
 
@@ -35,13 +35,24 @@ CHECKPOINT = "probe.partial.json"
 DEFAULT_SITE_CHOICE = ("last vision block", "projector", "middle LM layer")
 
 
-def colorshape_splits(n_train: int, n_val: int, n_test: int, seed: int = 0) -> tuple[list[Any], np.ndarray]:
-    """BalancedColorShape examples of the three splits, in order, and one split label per example."""
+def default_world(vlm: Any) -> ColorShapeWorld:
+    """The ColorShape world a model knows: the organisms' (their palette and canvas) for a model vlmbind trained on
+    that world, FBP's otherwise."""
+    training = getattr(vlm, "training", None) or {}
+    pools = training.get("task_options", {}).get("scene", {})
+    knows = (training.get("image_size") == ORGANISM.image_size and set(pools.get("colours", ())) == set(ORGANISM.colours)
+             and set(pools.get("shapes", ())) == set(ORGANISM.shapes))
+    return ORGANISM if knows else FBP
+
+
+def colorshape_splits(n_train: int, n_val: int, n_test: int, seed: int = 0,
+                      world: ColorShapeWorld | str = "fbp") -> tuple[list[Any], np.ndarray]:
+    """BalancedColorShape examples of the three splits of ``world``, in order, and one split label per example."""
     examples, labels = [], []
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
         if not isinstance(n, int) or n < 1:
             raise InputError(f"the {split} split needs at least one image, got {n!r}")
-        part = list(balanced_color_shape(n, seed, split=split))
+        part = list(balanced_color_shape(n, seed, split=split, world=world))
         examples += part
         labels += [split] * len(part)
     return examples, np.array(labels)
@@ -57,7 +68,7 @@ def default_sites(vlm: Any) -> list[str]:
 
 
 def codes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``(O [n, 64], F [n, 16])`` 0/1 codes of a BalancedColorShape capture."""
+    """``(O [n, |colours| x |shapes|], F [n, |colours| + |shapes|])`` 0/1 codes of a BalancedColorShape capture."""
     try:
         o = np.array([[int(b) for b in m["o_code"]] for m in acts.examples], dtype=np.float32)
         f = np.array([[int(b) for b in m["f_code"]] for m in acts.examples], dtype=np.float32)
@@ -66,9 +77,9 @@ def codes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
     return o, f
 
 
-def _token_classes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
+def _token_classes(acts: Any, world: ColorShapeWorld) -> tuple[np.ndarray, np.ndarray]:
     """``[n, T]`` object id and colour-shape class of every stored token (-1: background), zero-padded."""
-    cls = {(c, s): i for i, (c, s) in enumerate((c, s) for c in COLOURS for s in SHAPES)}
+    cls = {(c, s): i for i, (c, s) in enumerate((c, s) for c in world.colours for s in world.shapes)}
     rows = [acts.token_objects(i) for i in range(len(acts))]
     longest = max(len(r) for r in rows)
     owner = np.full((len(rows), longest), -1)
@@ -150,10 +161,11 @@ def _load_checkpoint(path: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
 
 def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
                 families: tuple[str, ...] = ("linear",), config: Any = None,
-                checkpoint: str | os.PathLike | None = None) -> BindingResult:
+                checkpoint: str | os.PathLike | None = None, world: ColorShapeWorld | str = "fbp") -> BindingResult:
     """Every listed family on every captured (or listed) site.
 
     Args:
+        world: the ColorShape world the captured images were drawn from (its test split's entropies are used).
         checkpoint: a JSON file rewritten atomically after every finished (site, family) cell; cells it already
             holds (for the same activations, sites, families and config) are not trained again, so a killed run
             resumes where it stopped and ends with the same table. Resumed cells have no entry in ``results``.
@@ -169,11 +181,15 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
     if len(split) != len(acts):
         raise InputError(f"{len(split)} split labels for {len(acts)} captured examples")
     o, f = codes(acts)
-    h = entropies("test")
+    world = world_named(world)
+    h = entropies("test", world)
+    if o.shape[1] != len(world.colours) * len(world.shapes):
+        raise InputError(f"the captured codes have {o.shape[1]} object bits but world {world.name!r} has "
+                         f"{len(world.colours) * len(world.shapes)}; pass the world the images were drawn from")
     rows, raw = [], {}
     path = Path(checkpoint) if checkpoint is not None else None
     run = {"model": acts.manifest.get("model", ""), "examples": len(acts), "sites": list(sites or acts.sites),
-           "families": list(families), "split": split.tolist(),
+           "families": list(families), "split": split.tolist(), "world": world.name,
            "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else repr(config)}
     done = {(r["site"], r["family"]): r for r in _load_checkpoint(path, run)} if path is not None else {}
     for site in sites or acts.sites:
@@ -184,7 +200,7 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
                 continue
             if family == "pairwise":
                 tokens, _ = acts.stacked(site)
-                owner, klass = _token_classes(acts)
+                owner, klass = _token_classes(acts, world)
                 if tokens.shape[1] != owner.shape[1]:
                     raise InputError(f"{site}: its rows do not line up with the token table; pairwise probes need an "
                                      "LM site, an in-order projector or a standalone encoder")
@@ -199,7 +215,8 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
                 res = binding_information(pooled, o, f, split, entropies=h, family=family, config=config)
                 row = _information_row(res)
             raw[(site, family)] = res
-            rows.append({"site": site, "family": family, **{k: _plain(v) for k, v in row.items()}})
+            rows.append({"site": site, "family": family, "world": world.name,
+                         **{k: _plain(v) for k, v in row.items()}})
             if path is not None:
                 write_json_atomic({"run": run, "rows": rows}, path)
     return BindingResult(acts.manifest.get("model", ""), pd.DataFrame(rows), raw)

@@ -31,7 +31,7 @@ from ..results import Result, read_csv_columns, read_json_object, register_resul
 from ..stimuli import counting, scene_description, scene_pairs
 from ..stimuli.core import object_token_positions
 from .ablation import AblationResult, ablation_study
-from .binding import BindingResult, colorshape_splits, default_sites, probe_sites
+from .binding import BindingResult, colorshape_splits, default_sites, default_world, probe_sites
 from .edits import EditResult, edit_study
 from .mediation import HeadScores, locate
 from .rsa import RSAResult, rsa, rsa_stimuli
@@ -327,13 +327,15 @@ def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, 
     result.seconds["track"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    examples, split = colorshape_splits(n_train, n_val, n_test, seed)
+    world = default_world(vlm)  # in domain: the organisms' own palette and canvas
+    examples, split = colorshape_splits(n_train, n_val, n_test, seed, world)
     probe_at = default_sites(vlm)
     acts = capture(vlm, examples, probe_at)
     # small training sets underfit with FBP's lr 1e-3 / batch 512 in a few epochs; this recipe converges here
     config = ProbeConfig(epochs=epochs, lr=1e-2, batch_size=128, seed=seed)
-    result.probes = probe_sites(acts, split, families=("linear",), config=config)
-    result.commands["probe"] = (f"vlmbind probe --model {model_arg} --sites {','.join(probe_at)} --family linear "
+    result.probes = probe_sites(acts, split, families=("linear",), config=config, world=world)
+    result.commands["probe"] = (f"vlmbind probe --model {model_arg} --world {world.name} --sites {','.join(probe_at)} "
+                                f"--family linear "
                                 f"--n-train {n_train} --n-val {n_val} --n-test {n_test} --epochs {epochs} --lr 0.01 "
                                 f"--batch-size 128")
     result.seconds["probe"] = time.perf_counter() - clock

@@ -11,10 +11,12 @@ from ..analysis.binding import (
     PROBE_FAMILIES,
     colorshape_splits,
     default_sites,
+    default_world,
     probe_sites,
 )
 from ..errors import InputError
 from ..probes import ProbeConfig
+from ..stimuli.colorshape import WORLDS
 from .arguments import add_capture_arguments, add_placement, add_prompt_format, model_session, out_dir, rank_done
 
 
@@ -29,6 +31,10 @@ def add_parser(sub: Any, common: Any) -> None:
                                                  + ", ".join(DEFAULT_SITE_CHOICE) + ")")
     p.add_argument("--family", default="linear",
                    help=f"comma-separated probe families: {', '.join(PROBE_FAMILIES)} (default linear)")
+    p.add_argument("--world", choices=("auto", *WORLDS), default="auto",
+                   help="the BalancedColorShape world: fbp (FBP's 8 x 8 palette, 18 objects on 256 px), organism "
+                        "(the organisms' 4 x 4 palette, 5 objects on their 168 px canvas); default auto: the "
+                        "organism world for the organisms, fbp otherwise")
     p.add_argument("--n-train", type=int, default=1024)
     p.add_argument("--n-val", type=int, default=256)
     p.add_argument("--n-test", type=int, default=256)
@@ -58,9 +64,14 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     if checkpoint.is_file() and not args.resume:
         raise InputError(f"{out} holds an interrupted run ({CHECKPOINT}); pass --resume to continue it, or choose "
                          "another --out")
-    examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed)
-    sweeps.check_shards(len(examples), args.shard_size, parallel.world_size(args.processes))
+    for split, n in (("train", args.n_train), ("val", args.n_val), ("test", args.n_test)):
+        if n < 1:  # before the model loads
+            raise InputError(f"the {split} split needs at least one image, got {n}")
+    sweeps.check_shards(args.n_train + args.n_val + args.n_test, args.shard_size,
+                        parallel.world_size(args.processes))
     with model_session(args, command, out) as (group, vlm):
+        world = default_world(vlm) if args.world == "auto" else WORLDS[args.world]
+        examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world)
         sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
         sites = [s.name for s in vlm.sites(sites)]
         acts = sweeps.capture(group, vlm, examples, sites, out / "activations", resume=args.resume,
@@ -68,7 +79,7 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
         if not group.is_main:
             return rank_done(group, out)
     config = ProbeConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
-    result = probe_sites(acts, split, families=families, config=config, checkpoint=checkpoint)
+    result = probe_sites(acts, split, families=families, config=config, checkpoint=checkpoint, world=world)
     result.save(out)
     checkpoint.unlink(missing_ok=True)
     summary = {"model": vlm.name, "rows": result.frame.to_dict(orient="records"),
@@ -76,7 +87,9 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
                "out": str(out),
                "command": " ".join(command), "recipe": {"epochs": args.epochs, "lr": args.lr,
                                                         "batch_size": args.batch_size}}
-    lines = [f"{vlm.name}: probes on BalancedColorShape ({args.n_train}/{args.n_val}/{args.n_test} images)"]
+    summary["world"] = world.name
+    lines = [f"{vlm.name}: probes on BalancedColorShape, world {world.name} ({args.n_train}/{args.n_val}/"
+             f"{args.n_test} images)"]
     for _, r in result.frame.iterrows():
         if r["family"] == "pairwise":
             lines.append(f"  {r['site']} pairwise: accuracy {r.get('accuracy', float('nan')):.3f}")
