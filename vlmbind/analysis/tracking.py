@@ -48,7 +48,7 @@ from ..hooks import LastQuerySession
 from ..io import json_default, write_text_atomic
 from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli import counting, visual_search
-from ..stimuli.answers import UnknownFrameError, to_canvas
+from ..stimuli.answers import UnknownFrameError, canvas_geometry, pixels_to_cells, to_canvas
 from ..stimuli.points import PointSpan, pointing_spans
 from ..tokens import decode_generated, decoded_spans, hidden_ids
 from ..viz import write_html_atomic
@@ -156,9 +156,8 @@ def pixels_to_canvas(pxy: np.ndarray, canvas: Any) -> np.ndarray:
         pxy: ``... 2`` pixel coordinates.
         canvas: a :class:`~vlmbind.stimuli.Canvas` or its ``to_dict()`` (``image_size``, ``grid``).
     """
-    size, (rows, cols) = _canvas_geometry(canvas)
     pxy = np.asarray(pxy, dtype=np.float64)
-    return np.stack([pxy[..., 0] / (size / cols) - 0.5, pxy[..., 1] / (size / rows) - 0.5], -1)
+    return np.stack(pixels_to_cells(pxy[..., 0], pxy[..., 1], canvas), -1)
 
 
 def grid_to_point_frame(xy: np.ndarray, boxes: np.ndarray, canvas: Any) -> np.ndarray:
@@ -168,11 +167,8 @@ def grid_to_point_frame(xy: np.ndarray, boxes: np.ndarray, canvas: Any) -> np.nd
 
 def _canvas_geometry(canvas: Any) -> tuple[float, tuple[int, int]]:
     """``(image_size, (rows, cols))`` of a Canvas or its dict form."""
-    if isinstance(canvas, dict):
-        grid = canvas["grid"]
-        rows, cols = (grid, grid) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))
-        return float(canvas["image_size"]), (int(rows), int(cols))
-    return float(canvas.image_size), canvas.shape
+    size, rows, cols = canvas_geometry(canvas)
+    return size, (rows, cols)
 
 
 def point_token_steps(tokenizer: Any, ids: Sequence[int]) -> tuple[list[tuple[list[int], PointSpan]], int]:

@@ -35,7 +35,8 @@ from .core import COLOURS, LETTERS, SHAPES
 from .points import POINT_FORMATS, PointSpan, pointing_spans
 
 __all__ = [
-    "ARTICLES", "FRAMES", "NUMBER_WORDS", "SELF_DESCRIBING", "UnknownFrameError", "answer_words", "frames_for",
+    "ARTICLES", "FRAMES", "NUMBER_WORDS", "SELF_DESCRIBING", "UnknownFrameError", "answer_words", "canvas_geometry",
+    "frames_for", "pixels_to_cells",
     "read_count", "read_query", "read_scene", "read_yes_no", "strip_points", "to_canvas",
 ]
 
@@ -168,7 +169,8 @@ def frames_for(declared: Mapping[str, str | None] | None = None) -> dict[str, st
     return frames
 
 
-def _canvas_cells(canvas: Any) -> tuple[float, int, int]:
+def canvas_geometry(canvas: Any) -> tuple[float, int, int]:
+    """``(image_size, rows, cols)`` of a Canvas or its dict form."""
     if isinstance(canvas, Mapping):
         grid = canvas["grid"]
         size = float(canvas["image_size"])
@@ -176,6 +178,12 @@ def _canvas_cells(canvas: Any) -> tuple[float, int, int]:
         grid, size = canvas.grid, float(canvas.image_size)
     rows, cols = (grid, grid) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))
     return size, int(rows), int(cols)
+
+
+def pixels_to_cells(px: Any, py: Any, canvas: Any) -> tuple[Any, Any]:
+    """Canvas pixels -> canvas cells (x = column, y = row, cell centres at integers); numbers or arrays."""
+    size, rows, cols = canvas_geometry(canvas)
+    return px / (size / cols) - 0.5, py / (size / rows) - 0.5
 
 
 def to_canvas(spans: Sequence[PointSpan], frames: Mapping[str, str | None], canvas: Any, *,
@@ -193,7 +201,7 @@ def to_canvas(spans: Sequence[PointSpan], frames: Mapping[str, str | None], canv
     Raises:
         UnknownFrameError: a span whose format has no frame, or a ``resized`` frame without ``resized_size``.
     """
-    size, rows, cols = _canvas_cells(canvas)
+    size, _, _ = canvas_geometry(canvas)
     width, height = image_size if image_size is not None else (size, size)
     out = []
     for span in spans:
@@ -218,6 +226,6 @@ def to_canvas(spans: Sequence[PointSpan], frames: Mapping[str, str | None], canv
             else:  # percent
                 px, py = x / 100 * width, y / 100 * height
             # original pixels -> canvas pixels (the canvas is the original image) -> cells
-            px, py = px * size / width, py * size / height
-            out.append((px / (size / cols) - 0.5, py / (size / rows) - 0.5))
+            cx, cy = pixels_to_cells(px * size / width, py * size / height, canvas)
+            out.append((float(cx), float(cy)))
     return out

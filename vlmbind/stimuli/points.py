@@ -111,17 +111,8 @@ def _tag_points(attrs: str) -> list[tuple[float, float]]:
     for name, dq, sq in _ATTR.findall(attrs):
         values.setdefault(name.lower(), dq if dq or not sq else sq)
     out: list[tuple[float, float]] = []
-    if "coords" in values:  # Molmo2: groups "[frame] idx x y idx x y ..." separated by ';'
-        for group in values["coords"].split(";"):
-            nums = _NUMBER.findall(group)
-            start = 1 if len(nums) % 3 == 1 else 0  # a leading frame / image index
-            if (len(nums) - start) % 3:
-                continue
-            for k in range(start, len(nums), 3):
-                p = _finite_pair(nums[k + 1], nums[k + 2])
-                if p is not None:
-                    out.append(p)
-        return out
+    if "coords" in values:  # Molmo2
+        return [p for _, _, p in _molmo2_triples(values["coords"])]
     if "x" in values and "y" in values:  # Molmo: <point x=".." y="..">
         xs, ys = _NUMBER.fullmatch(values["x"].strip()), _NUMBER.fullmatch(values["y"].strip())
         p = _finite_pair(xs.group(), ys.group()) if xs and ys else None
@@ -178,24 +169,31 @@ def _json_points(body: str) -> list[tuple[float, float]]:
     return out
 
 
+def _molmo2_triples(coords: str) -> list[tuple[int, int, tuple[float, float]]]:
+    """``(start, end, point)`` of each finite ``idx x y`` triple of a Molmo2 ``coords`` value (offsets into it):
+    groups ``[frame] idx x y idx x y ...`` separated by ``;``, a group whose count does not fit skipped."""
+    out, cursor = [], 0
+    for group in coords.split(";"):
+        nums = list(_NUMBER.finditer(group))
+        start = 1 if len(nums) % 3 == 1 else 0  # a leading frame / image index
+        if (len(nums) - start) % 3 == 0:
+            for k in range(start, len(nums), 3):
+                p = _finite_pair(nums[k + 1].group(), nums[k + 2].group())
+                if p is not None:
+                    out.append((cursor + nums[k].start(), cursor + nums[k + 2].end(), p))
+        cursor += len(group) + 1
+    return out
+
+
 def _molmo2_parts(text: str, offset: int, attrs: str) -> list[tuple[int, int]]:
-    """The ``(start, end)`` in ``text`` of each finite ``idx x y`` triple of a Molmo2 ``coords`` attribute (the order
-    and rules of :func:`_tag_points`)."""
+    """The ``(start, end)`` in ``text`` of each point's triple in a Molmo2 tag whose attributes start at
+    ``offset``."""
     m = re.search(r"""\bcoords\s*=\s*(?:"([^"]*)"|'([^']*)')""", attrs, re.IGNORECASE)
     if m is None:
         return []
-    group_index = 1 if m.group(1) is not None else 2
-    base = offset + m.start(group_index)
-    parts, cursor = [], 0
-    for group in m.group(group_index).split(";"):
-        nums = list(_NUMBER.finditer(group))
-        start = 1 if len(nums) % 3 == 1 else 0
-        if (len(nums) - start) % 3 == 0:
-            for k in range(start, len(nums), 3):
-                if _finite_pair(nums[k + 1].group(), nums[k + 2].group()) is not None:
-                    parts.append((base + cursor + nums[k].start(), base + cursor + nums[k + 2].end()))
-        cursor += len(group) + 1
-    return parts
+    group = 1 if m.group(1) is not None else 2
+    base = offset + m.start(group)
+    return [(base + a, base + b) for a, b, _ in _molmo2_triples(m.group(group))]
 
 
 def pointing_spans(text: str) -> list[PointSpan]:
