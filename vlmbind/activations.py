@@ -52,8 +52,9 @@ def _shard_name(i: int) -> str:
 
 
 def _examples(data: Any) -> tuple[list[Any], list[dict[str, Any]]]:
-    """``(examples, metadata)`` from a Dataset / list of Examples (metadata from each example's record)."""
-    examples = list(data)
+    """``(examples, metadata)`` from a Dataset / list of Examples (metadata from each example's record); a
+    sequence that draws its examples on demand (``ColorShapeSplits``) is kept as it is, so no image stays in memory."""
+    examples = data if isinstance(data, Sequence) else list(data)
     if not examples:
         raise InputError("capture needs at least one example")
     meta = []
@@ -243,6 +244,39 @@ class ActivationSet:
         out["grid"] = np.array([names[g] if g >= 0 else "" for g in table[:, 1]])
         return out
 
+    def per_token(self, site: str, i: int) -> torch.Tensor:
+        """Example ``i`` at ``site`` with one row per row of its token table: an aligned site as stored, a
+        vision-block site of a family that declares which image token each of its rows is merged into
+        (``ModelAdapter.vision_row_tokens``) as the mean of those rows per image token.
+
+        Raises:
+            InputError: a site whose rows cannot be lined up with the token table.
+        """
+        if self._token_aligned(site):
+            return self.tensor(site, i)
+        rows_to_tokens = self.examples[i].get("vision_row_tokens")
+        if not site.startswith("vision.") or rows_to_tokens is None or self.manifest.get("tokens") != "image":
+            raise InputError(f"{site}: its rows are not the language model's image tokens in order and the family "
+                             "declares no map from them to image tokens; use an LM site, an in-order projector, or "
+                             "capture with tokens='image' on a family with ModelAdapter.vision_row_tokens")
+        x = self.tensor(site, i).float()
+        owner = torch.as_tensor(rows_to_tokens, dtype=torch.long)
+        if len(owner) != x.shape[0]:
+            raise InputError(f"{site}: example {i} has {x.shape[0]} rows but its map covers {len(owner)}")
+        n_tokens = len(self.token_objects(i))
+        if int(owner.max()) + 1 != n_tokens:
+            raise InputError(f"{site}: example {i}'s rows map to {int(owner.max()) + 1} image tokens, its token "
+                             f"table has {n_tokens}")
+        sums = torch.zeros(n_tokens, x.shape[1]).index_add_(0, owner, x)
+        return sums / torch.bincount(owner, minlength=n_tokens).unsqueeze(1)
+
+    def stacked_per_token(self, site: str) -> np.ndarray:
+        """``N T d``: :meth:`per_token` of every example (each example's token table has ``T`` rows)."""
+        rows = [self.per_token(site, i).float().numpy() for i in range(len(self))]
+        if len({len(r) for r in rows}) != 1:
+            raise InputError(f"{site}: examples have different numbers of image tokens; use same-size images")
+        return np.stack(rows)
+
     def token_objects(self, i: int) -> np.ndarray:
         """The object each stored token of example ``i`` covers (-1: none)."""
         return self.token_table(i)["object"]
@@ -364,6 +398,7 @@ def capture(
             raise InputError(f"{root} is a file; pass a directory")
     done = {s["name"] for s in manifest["shards"]}
     lm_sites = [s for s in resolved if s.startswith("blocks.")]
+    vision_sites = [] if encoder else [s for s in resolved if s.startswith("vision.")]
     bar = tqdm(total=len(examples), desc="capture", disable=not progress)
     for shard in range(n_shards):
         start = shard * shard_size
@@ -380,9 +415,14 @@ def capture(
             # over the whole sequence cost more than the capture)
             keep = {} if encoder else {"logits_at": [batch.seq_len - 1]}
             cache = vlm.run(batch, sites=resolved, **keep).cache
+            first_image = np.cumsum([0] + [len(row) for row in batch.images])
             for r, ex in enumerate(chunk):
                 table, grid_names = _token_table(batch.index[r], ex, tokens)
                 shard_meta.append({**meta[b0 + r], "index": b0 + r, "grids": grid_names})
+                if vision_sites and len(batch.images[r]) == 1:
+                    rows_to_tokens = vlm.adapter.vision_row_tokens(batch.inputs, int(first_image[r]))
+                    if rows_to_tokens is not None:
+                        shard_meta[-1]["vision_row_tokens"] = [int(v) for v in rows_to_tokens]
                 tensors[f"{TABLE}|{b0 + r}"] = torch.from_numpy(table)
                 for site in lm_sites:
                     tensors[f"{site}|{b0 + r}"] = cache[site][r, table[:, 0]].to(dtype).contiguous()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,7 @@ def capture(group: Group, vlm: Any, data: Any, sites: Any, out: str | os.PathLik
         InputError: fewer shards than ranks, a finished capture in ``out`` (without ``resume``), or leftovers of
             another number of processes.
     """
-    examples = list(data)
+    examples = data if isinstance(data, Sequence) else list(data)  # an on-demand sequence stays one
     shard_size = options.get("shard_size", 64)
     n_shards = check_shards(len(examples), shard_size, group.world)
     root = Path(out)

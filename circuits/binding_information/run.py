@@ -1,11 +1,17 @@
-"""Binding information in a model's representations: RSA on the single-object set (compositional vs conjunctive
-codes by layer) and FBP's probes on BalancedColorShape (bits of object information beyond the features).
+"""Binding information in the organisms, in their own world: RSA of single objects, FBP's probe ladder and
+IsSameObject probes, each written to ``results/<model>/`` with what was run in ``results/<model>/runs.json``.
 
-    python circuits/binding_information/run.py [--model organism-p2a] [--families linear,quadratic,attention]
-        [--n-train 1024] [--n-val 256] [--n-test 256] [--out DIR]
+    python circuits/binding_information/run.py                       # the three shipped organisms, in domain
+    python circuits/binding_information/run.py --models organism-p2a --world fbp --sites default
+    python circuits/binding_information/run.py --parts same_object   # one part only
 
-On a real checkpoint (VLM or standalone encoder: ``--model facebook/dinov2-base``) the same recipe runs; FBP's
-references (DINOv2 / CLIP [CLS], H(O) = 39.9 bits): linear B_O 5.7, quadratic 17.9, DNN 19.4, attention 36.8 bits.
+Parts: ``rsa`` (64 single objects, compositional / conjunctive / position model matrices), ``ladder`` (linear,
+quadratic, dnn and shared_factor probes on the mean of the tokens, the attention probe on the tokens, at every vision
+block, the projector and every language-model layer; BalancedColorShape in the model's world unless ``--world``
+says otherwise), ``pixels`` (the linear and quadratic probes on the raw pixels' mean patch, on the same images:
+what needs no model at all) and ``same_object`` (pairwise IsSameObject probes on scenes whose objects cover 2 x 2
+language-model tokens and repeat classes, at every site, against the class baselines). Every (site, family) cell is checkpointed, so a
+killed run resumes. ``tables.py`` renders the README's tables from what this writes.
 """
 
 from __future__ import annotations
@@ -13,45 +19,133 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
 
 import vlmbind as vb
-from vlmbind.analysis.binding import colorshape_splits, default_sites, probe_sites
+from vlmbind.analysis.binding import colorshape_splits, default_sites, default_world, probe_sites
 from vlmbind.analysis.rsa import rsa, rsa_stimuli
-from vlmbind.io import write_json_atomic
-from vlmbind.probes import ProbeConfig
+from vlmbind.io import write_json_atomic, write_text_atomic
+from vlmbind.probes import ProbeConfig, binding_information
+from vlmbind.stimuli.colorshape import WORLDS, entropies
 
 HERE = Path(__file__).parent
+MODELS = ("organism-p2a", "organism-direct", "organism-vsm")
+LADDER = ("linear", "quadratic", "dnn", "shared_factor", "attention")
+PARTS = ("rsa", "ladder", "pixels", "same_object")
+
+
+def every_site(vlm: Any) -> list[str]:
+    """Every vision block, the projector and every language-model layer, in the order the image passes them."""
+    return ([f"vision.blocks.{l}.hook_resid_post" for l in range(vlm.adapter.n_vision_layers)] + ["projector.hook_out"]
+            + [f"blocks.{l}.hook_resid_post" for l in range(vlm.n_layers)])
+
+
+def pixel_patch_means(examples: Any, patch: int) -> np.ndarray:
+    """``[n, patch * patch * 3]``: each image's mean ``patch x patch`` RGB patch on the model's patch grid, the
+    pooled representation a linear patch embedding would see before any learnt layer."""
+    out = []
+    for ex in examples:
+        x = np.asarray(ex.image, dtype=np.float32) / 255.0
+        h, w = (x.shape[0] // patch) * patch, (x.shape[1] // patch) * patch
+        tiles = x[:h, :w].reshape(h // patch, patch, w // patch, patch, 3).transpose(0, 2, 1, 3, 4)
+        out.append(tiles.reshape(-1, patch * patch * 3).mean(0))
+    return np.stack(out)
+
+
+def pixel_baseline(examples: Any, split: np.ndarray, world: Any, patch: int, config: ProbeConfig) -> pd.DataFrame:
+    """The ladder's pooled families on raw pixels (:func:`pixel_patch_means`): what needs no model at all."""
+    o, f = (np.array([[int(b) for b in ex.fields[key]] for ex in examples], dtype=np.float32)
+            for key in ("o_code", "f_code"))
+    z = pixel_patch_means(examples, patch)
+    rows = []
+    for family in ("linear", "quadratic"):
+        res = binding_information(z, o, f, split, entropies=entropies("test", world), family=family, config=config)
+        rows.append({"site": f"pixels ({patch} px patches, mean)", "family": family, "B_O": res.B_O,
+                     "beta_O": res.beta_O, "B_star_OF": res.B_star_OF, "margin_O": res.margin_O,
+                     "margin_O_se": res.margin_O_se, "CE_O": res.CE_O, "CE_O_train": res.CE_O_train,
+                     "B_O_prior": res.B_O_prior, "n_test": res.n_test, "epochs": res.epochs_O})
+    return pd.DataFrame(rows)
+
+
+def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    vlm = vb.load(name)
+    out = Path(args.out) / name
+    world = default_world(vlm) if args.world == "auto" else WORLDS[args.world]
+    sites = every_site(vlm) if args.sites == "all" else default_sites(vlm)
+    config = ProbeConfig(seed=args.seed)
+    summary: dict[str, Any] = {"model": vlm.name, "seed": args.seed}
+    if "rsa" in args.parts:
+        similarity = rsa(vb.capture(vlm, rsa_stimuli(vlm, 4, args.seed), sites), permutations=1000)
+        similarity.save(out / "rsa")
+        summary["rsa"] = str((out / "rsa").relative_to(args.out))
+    if "ladder" in args.parts:
+        t0 = time.perf_counter()
+        examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world)
+        acts = vb.capture(vlm, examples, sites)
+        where = out / f"ladder-{world.name}"
+        probes = probe_sites(acts, split, sites=sites, families=tuple(args.families.split(",")), config=config,
+                             checkpoint=where / "probe.partial.json", world=world)
+        probes.save(where)
+        (where / "probe.partial.json").unlink(missing_ok=True)
+        summary[f"ladder-{world.name}"] = {"dir": str(where.relative_to(args.out)), "world": world.name,
+                                           "n": [args.n_train, args.n_val, args.n_test],
+                                           "seconds": round(time.perf_counter() - t0, 1)}
+    if "pixels" in args.parts:
+        t0 = time.perf_counter()
+        examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world)
+        where = out / f"ladder-{world.name}"
+        pixels = pixel_baseline(examples, split, world, int(vlm.model.config.vision_config.patch_size), config)
+        write_text_atomic(pixels.to_csv(index=False), where / "pixels.csv")
+        summary[f"pixels-{world.name}"] = {"file": str((where / "pixels.csv").relative_to(args.out)),
+                                           "seconds": round(time.perf_counter() - t0, 1)}
+    if "same_object" in args.parts:
+        from vlmbind.analysis.same_object import same_object_probes
+
+        t0 = time.perf_counter()
+        where = out / "same_object"
+        result = same_object_probes(vlm, sites, n_train=args.same_train, n_val=args.same_val, n_test=args.same_test,
+                                    seed=args.seed, config=config, checkpoint=where / "same_object.partial.json")
+        result.save(where)
+        (where / "same_object.partial.json").unlink(missing_ok=True)
+        summary["same_object"] = {"dir": str(where.relative_to(args.out)),
+                                  "n": [args.same_train, args.same_val, args.same_test],
+                                  "seconds": round(time.perf_counter() - t0, 1)}
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="organism-p2a")
-    p.add_argument("--families", default="linear,quadratic,attention")
-    p.add_argument("--n-train", type=int, default=1024)
-    p.add_argument("--n-val", type=int, default=256)
-    p.add_argument("--n-test", type=int, default=256)
-    p.add_argument("--positions", type=int, default=4)
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated models")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
+    p.add_argument("--world", choices=("auto", *WORLDS), default="auto",
+                   help="BalancedColorShape world of the ladder (auto: the model's own)")
+    p.add_argument("--sites", choices=("all", "default"), default="all",
+                   help="all: every vision block, the projector and every LM layer; default: vlmbind probe's three")
+    p.add_argument("--families", default=",".join(LADDER))
+    p.add_argument("--n-train", type=int, default=2048)
+    p.add_argument("--n-val", type=int, default=512)
+    p.add_argument("--n-test", type=int, default=512)
+    p.add_argument("--same-train", type=int, default=256)
+    p.add_argument("--same-val", type=int, default=64)
+    p.add_argument("--same-test", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
-    vlm = vb.load(args.model)
-    out = Path(args.out)
-    sites = (["vision.blocks.*.hook_resid_post"] if vlm.n_layers == 0
-             else ["vision.blocks.*.hook_resid_post", "projector.hook_out", "blocks.*.hook_resid_post"])
-    similarity = rsa(vb.capture(vlm, rsa_stimuli(vlm, args.positions, args.seed), sites), permutations=1000)
-    similarity.save(out / "rsa")
-    examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed)
-    acts = vb.capture(vlm, examples, default_sites(vlm))
-    config = ProbeConfig(epochs=40, lr=1e-2, batch_size=128, seed=args.seed)
-    probes = probe_sites(acts, split, families=tuple(args.families.split(",")), config=config)
-    probes.save(out / "probe")
-    table = similarity.frame.pivot_table(index="site", columns="model_matrix", values="r", sort=False)
-    summary = {"model": vlm.name, "rsa_r": table.round(3).to_dict(orient="index"),
-               "probes": probes.frame[["site", "family", "CE_O", "CE_F", "B_O", "B_star_OF", "beta_O"]]
-               .round(3).to_dict(orient="records"), "recipe": {"epochs": 40, "lr": 1e-2, "batch_size": 128}}
-    write_json_atomic(summary, out / "summary.json")
-    print(json.dumps(summary, indent=1))
+    args.parts = args.parts.split(",")
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        p.error(f"unknown parts {unknown}; parts: {', '.join(PARTS)}")
+    for name in args.models.split(","):
+        done = run_model(name, args)
+        runs = Path(args.out) / name / "runs.json"  # one file per model: parallel runs of other models never clash
+        saved = json.loads(runs.read_text()) if runs.is_file() else {}
+        write_json_atomic({**saved, **done}, runs)
+        print(json.dumps(done, indent=1), flush=True)
     return 0
 
 

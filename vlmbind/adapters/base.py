@@ -248,6 +248,12 @@ class ModelAdapter:
         points in that frame (Qwen2.5-VL); None otherwise."""
         return None
 
+    def vision_row_tokens(self, inputs: dict[str, torch.Tensor], image_id: int) -> np.ndarray | None:
+        """For each row of image ``image_id`` at a vision-block site, the image token (its index in the image's
+        raster order of language-model tokens) that the row is merged into; None where the family does not declare
+        it (then vision-block rows cannot be pooled per object or per token)."""
+        return None
+
     def forward_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Extra keyword arguments the family's forward needs beyond the processor's outputs."""
         return {}

@@ -10,6 +10,7 @@ returns; without them the model silently falls back to 1-D positions.
 from __future__ import annotations
 
 import numpy as np
+from transformers.vision_utils import get_vision_window_index
 
 from ..tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
@@ -40,6 +41,12 @@ class _QwenVLAdapter(ModelAdapter):
         _, h, w = (int(v) for v in inputs["image_grid_thw"][image_id])
         patch = int(self.config.vision_config.patch_size)
         return w * patch, h * patch
+
+    def vision_row_tokens(self, inputs, image_id):
+        # the processor orders an image's patches merge-group by merge-group, the groups in raster order
+        t, h, w = (int(v) for v in inputs["image_grid_thw"][image_id])
+        merge = int(self.config.vision_config.spatial_merge_size)
+        return np.repeat(np.arange(t * h * w // merge**2), merge**2)
 
     def image_grids(self, inputs, row, roles, image_ids, image_sizes):
         image_positions = np.flatnonzero(roles == "image")
@@ -76,6 +83,14 @@ class Qwen25VLAdapter(_QwenVLAdapter):
     # pooler_output (what the language model receives, in raster order), not the merger's
     projector = "model.visual"
     projector_output = "pooler_output"
+
+    def vision_row_tokens(self, inputs, image_id):
+        # the blocks see the merge groups in window order (windows of window_size px, raster inside each)
+        vision = self.config.vision_config
+        merge = int(vision.spatial_merge_size)
+        window_index, _ = get_vision_window_index(inputs["image_grid_thw"][image_id: image_id + 1].cpu(), merge,
+                                                  int(vision.window_size), int(vision.patch_size))
+        return np.repeat(window_index.numpy(), merge**2)
 
 
 @register_adapter

@@ -26,7 +26,7 @@ from ..errors import InputError
 from ..io import json_default, write_json_atomic, write_text_atomic
 from ..probes import binding_information, pairwise_probe
 from ..results import Result, read_csv_columns, read_json_object, register_result
-from ..stimuli.colorshape import FBP, ORGANISM, ColorShapeWorld, balanced_color_shape, entropies, world_named
+from ..stimuli.colorshape import FBP, ORGANISM, ColorShapeSplits, ColorShapeWorld, entropies, world_named
 from ..viz import write_html_atomic
 from ..viz.probes import binding_figure
 
@@ -46,16 +46,16 @@ def default_world(vlm: Any) -> ColorShapeWorld:
 
 
 def colorshape_splits(n_train: int, n_val: int, n_test: int, seed: int = 0,
-                      world: ColorShapeWorld | str = "fbp") -> tuple[list[Any], np.ndarray]:
-    """BalancedColorShape examples of the three splits of ``world``, in order, and one split label per example."""
-    examples, labels = [], []
+                      world: ColorShapeWorld | str = "fbp", lazy: bool = False) -> tuple[Any, np.ndarray]:
+    """BalancedColorShape examples of the three splits of ``world``, in order, and one split label per example.
+
+    ``lazy``: a :class:`~vlmbind.stimuli.colorshape.ColorShapeSplits` that draws each image when it is read (the
+    same examples; for FBP-sized sets, whose images would not fit in memory), else a list."""
     for split, n in (("train", n_train), ("val", n_val), ("test", n_test)):
         if not isinstance(n, int) or n < 1:
             raise InputError(f"the {split} split needs at least one image, got {n!r}")
-        part = list(balanced_color_shape(n, seed, split=split, world=world))
-        examples += part
-        labels += [split] * len(part)
-    return examples, np.array(labels)
+    examples = ColorShapeSplits((n_train, n_val, n_test), seed, world)
+    return (examples if lazy else examples[:]), examples.labels()
 
 
 def default_sites(vlm: Any) -> list[str]:
@@ -227,7 +227,8 @@ def _information_row(res: Any) -> dict[str, Any]:
             "beta_star_OF": res.beta_star_OF, "H_O": res.H_O, "H_F": res.H_F, "B_O_prior": res.B_O_prior,
             "margin_O": res.margin_O, "margin_O_se": res.margin_O_se, "finding": res.finding,
             "n_train": res.n_train, "n_val": res.n_val, "n_test": res.n_test, "epochs": res.epochs_O,
-            "steps": res.steps_O, "converged": res.converged_O, "val_loss_O": res.val_loss_O}
+            "steps": res.steps_O, "converged": res.converged_O, "val_loss_O": res.val_loss_O,
+            "CE_O_train": res.CE_O_train}
 
 
 def _pairwise_row(res: Any) -> dict[str, Any]:

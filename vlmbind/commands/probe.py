@@ -35,9 +35,10 @@ def add_parser(sub: Any, common: Any) -> None:
                    help="the BalancedColorShape world: fbp (FBP's 8 x 8 palette, 18 objects on 256 px), organism "
                         "(the organisms' 4 x 4 palette, 5 objects on their 168 px canvas); default auto: the "
                         "organism world for the organisms, fbp otherwise")
-    p.add_argument("--n-train", type=int, default=1024)
-    p.add_argument("--n-val", type=int, default=256)
-    p.add_argument("--n-test", type=int, default=256)
+    p.add_argument("--n-train", type=int, default=39_200,
+                   help="training images (default FBP's 39,200; each image is drawn when it is captured)")
+    p.add_argument("--n-val", type=int, default=9_800, help="validation images, for early stopping (default 9,800)")
+    p.add_argument("--n-test", type=int, default=9_800, help="test images the bits are estimated on (default 9,800)")
     p.add_argument("--epochs", type=int, default=None,
                    help="a fixed number of epochs (FBP: 40); default: train each probe to convergence on the "
                         "validation loss")
@@ -71,7 +72,7 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
                         parallel.world_size(args.processes))
     with model_session(args, command, out) as (group, vlm):
         world = default_world(vlm) if args.world == "auto" else WORLDS[args.world]
-        examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world)
+        examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world, lazy=True)
         sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
         sites = [s.name for s in vlm.sites(sites)]
         acts = sweeps.capture(group, vlm, examples, sites, out / "activations", resume=args.resume,

@@ -123,6 +123,8 @@ class ProbeResult:
         margin_O, margin_O_se: the object probe's test bits below the prior-only probe's (mean of per-example
             differences) and its standard error over the test split.
         finding: :func:`finding` of the estimate.
+        CE_O_train: the object probe's cross-entropy on its own training split (bits); ``CE_O - CE_O_train`` is
+            its generalisation gap to the test split's unseen feature codes.
         seconds: wall time of training and evaluation.
         n_params: trainable parameters of the object probe.
         bits_per_output_O: ``[K]`` test CE of each conditional ``q(o_k | o_<k, z)``.
@@ -165,6 +167,7 @@ class ProbeResult:
     margin_O: float = float("nan")
     margin_O_se: float = float("nan")
     finding: str = ""
+    CE_O_train: float = float("nan")
 
     def to_dict(self, include_attention: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (the attention tensor, large, only when asked; its shape always)."""
@@ -283,6 +286,7 @@ def binding_information(Z: ArrayLike, O: ArrayLike, F: ArrayLike | None, split: 
         ce[name] = float(bits.sum())
         probes[name] = probe
         if name == "O":
+            ce["O_train"] = probe.cross_entropy(_take(z, tr), code[tr], _take(m, tr))
             per_output = bits.tolist()
             if fam == "attention":
                 attention = probe.attention(z_te, c_te, m_te)
@@ -312,7 +316,7 @@ def binding_information(Z: ArrayLike, O: ArrayLike, F: ArrayLike | None, split: 
         converged_O=probes["O"].fit_info.converged,
         converged_F=probes["F"].fit_info.converged if "F" in probes else None,
         CE_O_prior=float(prior_bits.mean()), B_O_prior=h.H_O - float(prior_bits.mean()), margin_O=margin,
-        margin_O_se=margin_se, finding=finding(est["B_O"], margin, margin_se))
+        margin_O_se=margin_se, finding=finding(est["B_O"], margin, margin_se), CE_O_train=ce["O_train"])
     return (result, probes) if return_probes else result
 
 

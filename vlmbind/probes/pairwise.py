@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from .information import split_indices
 from .training import LN2, FitInfo, ProbeConfig, feature_stats, fit
 
 PAIRWISE_FAMILIES = ("linear", "diag_quadratic", "quadratic")
+PairRule = Callable[[np.ndarray], np.ndarray]  # test pairs [P, 3] (image, i, j) -> [P] bool "same object"
 
 
 def sample_pairs(object_ids: ArrayLike, *, balance: bool = True, max_pairs_per_image: int | None = 256,
@@ -163,6 +165,13 @@ class PairwiseResult:
         balanced: whether pairs were balanced.
         epochs: epochs run; ``seconds``: wall time; ``n_params``: trainable parameters.
         config: the recipe as a dict.
+        baselines: accuracy of each named rule passed as ``baselines`` (e.g. same colour => same object) on the
+            test pairs; the margin is taken over the strongest of these, "not same" and same-class.
+        references: accuracy of rules that are reported but not baselines (e.g. a class-plus-position rule: what a
+            representation that knew each token's class and place exactly would allow).
+        strongest_baseline: the baseline the margin is taken over.
+        margin_se: standard error of the margin, from per-image differences (pairs of one image are not
+            independent), over the test images.
     """
 
     family: str
@@ -182,20 +191,31 @@ class PairwiseResult:
     seconds: float
     n_params: int
     config: dict[str, Any] = field(default_factory=dict)
+    baselines: dict[str, float] = field(default_factory=dict)
+    references: dict[str, float] = field(default_factory=dict)
+    strongest_baseline: str = "not_same"
+    margin_se: float = float("nan")
 
     @property
     def margin(self) -> float:
-        """Accuracy above the stronger baseline (what a binding claim needs to be positive)."""
-        base = self.baseline_not_same
-        if not math.isnan(self.baseline_same_class):
-            base = max(base, self.baseline_same_class)
-        return self.accuracy - base
+        """Accuracy above the strongest baseline (what a binding claim needs to be positive)."""
+        return self.accuracy - _all_baselines(self)[self.strongest_baseline]
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
+        """A JSON-ready dict; each baseline and reference also as a flat ``baseline_<name>`` /
+        ``reference_<name>`` entry."""
         out = asdict(self)
         out["margin"] = self.margin
+        out.update({f"baseline_{k}": v for k, v in self.baselines.items()})
+        out.update({f"reference_{k}": v for k, v in self.references.items()})
         return out
+
+
+def _all_baselines(res: PairwiseResult) -> dict[str, float]:
+    out = {"not_same": res.baseline_not_same, **res.baselines}
+    if not math.isnan(res.baseline_same_class):
+        out["same_class"] = res.baseline_same_class
+    return out
 
     def to_frame(self) -> pd.DataFrame:
         """One tidy row of the scalar fields."""
@@ -237,6 +257,7 @@ def _check_tokens(tokens: ArrayLike) -> torch.Tensor:
 def pairwise_probe(tokens: ArrayLike, object_ids: ArrayLike, split: ArrayLike, *,
                    token_class: ArrayLike | None = None, family: str = "quadratic", balance: bool = True,
                    max_pairs_per_image: int | None = 256, config: ProbeConfig | None = None,
+                   baselines: Mapping[str, PairRule] | None = None, references: Mapping[str, PairRule] | None = None,
                    return_probe: bool = False) -> PairwiseResult | tuple[PairwiseResult, TrainedPairProbe]:
     """Train an IsSameObject probe on ``train`` images, early-stop on ``val``, report accuracy on ``test``.
 
@@ -250,6 +271,8 @@ def pairwise_probe(tokens: ArrayLike, object_ids: ArrayLike, split: ArrayLike, *
         balance: balanced pairs (see :func:`sample_pairs`) or uniform pairs.
         max_pairs_per_image: cap on pairs per image.
         config: the training recipe (``rank`` sets the quadratic probe's rank, ``None`` = full).
+        baselines: named rules ``pairs [P, 3] -> [P] bool`` ("same object" predictions) the probe must beat.
+        references: named rules reported beside the baselines but not counted in the margin.
         return_probe: also return the trained probe.
 
     Returns:
@@ -327,9 +350,14 @@ def pairwise_probe(tokens: ArrayLike, object_ids: ArrayLike, split: ArrayLike, *
 
     p_te, y_te = pairs["test"]
     pred = (probe.logits(toks, p_te) > 0).numpy()
+    correct = {"not_same": ~y_te}
     same_class = float("nan")
     if cls is not None:
-        same_class = float(np.mean((cls[p_te[:, 0], p_te[:, 1]] == cls[p_te[:, 0], p_te[:, 2]]) == y_te))
+        correct["same_class"] = (cls[p_te[:, 0], p_te[:, 1]] == cls[p_te[:, 0], p_te[:, 2]]) == y_te
+        same_class = float(np.mean(correct["same_class"]))
+    rules = {name: _rule_correct(name, rule, p_te, y_te) for name, rule in (baselines or {}).items()}
+    correct.update(rules)
+    strongest = max(correct, key=lambda k: float(np.mean(correct[k])))
     with torch.no_grad():
         test_loss = mean_loss("test")
     result = PairwiseResult(
@@ -337,8 +365,31 @@ def pairwise_probe(tokens: ArrayLike, object_ids: ArrayLike, split: ArrayLike, *
         baseline_same_class=same_class, test_loss_bits=test_loss, positive_rate=float(np.mean(y_te)),
         n_pairs_train=len(pairs["train"][0]), n_pairs_val=len(pairs["val"][0]), n_pairs_test=len(p_te),
         n_train=len(idx["train"]), n_val=len(idx["val"]), n_test=len(idx["test"]), balanced=balance,
-        epochs=info.epochs_run, seconds=time.perf_counter() - t0, n_params=module.n_params(), config=asdict(config))
+        epochs=info.epochs_run, seconds=time.perf_counter() - t0, n_params=module.n_params(), config=asdict(config),
+        baselines={k: float(np.mean(v)) for k, v in rules.items()},
+        references={k: float(np.mean(_rule_correct(k, r, p_te, y_te))) for k, r in (references or {}).items()},
+        strongest_baseline=strongest,
+        margin_se=_clustered_se((pred == y_te).astype(float) - correct[strongest].astype(float), p_te[:, 0]))
     return (result, probe) if return_probe else result
+
+
+def _rule_correct(name: str, rule: PairRule, pairs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    said = np.asarray(rule(pairs))
+    if said.shape != labels.shape or said.dtype != bool:
+        raise InputError(f"pair rule {name!r} must return one bool per pair ({labels.shape}), got {said.dtype} "
+                         f"{said.shape}")
+    return said == labels
+
+
+def _clustered_se(diff: np.ndarray, cluster: np.ndarray) -> float:
+    """Standard error of ``diff.mean()`` with the pairs of one image as one cluster (a ratio estimator)."""
+    ids, inverse = np.unique(cluster, return_inverse=True)
+    if len(ids) < 2:
+        return float("nan")
+    sums, sizes = np.bincount(inverse, diff), np.bincount(inverse).astype(float)
+    mean = sums.sum() / sizes.sum()
+    resid = sums - mean * sizes
+    return float(np.sqrt(len(ids) / (len(ids) - 1) * np.sum(resid**2)) / sizes.sum())
 
 
 __all__ = ["PAIRWISE_FAMILIES", "PairwiseResult", "TrainedPairProbe", "pairwise_probe", "sample_pairs"]

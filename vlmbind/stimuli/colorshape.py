@@ -275,6 +275,65 @@ def _sample_objects(rng: np.random.Generator, colours: list[str], shapes: list[s
     raise StimulusError("could not draw a covering object set; this should not happen")  # pragma: no cover
 
 
+def _colorshape_example(i: int, seed: int, split: str, w: ColorShapeWorld, canvas: Canvas, jitter: int) -> Example:
+    """Example ``i`` of a BalancedColorShape split (drawn from ``example_rng(seed, i)`` alone)."""
+    codes = split_codes(split, w)
+    n_colour_bits = len(w.colours)
+    rng = example_rng(seed, i)
+    bits = codes[int(rng.integers(len(codes)))]
+    colours = [c for c, b in zip(w.colours, bits[:n_colour_bits]) if b == "1"]
+    shapes = [s for s, b in zip(w.shapes, bits[n_colour_bits:]) if b == "1"]
+    conj = _sample_objects(rng, colours, shapes, w.n_objects)
+    cells = random_cells(rng, canvas, w.n_objects)
+    shifts = (rng.integers(-jitter, jitter + 1, size=(w.n_objects, 2)) if jitter
+              else np.zeros((w.n_objects, 2), int))
+    objects = []
+    for (colour, shape), (r, c), (dx, dy) in zip(conj, cells, shifts):
+        x, y = canvas.cell_centre(r, c)
+        objects.append(SceneObject(colour, shape, r, c, x + float(dx), y + float(dy), canvas.size))
+    objects = raster(objects)
+    answer = " , ".join(o.name for o in objects)
+    fields = {"split": split, "f_code": bits, "f_bits": [int(b) for b in bits], "o_code": o_code(objects, w),
+              "colours": colours, "shapes": shapes}
+    prefix = TASK if w.name == "fbp" else f"{TASK}_{w.name}"
+    return Example(f"{prefix}_{split}_{i:06d}", render(canvas, objects), objects, PROMPT, answer, TASK, fields)
+
+
+class ColorShapeSplits(Sequence):
+    """The train, val and test images of a BalancedColorShape world, in that order, drawn on demand: item ``k``
+    is example ``k`` of train, then of val, then of test, equal to :func:`balanced_color_shape`'s. Memory holds no
+    image, so a capture of FBP's tens of thousands of images stays bounded (each is drawn when captured)."""
+
+    def __init__(self, sizes: Sequence[int], seed: int = 0, world: ColorShapeWorld | str = "fbp") -> None:
+        self.world = world_named(world)
+        self.sizes = tuple(int(n) for n in sizes)
+        self.seed = int(seed)
+        self.canvas = Canvas(image_size=self.world.image_size, grid=self.world.grid,
+                             object_size=self.world.object_size)
+        self._starts = np.cumsum((0,) + self.sizes)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def split_of(self, k: int) -> tuple[str, int]:
+        """``(split, index within the split)`` of item ``k``."""
+        s = int(np.searchsorted(self._starts, k, side="right")) - 1
+        return SPLITS[s], k - int(self._starts[s])
+
+    def labels(self) -> np.ndarray:
+        """The split label of every item."""
+        return np.repeat(np.array(SPLITS), self.sizes)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        k = int(k)
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"item {k} of {len(self)}")
+        split, i = self.split_of(k % len(self))
+        return _colorshape_example(i, self.seed, split, self.world, self.canvas, 0)
+
+
 def balanced_color_shape(n: int, seed: int = 0, *, split: str = "train", grid: int | None = None, jitter: int = 0,
                          world: ColorShapeWorld | str = "fbp") -> Dataset:
     """Generate ``n`` BalancedColorShape images of one split (task ``"colorshape"``).
@@ -318,31 +377,7 @@ def balanced_color_shape(n: int, seed: int = 0, *, split: str = "train", grid: i
     max_jitter = int((min(canvas.cell_size) - object_size) // 2) - 1
     if not isinstance(jitter, (int, np.integer)) or not 0 <= jitter <= max_jitter:
         raise StimulusError(f"jitter={jitter!r} must be an int in [0, {max_jitter}] px so objects stay in their cells")
-    codes = split_codes(split, w)
-    n_colour_bits = len(w.colours)
-
-    examples = []
-    for i in range(int(n)):
-        rng = example_rng(seed, i)
-        bits = codes[int(rng.integers(len(codes)))]
-        colours = [c for c, b in zip(w.colours, bits[:n_colour_bits]) if b == "1"]
-        shapes = [s for s, b in zip(w.shapes, bits[n_colour_bits:]) if b == "1"]
-        conj = _sample_objects(rng, colours, shapes, w.n_objects)
-        cells = random_cells(rng, canvas, w.n_objects)
-        shifts = (rng.integers(-jitter, jitter + 1, size=(w.n_objects, 2)) if jitter
-                  else np.zeros((w.n_objects, 2), int))
-        objects = []
-        for (colour, shape), (r, c), (dx, dy) in zip(conj, cells, shifts):
-            x, y = canvas.cell_centre(r, c)
-            objects.append(SceneObject(colour, shape, r, c, x + float(dx), y + float(dy), object_size))
-        objects = raster(objects)
-        answer = " , ".join(o.name for o in objects)
-        fields = {"split": split, "f_code": bits, "f_bits": [int(b) for b in bits], "o_code": o_code(objects, w),
-                  "colours": colours, "shapes": shapes}
-        prefix = TASK if w.name == "fbp" else f"{TASK}_{w.name}"
-        examples.append(Example(f"{prefix}_{split}_{i:06d}", render(canvas, objects), objects, PROMPT, answer, TASK,
-                                fields))
-
+    examples = [_colorshape_example(i, seed, split, w, canvas, jitter) for i in range(int(n))]
     params = {"n": int(n), "split": split, "canvas": canvas.to_dict(), "jitter": int(jitter), "world": w.name,
               "n_chosen_colours": w.n_colours, "n_chosen_shapes": w.n_shapes, "n_objects": w.n_objects,
               "colour_bits": list(w.colours), "shape_bits": list(w.shapes)}

@@ -33,3 +33,30 @@ def binding_figure(frame: pd.DataFrame, *, model: str) -> Any:
                             f"found (estimator bound below zero); marks: the prior-only probe</sup>",
                       xaxis_title="site", yaxis_title="bits")
     return fig
+
+
+def same_object_figure(frame: pd.DataFrame, *, model: str) -> Any:
+    """IsSameObject test accuracy per site, a line per probe family with its interval (+-1.96 SE of the margin),
+    and the baselines as dashed lines."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    sites = list(dict.fromkeys(frame["site"]))
+    for family in dict.fromkeys(frame["family"]):
+        rows = frame[frame["family"] == family].set_index("site").reindex(sites)
+        fig.add_trace(go.Scatter(x=sites, y=rows["accuracy"], mode="lines+markers", name=family,
+                                 error_y={"type": "data", "array": 1.96 * rows["margin_se"]},
+                                 hovertemplate="%{x}<br>accuracy %{y:.3f}<extra>" + family + "</extra>"))
+    first = frame[frame["family"] == frame["family"].iloc[0]].set_index("site").reindex(sites)
+    names = ["baseline_not_same", "baseline_same_class"] + [c for c in frame.columns
+                                                            if c.startswith(("baseline_same_", "reference_"))
+                                                            and c != "baseline_same_class"]
+    for column in names:
+        if column in first:
+            fig.add_trace(go.Scatter(x=sites, y=first[column], mode="lines", name=column.split("_", 1)[1],
+                                     line={"dash": "dot" if column.startswith("reference_") else "dash"}))
+    fig.update_layout(template="plotly_white", xaxis_title="site", yaxis_title="test accuracy",
+                      title=f"IsSameObject: is a pair of tokens one object?<br><sup>{model}, "
+                            f"{int(frame['n_pairs_test'].max())} test pairs; dashed: class baselines, dotted: "
+                            f"class + adjacency reference; bars: 95% interval of the margin</sup>")
+    return fig

@@ -1,0 +1,70 @@
+"""Probe fitting at FBP's data size (39,200 / 9,800 / 9,800 images), timed: capture streamed to disk, then the
+default recipe (to convergence) per family, at one site of an organism in its own world.
+
+    python benchmarks/probe_size.py [--model organism-p2a] [--site projector.hook_out] [--families linear,attention]
+        [--n-train 39200 --n-val 9800 --n-test 9800] [--threads 2] [--out /tmp/probe_size]
+
+Prints one line per stage (seconds, steps, epochs, B_O and its margin over the prior-only probe) and writes them to
+``probe_size.json`` in ``--out``; the capture is kept there (delete it afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import vlmbind as vb
+from vlmbind.analysis.binding import colorshape_splits, default_world, probe_sites
+from vlmbind.io import write_json_atomic
+from vlmbind.probes import ProbeConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="organism-p2a")
+    p.add_argument("--site", default="projector.hook_out")
+    p.add_argument("--families", default="linear,attention")
+    p.add_argument("--n-train", type=int, default=39_200)
+    p.add_argument("--n-val", type=int, default=9_800)
+    p.add_argument("--n-test", type=int, default=9_800)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="/tmp/probe_size")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    vlm = vb.load(args.model)
+    world = default_world(vlm)
+    stages = []
+    t0 = time.perf_counter()
+    examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, 0, world)
+    stages.append({"stage": "generate", "seconds": round(time.perf_counter() - t0, 1), "images": len(examples)})
+    t0 = time.perf_counter()
+    acts = vb.capture(vlm, examples, [args.site], out=out / "capture", shard_size=512, resume=True)
+    stages.append({"stage": "capture", "seconds": round(time.perf_counter() - t0, 1), "images": len(examples)})
+    print(json.dumps(stages[-1]), flush=True)
+    for family in args.families.split(","):
+        t0 = time.perf_counter()
+        res = probe_sites(acts, split, sites=[args.site], families=(family,), world=world, config=ProbeConfig())
+        row = res.frame.iloc[0]
+        stages.append({"stage": f"fit {family}", "seconds": round(time.perf_counter() - t0, 1),
+                       "steps": int(row["steps"]), "epochs": int(row["epochs"]), "converged": bool(row["converged"]),
+                       "B_O": round(float(row["B_O"]), 3), "margin_O": round(float(row["margin_O"]), 3),
+                       "margin_O_se": round(float(row["margin_O_se"]), 3)})
+        print(json.dumps(stages[-1]), flush=True)
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    summary = {"model": vlm.name, "site": args.site, "world": world.name, "threads": args.threads,
+               "n": [args.n_train, args.n_val, args.n_test], "stages": stages, "peak_rss_gib": round(peak_gib, 2),
+               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    write_json_atomic(summary, out / "probe_size.json")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The README's tables, rendered from the saved results of ``run.py`` (never typed by hand).
+
+    python circuits/binding_information/tables.py           # rewrite the README between its table markers
+    python circuits/binding_information/tables.py --check   # exit 1 when the README and the results disagree
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+README = HERE / "README.md"
+BEGIN, END = "<!-- tables from results: begin -->", "<!-- tables from results: end -->"
+POOLED = ("linear", "quadratic", "dnn", "shared_factor")
+LADDER = (*POOLED, "attention")
+
+
+def _site(site: str) -> str:
+    parts = site.split(".")
+    if site.startswith("vision.blocks."):
+        return f"vision block {parts[2]}"
+    if site.startswith("blocks."):
+        return f"LM layer {parts[1]}"
+    return parts[0]
+
+
+def _models() -> list[str]:
+    return sorted(p.name for p in RESULTS.iterdir() if p.is_dir()) if RESULTS.is_dir() else []
+
+
+def ladder_tables(model: str, world: str) -> str:
+    path = RESULTS / model / f"ladder-{world}" / "probe.csv"
+    if not path.is_file():
+        return ""
+    frame = pd.read_csv(path)
+    sites = list(dict.fromkeys(frame["site"]))
+    first = frame.iloc[0]
+    h = f"H(O) = {first['H_O']:.2f}, H(O|F) = {first['H_O'] - first['H_F']:.2f} bits"
+    lines = [f"**{model}, world `{world}`** ({int(first['n_train'])} / {int(first['n_val'])} / "
+             f"{int(first['n_test'])} images; {h}). B_O in bits with its margin over the prior-only probe "
+             "(+- 1 SE over test images); a negative B_O is reported as it is: the estimator found no information "
+             "beyond its prior.", "",
+             "| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
+    for site in sites:
+        cells = []
+        for family in LADDER:
+            row = frame[(frame["site"] == site) & (frame["family"] == family)]
+            if row.empty:
+                cells.append("not run")
+                continue
+            r = row.iloc[0]
+            cells.append(f"{r['B_O']:.2f} ({r['margin_O']:+.2f} +- {r['margin_O_se']:.2f})")
+        lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
+    lines += ["", f"Train vs test CE_O (bits) of the object probe, {model}: the gap is what the probe learnt about "
+                  "the training split's feature codes that does not carry over to the unseen test codes.", "",
+              "| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
+    for site in sites:
+        cells = []
+        for family in LADDER:
+            row = frame[(frame["site"] == site) & (frame["family"] == family)]
+            cells.append("not run" if row.empty else f"{row.iloc[0]['CE_O_train']:.2f} / {row.iloc[0]['CE_O']:.2f}")
+        lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
+    lines += ["", f"Summary (mean of tokens, best pooled family) vs spatial tokens (attention probe), {model}:", "",
+              "| site | best pooled | its B_O | attention B_O | summary share of the larger |", "|---|---|---|---|---|"]
+    for site in sites:
+        part = frame[(frame["site"] == site)]
+        pooled = part[part["family"].isin(POOLED)]
+        spatial = part[part["family"] == "attention"]
+        if pooled.empty or spatial.empty:
+            continue
+        best = pooled.loc[pooled["B_O"].idxmax()]
+        att = float(spatial.iloc[0]["B_O"])
+        top = max(float(best["B_O"]), att)
+        share = f"{float(best['B_O']) / top:.0%}" if top > 0 else "n/a (no positive bound)"
+        lines.append(f"| {_site(site)} | {best['family']} | {best['B_O']:.2f} | {att:.2f} | {share} |")
+    return "\n".join(lines)
+
+
+def same_object_table(model: str) -> str:
+    path = RESULTS / model / "same_object" / "same_object.csv"
+    if not path.is_file():
+        return ""
+    frame = pd.read_csv(path)
+    first = frame.iloc[0]
+    lines = [f"**{model}, IsSameObject** ({int(first['n_train'])} / {int(first['n_val'])} / {int(first['n_test'])} "
+             f"images, {int(first['n_pairs_test'])} balanced test pairs). Test accuracy; the margin is over the "
+             "strongest class baseline (+- 1 SE, pairs clustered by image); the class + adjacency reference and the "
+             "linear readout of each token's row / column (chance in brackets) are beside it.", "",
+             "| site | linear | diag_quadratic | quadratic | same class | same colour | same shape | best margin | "
+             "class + adjacency | row readout | column readout |", "|---|" + "---|" * 10]
+    for site in dict.fromkeys(frame["site"]):
+        part = frame[frame["site"] == site].set_index("family")
+        acc = [f"{part.loc[f, 'accuracy']:.3f}" if f in part.index else "not run"
+               for f in ("linear", "diag_quadratic", "quadratic")]
+        best = part.loc[part["margin"].idxmax()]
+        r = part.iloc[0]
+        lines.append(f"| {_site(site)} | " + " | ".join(acc) + f" | {r['baseline_same_class']:.3f} | "
+                     f"{r['baseline_same_colour']:.3f} | {r['baseline_same_shape']:.3f} | "
+                     f"{best['margin']:+.3f} +- {best['margin_se']:.3f} ({best.name}) | "
+                     f"{r['reference_same_class_adjacent']:.3f} | {r['row_readout']:.2f} ({r['row_chance']:.2f}) | "
+                     f"{r['col_readout']:.2f} ({r['col_chance']:.2f}) |")
+    return "\n".join(lines)
+
+
+def rsa_table(model: str) -> str:
+    path = RESULTS / model / "rsa" / "rsa.csv"
+    if not path.is_file():
+        return ""
+    frame = pd.read_csv(path)
+    table = frame.pivot_table(index="site", columns="model_matrix", values="r", sort=False)
+    p = frame.pivot_table(index="site", columns="model_matrix", values="p", sort=False)
+    n = int(frame["n_objects"].iloc[0])
+    lines = [f"**{model}, RSA** ({n} single objects, Pearson r with the model matrix; p from 1000 permutations in "
+             "brackets)", "", "| site | compositional | conjunctive | position |", "|---|---|---|---|"]
+    order = sorted(table.index, key=lambda s: (not s.startswith("vision"), not s.startswith("projector"), s))
+    for site in order:
+        cells = [f"{table.loc[site, m]:.2f} (p {p.loc[site, m]:.3f})" for m in ("compositional", "conjunctive",
+                                                                                 "position")]
+        lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render() -> str:
+    blocks = []
+    for model in _models():
+        for part in (rsa_table(model), ladder_tables(model, "organism"), ladder_tables(model, "fbp"),
+                     same_object_table(model)):
+            if part:
+                blocks.append(part)
+    return "\n\n".join(blocks)
+
+
+def replaced(text: str, tables: str) -> str:
+    """``text`` with everything between the markers replaced by ``tables``."""
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{README} has no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{tables}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
+    args = p.parse_args(argv)
+    text = README.read_text()
+    new = replaced(text, render())
+    if args.check:
+        if new != text:
+            print(f"{README} disagrees with {RESULTS}: run python {Path(__file__).relative_to(HERE.parent.parent)}")
+            return 1
+        return 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
