@@ -63,7 +63,7 @@ def _planted(n_images: int, identity: bool, seed: int = 0):
 
 @pytest.mark.parametrize("identity", [True, False])
 def test_a_probe_beats_the_class_baselines_only_where_objects_are_told_apart(identity):
-    tokens, table, split = _planted(160, identity)
+    tokens, table, split = _planted(112, identity)
     baselines, references = class_rules(table)
     klass = table["colour"] * 4 + table["shape"]
     res = pairwise_probe(tokens, table["object"], split, token_class=klass, family="diag_quadratic", config=FAST,

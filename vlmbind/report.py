@@ -120,7 +120,7 @@ def causal_sections(overview: Any) -> str:
     esc = html.escape
     parts = ["<h2>Located heads (exact head-level mediation)</h2>",
              "<p>Each head's mean score over counterfactual pairs: the patched run's logit difference between the "
-             "counterfactual and the clean answer, minus the clean run's (methods.md section 4), computed with "
+             "counterfactual and the clean answer, minus the clean run's (docs/methods.md section 4), computed with "
              "the exact fast method. Attribution patching's top-k recall against it is listed beside.</p>",
              '<div class="figs">']
     for condition, scores in overview.scores.items():
@@ -172,7 +172,7 @@ def representation_sections(overview: Any) -> str:
     if overview.rsa is not None:
         parts += ["<h2>RSA by layer (single-object set)</h2>",
                   "<p>Pearson r between each site's object-similarity matrix and the compositional, conjunctive "
-                  "and position model matrices (methods.md section 2); p-values from a permutation test.</p>",
+                  "and position model matrices (docs/methods.md section 2); p-values from a permutation test.</p>",
                   f'<div class="fig">{overview.rsa.figure().to_html(full_html=False, include_plotlyjs=False)}</div>']
     if overview.track is not None:
         parts += ["<h2>Attention-centroid tracking</h2>",
@@ -185,7 +185,7 @@ def representation_sections(overview: Any) -> str:
                 if c in overview.probes.frame.columns]
         parts += ["<h2>Binding information (BalancedColorShape probes)</h2>",
                   "<p>B_O = H(O) - CE_O and B*_OF = H(O|F) - (CE_O - CE_F) in bits, with the test split's exact "
-                  "entropies; CE is the probe's test cross-entropy (methods.md section 6), so each B is a lower "
+                  "entropies; CE is the probe's test cross-entropy (docs/methods.md section 6), so each B is a lower "
                   "bound: a negative value means this probe found no information it could generalise to the "
                   "test split's unseen feature codes (a probe that only knows the codes' structure scores "
                   "CE_F = 2 log2 28 = 9.6 bits). B_O_prior is the same recipe on a representation that carries "

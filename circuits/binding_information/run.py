@@ -10,8 +10,8 @@ quadratic, dnn and shared_factor probes on the mean of the tokens, the attention
 block, the projector and every language-model layer; BalancedColorShape in the model's world unless ``--world``
 says otherwise), ``pixels`` (the linear and quadratic probes on the raw pixels' mean patch, on the same images:
 what needs no model at all) and ``same_object`` (pairwise IsSameObject probes on scenes whose objects cover 2 x 2
-language-model tokens and repeat classes, at every site, against the class baselines). Every (site, family) cell is checkpointed, so a
-killed run resumes. ``tables.py`` renders the README's tables from what this writes.
+language-model tokens and repeat classes, at every site, against the class baselines). Every (site, family) cell is
+checkpointed, so a killed run resumes. ``tables.py`` renders the README's tables from what this writes.
 """
 
 from __future__ import annotations

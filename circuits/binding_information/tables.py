@@ -56,6 +56,11 @@ def ladder_tables(model: str, world: str) -> str:
             r = row.iloc[0]
             cells.append(f"{r['B_O']:.2f} ({r['margin_O']:+.2f} +- {r['margin_O_se']:.2f})")
         lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
+    pixels = _pixels(model, world)
+    if pixels is not None:
+        cells = [f"{pixels.loc[f, 'B_O']:.2f} ({pixels.loc[f, 'margin_O']:+.2f} +- {pixels.loc[f, 'margin_O_se']:.2f})"
+                 if f in pixels.index else "n/a (pooled families only)" for f in LADDER]
+        lines.append(f"| {pixels['site'].iloc[0]}, no model | " + " | ".join(cells) + " |")
     lines += ["", f"Train vs test CE_O (bits) of the object probe, {model}: the gap is what the probe learnt about "
                   "the training split's feature codes that does not carry over to the unseen test codes.", "",
               "| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
@@ -65,6 +70,10 @@ def ladder_tables(model: str, world: str) -> str:
             row = frame[(frame["site"] == site) & (frame["family"] == family)]
             cells.append("not run" if row.empty else f"{row.iloc[0]['CE_O_train']:.2f} / {row.iloc[0]['CE_O']:.2f}")
         lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
+    if pixels is not None:
+        cells = [f"{pixels.loc[f, 'CE_O_train']:.2f} / {pixels.loc[f, 'CE_O']:.2f}" if f in pixels.index
+                 else "n/a (pooled families only)" for f in LADDER]
+        lines.append(f"| {pixels['site'].iloc[0]}, no model | " + " | ".join(cells) + " |")
     lines += ["", f"Summary (mean of tokens, best pooled family) vs spatial tokens (attention probe), {model}:", "",
               "| site | best pooled | its B_O | attention B_O | summary share of the larger |", "|---|---|---|---|---|"]
     for site in sites:
@@ -79,6 +88,11 @@ def ladder_tables(model: str, world: str) -> str:
         share = f"{float(best['B_O']) / top:.0%}" if top > 0 else "n/a (no positive bound)"
         lines.append(f"| {_site(site)} | {best['family']} | {best['B_O']:.2f} | {att:.2f} | {share} |")
     return "\n".join(lines)
+
+
+def _pixels(model: str, world: str) -> pd.DataFrame | None:
+    path = RESULTS / model / f"ladder-{world}" / "pixels.csv"
+    return pd.read_csv(path).set_index("family", drop=False) if path.is_file() else None
 
 
 def same_object_table(model: str) -> str:

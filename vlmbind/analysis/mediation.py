@@ -2,7 +2,7 @@
 
 Per head h of layer l, z_h (the slice of the ``o_proj`` input belonging to h, never the projection's output, which
 mixes heads) is taken from the counterfactual run at the pair's patch positions and written into the clean run.
-The score (methods.md section 4) is
+The score (docs/methods.md section 4) is
 
     s = (M(c*)[a*] - M(c*)[a]) - (M(c)[a*] - M(c)[a])
 

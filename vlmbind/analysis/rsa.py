@@ -1,4 +1,4 @@
-"""Representational similarity analysis and PCA of object representations (PbP, VSM; methods.md section 2).
+"""Representational similarity analysis and PCA of object representations (PbP, VSM; docs/methods.md section 2).
 
 Per site: each object's representation is the mean of the image tokens it covers (language-model sites, projectors
 that keep the image tokens' order, standalone encoders: :meth:`~vlmbind.activations.ActivationSet.objects`); for

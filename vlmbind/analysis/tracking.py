@@ -1,4 +1,4 @@
-"""Thresholded attention-centroid tracking (PbP, methods.md section 3): where each layer looks while a point is written.
+"""Thresholded attention-centroid tracking (PbP, docs/methods.md section 3): where each layer looks while a point is written.
 
 For every Point-to-Answer example the model generates its trace greedily; at each generation step the attention of
 every layer and head from the query position to the image tokens is captured through vlmbind's hook layer

@@ -7,7 +7,7 @@ codes such as ColorShape's O (18 of 64 bits on), and the unit scale, like the z-
 reach within the recipe's steps the large logits that near-certain dependencies between bits need. ``m_k`` is
 column k of the strictly upper-triangular mask ``M[i, k] = 1 iff i < k``, applied to the weights that read the code,
 so output k never sees ``o_k`` or a later bit: teacher forcing gives all K conditionals of the chain rule at once and
-the summed binary cross-entropy of the ground truth is exactly ``-log2 q(o|z)``. Families (methods.md section 6):
+the summed binary cross-entropy of the ground truth is exactly ``-log2 q(o|z)``. Families (docs/methods.md section 6):
 ``linear`` ``w_k . x_k + b_k``; ``quadratic``, the linear term plus a per-output low-rank symmetric form
 ``sum_r s_kr (u_kr . x_k)^2`` (rank ``ProbeConfig.rank`` = 16; ``s`` takes either sign, so this spans every symmetric
 matrix of that rank, and containing the linear family keeps the ladder monotone); ``dnn``, a separate MLP per output

@@ -3,7 +3,7 @@
 Design: a probe's TEST cross-entropy upper-bounds the conditional entropy (``CE_O >= H(O|Z)``), so
 ``B_O = H(O) - CE_O`` is a lower-bound estimate of ``I(O;Z)``, and with a feature probe trained the same way,
 ``B*_OF = H(O|F) - (CE_O - CE_F)`` estimates ``I(O;Z|F) = I(O;Z) - I(F;Z)`` (exact when O determines F, as in
-ColorShape); ``beta_O = B_O / H(O)`` and ``beta*_OF = B*_OF / H(O|F)`` (methods.md section 6). The entropies are
+ColorShape); ``beta_O = B_O / H(O)`` and ``beta*_OF = B*_OF / H(O|F)`` (docs/methods.md section 6). The entropies are
 the caller's, not estimated here: synthetic stimuli know them exactly (``vlmbind.stimuli.colorshape.entropies(split)``
 returns ``H_O``, ``H_F``, ``H_O_given_F``), and they must be those of the distribution the TEST split is drawn from.
 :func:`binding_information` takes whole arrays plus one split label per example, trains the probes on ``train``,

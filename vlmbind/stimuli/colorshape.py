@@ -1,7 +1,7 @@
 """BalancedColorShape (FBP): 18 coloured shapes per image with exact feature and object codes and exact entropies.
 
 Design: each image first draws a feature code F in {0,1}^16 (8 colour bits in :data:`core.COLOURS` order, then 8 shape
-bits in the order circle, square, triangle, diamond, pentagon, hexagon, cross, star, as methods.md section 1.6 lists
+bits in the order circle, square, triangle, diamond, pentagon, hexagon, cross, star, as docs/methods.md section 1.6 lists
 them and :data:`core.SHAPES` holds them) with exactly 6 colours and 6 shapes on, uniformly among the codes of its
 split; then an object code O in {0,1}^64 (bit ``colour * 8 + shape``) with 18 distinct conjunctions from the 6x6 grid
 of chosen features, uniform among the 18-subsets that use every chosen colour and every chosen shape (rejection from
@@ -51,7 +51,7 @@ PROMPT = "describe the objects in this image :"
 SPLITS = ("train", "val", "test")
 SPLIT_SIZES = {"train": 522, "val": 131, "test": 131}
 CS_COLOURS: tuple[str, ...] = tuple(COLOURS)  # bit order of the colour half of F
-CS_SHAPES: tuple[str, ...] = SHAPES  # bit order of the shape half of F (methods.md 1.6 order)
+CS_SHAPES: tuple[str, ...] = SHAPES  # bit order of the shape half of F (docs/methods.md 1.6 order)
 N_F_BITS = len(CS_COLOURS) + len(CS_SHAPES)
 N_O_BITS = len(CS_COLOURS) * len(CS_SHAPES)
 _MAX_REJECTIONS = 10_000  # P(10k rejections in a row) = 0.112**10000: never, but never loop forever either

@@ -6,7 +6,7 @@ and coincide with 14 px and 28 px patch grids: an object's patch embeddings are 
 Conjunction ``j`` (colour-major order) draws its cells from its own stream ``example_rng(seed, j)`` as a prefix of a
 random permutation of the cells, so asking for more positions keeps the earlier ones. Examples are ordered
 conjunction-major, positions in drawing order; the RSA code pools each object's tokens and compares similarity
-matrices with the conjunctive, compositional and position model matrices (methods.md section 2).
+matrices with the conjunctive, compositional and position model matrices (docs/methods.md section 2).
 """
 
 from __future__ import annotations

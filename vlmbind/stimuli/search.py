@@ -43,8 +43,8 @@ _SEARCH_ITEMS: dict[str, tuple[tuple[str, str], tuple[tuple[str, str], ...]]] = 
 
 # PbP's splits, as values of ``counting(objects=...)`` and ``visual_search(n_objects=...)``: counting trains on 5-10
 # objects and tests on 11-15; search fine-tunes on single-object displays (the target alone, or one distractor when
-# absent) and tests on 2-50 objects (methods.md section 7). The seed digest reads "1 target" vs "2-50 targets";
-# that reading is ``visual_search(n_targets=...)`` with the same ranges.
+# absent) and tests on 2-50 objects (docs/methods.md section 7). Read as target counts ("1 target" vs "2-50
+# targets"), the same ranges are ``visual_search(n_targets=...)``.
 COUNT_SPLITS: dict[str, tuple[int, int]] = {"train": (5, 10), "ood": (11, 15)}
 SEARCH_SPLITS: dict[str, tuple[int, int]] = {"train": (1, 1), "ood": (2, 50)}
 
