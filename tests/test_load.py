@@ -107,3 +107,30 @@ def test_hub_id_loads_from_the_hub_cache(tmp_path):
     lines = result.stdout.strip().splitlines()
     assert lines[0] == f"{vlm.family} hub:vlmbind-test/tiny-qwen"
     assert lines[1].startswith("ERR could not read a model config from hub id 'vlmbind-test/absent'")
+
+
+def test_a_misspelt_name_is_refused_at_once_with_the_close_match():
+    with pytest.raises(vb.UnsupportedModelError, match="Did you mean 'organism-p2a'"):
+        vb.load("orgnism-p2a")  # no "tiny-" / "organism-" prefix, yet never sent to the hub
+
+
+def test_an_uncached_hub_id_fails_at_once_without_trying_the_network(tmp_path):
+    """Nothing downloads at run time: an id missing from the cache is an error before any HTTP retry, with or
+    without HF_HUB_OFFLINE."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env |= {"HF_HUB_CACHE": str(tmp_path), "TRANSFORMERS_VERBOSITY": "error"}
+    code = ("import time, vlmbind as vb\nt = time.perf_counter()\n"
+            "try:\n    vb.load('vlmbind-test/absent')\nexcept vb.ModelLoadError as e:\n"
+            "    print(round(time.perf_counter() - t, 2)); print(e)\n")
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and len(lines) == 2, result.stderr[-2000:]
+    assert float(lines[0]) < 3.0 and time.perf_counter() - start < 60
+    assert "never downloads" in lines[1] and "huggingface-cli download vlmbind-test/absent" in lines[1]
+    assert "Retrying" not in result.stderr and "Retry" not in result.stdout

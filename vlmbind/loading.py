@@ -8,6 +8,7 @@ model and processor; the family is detected from the config's ``model_type`` (vi
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
@@ -146,7 +147,9 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
         vlm = _from_pretrained(str(path), **hf_kwargs)
         vlm.name, vlm.source = name, f"shipped organism ({path.relative_to(path.parents[3])})"
         return vlm
-    if name.startswith("tiny-") or name.startswith("organism-"):
+    near = difflib.get_close_matches(name, registered_names(), n=3, cutoff=0.8)
+    if name.startswith("tiny-") or name.startswith("organism-") or (near and "/" not in name
+                                                                     and not Path(name).exists()):
         raise UnsupportedModelError(
             f"unknown model name {name!r}.{close_matches(name, registered_names())} Registered names: "
             f"{', '.join(registered_names())}; or pass a directory or hub id."
@@ -167,11 +170,13 @@ def _refuse_unknown_model_type(path: Path) -> None:
 
 
 def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
-    if hf_kwargs.get("trust_remote_code"):
-        config_kwargs = {"trust_remote_code": True}
-    else:
-        config_kwargs = {}
     is_dir = Path(name).is_dir()
+    # nothing downloads at run time: a hub id loads from the local cache or fails at once (no network retries)
+    config_kwargs = {} if is_dir else {"local_files_only": True}
+    if hf_kwargs.get("trust_remote_code"):
+        config_kwargs["trust_remote_code"] = True
+    if not is_dir:
+        hf_kwargs = {**hf_kwargs, "local_files_only": True}
     if not is_dir and (Path(name).exists() or name.startswith((".", "/", "~"))):
         raise ModelLoadError(f"{name!r} is not a model directory; pass a directory saved with save_pretrained")
     try:
@@ -182,7 +187,8 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
         where = "directory" if is_dir else "hub id"
         raise ModelLoadError(
             f"could not read a model config from {where} {name!r}: {str(exc).splitlines()[0]}. "
-            f"Check the path, or that the hub id is downloaded (this machine may have no network)."
+            + ("Check the path." if is_dir else "vlmbind never downloads: fetch the checkpoint into the Hugging Face "
+               f"cache first (huggingface-cli download {name}) or pass a directory saved with save_pretrained.")
         ) from exc
     if config.model_type in ENCODERS:
         return load_encoder(name, config, **hf_kwargs)
