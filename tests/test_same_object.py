@@ -139,3 +139,12 @@ def test_on_demand_splits_equal_the_generated_ones_and_capture_the_same():
     b = vb.capture(vlm, eager, ["projector.hook_out"])
     torch.testing.assert_close(torch.as_tensor(a.pooled("projector.hook_out")),
                                torch.as_tensor(b.pooled("projector.hook_out")), rtol=0, atol=0)
+
+
+def test_pairwise_probes_on_one_token_objects_point_to_the_same_object_scenes():
+    from vlmbind.analysis.binding import probe_sites
+
+    examples, split = colorshape_splits(4, 2, 2, 0, "organism")
+    acts = vb.capture(vb.load("organism-p2a"), examples, ["blocks.1.hook_resid_post"])
+    with pytest.raises(InputError, match="same_object_probes"):
+        probe_sites(acts, split, families=("pairwise",), world="organism", config=FAST)

@@ -204,7 +204,14 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
                 if tokens.shape[1] != owner.shape[1]:
                     raise InputError(f"{site}: its rows do not line up with the token table; pairwise probes need an "
                                      "LM site, an in-order projector or a standalone encoder")
-                res = pairwise_probe(tokens, owner, split, token_class=klass, config=config)
+                try:
+                    res = pairwise_probe(tokens, owner, split, token_class=klass, config=config)
+                except InputError as exc:
+                    if "no token pairs" not in str(exc):
+                        raise
+                    raise InputError(f"{site}: {exc}. In world {world.name!r} an object may cover a single token; "
+                                     "IsSameObject needs objects over several tokens and repeated classes: use "
+                                     "vlmbind.analysis.same_object.same_object_probes") from None
                 row = _pairwise_row(res)
             elif family == "attention":
                 z, mask = acts.stacked(site)
