@@ -78,7 +78,8 @@ def test_results_table_and_files(tmp_path):
     per_pair = np.arange(2 * 3 * 4, dtype=float).reshape(2, 3, 4)
     hs = HeadScores("id_selection", "naive", "m", per_pair, pair_ids=["p0", "p1"])
     frame = hs.to_frame()
-    assert list(frame.columns) == ["layer", "head", "score", "stderr", "n"] and len(frame) == 12
+    assert list(frame.columns) == ["layer", "head", "score", "stderr", "n", "ci_low", "ci_high", "p_value", "q_value",
+                                   "significant"] and len(frame) == 12
     assert frame.loc[(frame["layer"] == 2) & (frame["head"] == 3), "score"].item() == (11 + 23) / 2
     assert hs.top(2) == [(2, 3), (2, 2)]
     assert hs.stderr[0, 0] == pytest.approx(np.std([0, 12], ddof=1) / np.sqrt(2))
@@ -166,3 +167,47 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     resumed = locate(vlm, pairs, checkpoint=partial)
     np.testing.assert_array_equal(resumed.per_pair, full.per_pair)
     assert not partial.exists()
+
+
+def test_head_uncertainty_matches_scipy_and_a_plain_bootstrap():
+    from scipy import stats
+
+    from vlmbind.analysis.mediation import head_uncertainty
+
+    rng = np.random.default_rng(3)
+    per_pair = rng.normal(size=(12, 3, 4)) * 0.1
+    per_pair[:, 2, 1] += 1.0  # one real head
+    per_pair[:, 0, 0] = 0.0  # a head that never moves
+    u = head_uncertainty(per_pair, n_boot=4000, seed=0)
+    t = stats.ttest_1samp(per_pair[:, 1, 2], 0.0)
+    assert u["p_value"][1, 2] == pytest.approx(t.pvalue, rel=1e-12)
+    p = u["p_value"].ravel()
+    assert np.allclose(u["q_value"].ravel(), stats.false_discovery_control(p, method="bh"))
+    assert u["p_value"][0, 0] == 1.0 and not u["significant"][0, 0]
+    assert u["significant"][2, 1] and u["significant"].sum() <= 2
+    # the interval of the real head is a plain bootstrap's, to Monte-Carlo error
+    boots = [per_pair[rng.integers(0, 12, 12), 2, 1].mean() for _ in range(4000)]
+    assert u["ci_low"][2, 1] == pytest.approx(np.percentile(boots, 2.5), abs=0.02)
+    assert u["ci_high"][2, 1] == pytest.approx(np.percentile(boots, 97.5), abs=0.02)
+    assert (u["ci_low"] <= per_pair.mean(0)).all() and (per_pair.mean(0) <= u["ci_high"]).all()
+    assert np.array_equal(head_uncertainty(per_pair, n_boot=4000, seed=0)["ci_low"], u["ci_low"])  # seeded
+
+
+def test_rankings_say_which_heads_are_significant_and_when_none_is(tmp_path):
+    rng = np.random.default_rng(0)
+    half = rng.normal(size=(2, 2, 3)) * 0.01
+    noise = HeadScores("id_selection", "exact", "m", np.concatenate([half, -half]))  # every mean exactly 0
+    assert noise.significant_top() == [] and "not evidence" in noise.significance_note()
+    assert "significance_note" in noise.summary() and noise.summary()["significant_heads"] == []
+    half = rng.normal(size=(4, 2, 3)) * 0.01
+    real = np.concatenate([half, -half])  # zero-mean noise everywhere ...
+    real[:, 1, 2] += 1.0  # ... and one head that moves the logit
+    strong = HeadScores("id_selection", "exact", "m", real)
+    assert strong.significant_top() == [(1, 2)] and strong.significance_note() is None
+    assert strong.ranking_text(2).startswith("1.2* (+1.")
+    strong.save(tmp_path)
+    loaded = HeadScores.load(tmp_path)
+    assert loaded.significant_top() == [(1, 2)]
+    np.testing.assert_array_equal(loaded.uncertainty()["ci_high"], strong.uncertainty()["ci_high"])
+    html = (tmp_path / "heatmap.html").read_text()
+    assert "rings: significant (1 of 6 heads)" in html and "95% percentile bootstrap" in json.dumps(strong.summary())

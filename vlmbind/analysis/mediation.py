@@ -22,6 +22,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ import pandas as pd
 import torch
 from safetensors import safe_open
 from safetensors.numpy import save
-from scipy.stats import spearmanr
+from scipy.stats import false_discovery_control, spearmanr, ttest_1samp
 from tqdm.auto import tqdm
 
 from ..errors import InputError
@@ -62,6 +63,42 @@ def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str, separator: str
         if x != y:
             return [int(t) for t in a[:i]], int(x), int(y)
     raise InputError(f"answers {answer!r} and {answer_cf!r} have no differing token: nothing to score")
+
+
+N_BOOTSTRAP = 2000
+SIGNIFICANCE = 0.05
+UNCERTAINTY_COLUMNS = ("ci_low", "ci_high", "p_value", "q_value", "significant")
+UNCERTAINTY_METHOD = (f"95% percentile bootstrap interval of the mean over pairs ({N_BOOTSTRAP} resamples, seed 0); "
+                      "two-sided one-sample t-test against 0 per head, Benjamini-Hochberg over all heads; "
+                      f"significant: q < {SIGNIFICANCE}")
+
+
+def head_uncertainty(per_pair: np.ndarray, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> dict[str, np.ndarray]:
+    """``L H`` arrays ``ci_low``, ``ci_high`` (95% percentile bootstrap of the mean over pairs, seeded), ``p_value``
+    (two-sided one-sample t-test of the pairs' scores against 0), ``q_value`` (Benjamini-Hochberg over every head)
+    and ``significant`` (q < 0.05). A head whose pairs all score the same has p = 1 when that score is 0. With fewer
+    than 2 pairs nothing is significant and the intervals are NaN."""
+    n, shape = per_pair.shape[0], per_pair.shape[1:]
+    if n < 2:
+        nan = np.full(shape, np.nan)
+        return {"ci_low": nan, "ci_high": nan.copy(), "p_value": np.ones(shape), "q_value": np.ones(shape),
+                "significant": np.zeros(shape, bool)}
+    flat = per_pair.reshape(n, -1).astype(np.float64)
+    # resampling pairs with replacement = multinomial counts over the pairs: one matrix product for every resample
+    counts = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=n_boot)
+    boot = counts @ flat / n
+    low, high = np.percentile(boot, [2.5, 97.5], axis=0)
+    # scores equal to float precision are constant: their t statistic is noise (scipy warns), so they are decided
+    # by their value instead
+    constant = flat.std(0) <= 1e-12 * np.abs(flat).max(0)
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        p = ttest_1samp(flat, 0.0, axis=0).pvalue
+    p = np.where(constant, np.where(flat[0] == 0, 1.0, 0.0), p)
+    p = np.where(np.isnan(p), 1.0, p)
+    q = false_discovery_control(p, method="bh")
+    return {"ci_low": low.reshape(shape), "ci_high": high.reshape(shape), "p_value": p.reshape(shape),
+            "q_value": q.reshape(shape), "significant": (q < SIGNIFICANCE).reshape(shape)}
 
 
 @register_result
@@ -144,6 +181,42 @@ class HeadScores(Result):
             return np.zeros(self.per_pair.shape[1:])
         return self.per_pair.std(0, ddof=1) / math.sqrt(self.n)
 
+    def uncertainty(self) -> dict[str, np.ndarray]:
+        """:func:`head_uncertainty` of the per-pair scores (from the saved table when loaded; NaN / not significant
+        where a table written before these columns existed lacks them)."""
+        if self.per_pair is None:
+            if not set(UNCERTAINTY_COLUMNS) <= set(self.table.columns):
+                shape = self._saved("score").shape
+                return {"ci_low": np.full(shape, np.nan), "ci_high": np.full(shape, np.nan),
+                        "p_value": np.ones(shape), "q_value": np.ones(shape), "significant": np.zeros(shape, bool)}
+            out = {c: self._saved(c) for c in UNCERTAINTY_COLUMNS}
+            out["significant"] = out["significant"] == 1
+            return out
+        cache = self.__dict__.get("_uncertainty")
+        if cache is None or cache[0] is not self.per_pair:
+            cache = (self.per_pair, head_uncertainty(self.per_pair))
+            self.__dict__["_uncertainty"] = cache
+        return cache[1]
+
+    def significant_top(self, k: int | None = None) -> list[tuple[int, int]]:
+        """The heads whose score differs from 0 (BH q < 0.05), by decreasing score; the first ``k`` when given."""
+        sig = self.uncertainty()["significant"]
+        ranked = [h for h in self.top(sig.size) if sig[h]]
+        return ranked if k is None else ranked[:k]
+
+    def ranking_text(self, k: int = 5) -> str:
+        """The top ``k`` heads with their means and 95% intervals, ``*`` on those significant after correction."""
+        u = self.uncertainty()
+        return ", ".join(f"{l}.{h}{'*' if u['significant'][l, h] else ''} ({self.scores[l, h]:+.3f} "
+                         f"[{u['ci_low'][l, h]:+.3f}, {u['ci_high'][l, h]:+.3f}])" for l, h in self.top(k))
+
+    def significance_note(self) -> str | None:
+        """What to tell a user when no head separates from zero at this many pairs (None when some head does)."""
+        if self.significant_top():
+            return None
+        return (f"no head's score differs from 0 at n = {self.n} pairs (t-test, Benjamini-Hochberg q < "
+                f"{SIGNIFICANCE} over {self.scores.size} heads): the ranking is not evidence; add pairs (--n-pairs)")
+
     @property
     def verified_scores(self) -> np.ndarray | None:
         """``L H`` mean exact score of the verified heads (NaN for the others), or None."""
@@ -155,9 +228,12 @@ class HeadScores(Result):
         if self.per_pair is None:
             return self.table.copy()
         layers, heads = self.scores.shape
+        u = self.uncertainty()
         rows = [
             {"layer": layer, "head": head, "score": float(self.scores[layer, head]),
-             "stderr": float(self.stderr[layer, head]), "n": self.n}
+             "stderr": float(self.stderr[layer, head]), "n": self.n,
+             **{c: (bool(u[c][layer, head]) if c == "significant" else float(u[c][layer, head]))
+                for c in UNCERTAINTY_COLUMNS}}
             for layer in range(layers) for head in range(heads)
         ]
         if self.verified is not None:
@@ -172,13 +248,20 @@ class HeadScores(Result):
         return [tuple(int(v) for v in np.unravel_index(i, self.scores.shape)) for i in order]
 
     def figure(self) -> Any:
-        return head_heatmap(self.to_frame(), value="score", title=f"{self.condition} mediation ({self.method})",
-                            model=self.model, n=self.n, signed=True)
+        frame = self.to_frame()
+        return head_heatmap(frame, value="score", title=f"{self.condition} mediation ({self.method})",
+                            model=self.model, n=self.n, signed=True,
+                            mark="significant" if "significant" in frame.columns else None)
 
     def summary(self) -> dict[str, Any]:
         out = {"condition": self.condition, "method": self.method, "model": self.model, "n": self.n,
                "seconds": self.seconds, "top_heads": [f"{l}.{h}" for l, h in self.top(10)],
-               "pair_ids": self.pair_ids, "prompt_format": self.prompt_format}
+               "pair_ids": self.pair_ids, "prompt_format": self.prompt_format,
+               "significant_heads": [f"{l}.{h}" for l, h in self.significant_top()],
+               "uncertainty": UNCERTAINTY_METHOD}
+        note = self.significance_note()
+        if note:
+            out["significance_note"] = note
         if self.skipped:
             out["skipped_examples"] = self.skipped
         if self.answer_casing is not None:

@@ -257,8 +257,9 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
                              f"{r['auroc']:.3f})")
     if causal is not None:
         for condition, scores in causal.scores.items():
-            lines.append(f"  {condition}: top heads " + ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})"
-                                                                   for l, h in scores.top(3)))
+            lines.append(f"  {condition}: top heads (mean [95% interval], * significant) " + scores.ranking_text(3))
+            if scores.significance_note():
+                lines.append(f"    {scores.significance_note()}")
         for name, study in causal.ablations.items():
             acc = study.summary()["accuracy"]
             lines.append(f"  ablate top-{study.k} ({name}): accuracy clean {acc['clean']:.2f}, top {acc['top']:.2f}, "

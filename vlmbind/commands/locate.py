@@ -81,7 +81,9 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
     if group.world > 1:
         summary["processes"] = group.world
-    top = ", ".join(f"{l}.{h} ({scores.scores[l, h]:+.3f})" for l, h in scores.top(5))
+    top = scores.ranking_text(5)
+    significance = scores.significance_note() or (
+        "significant (BH q < 0.05): " + ", ".join(f"{l}.{h}" for l, h in scores.significant_top(10)))
     casing = scores.answer_casing
     note = ""
     if casing and casing["share"] > 0.5:
@@ -90,5 +92,5 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
                 f"tokens\n")
     text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}, {scores.prompt_format} prompts: "
             f"{scores.seconds:.1f} s\n"
-            f"  top heads: {top}\n{note}  wrote {out}/scores.csv, heatmap.html, summary.json")
+            f"  top heads (mean [95% interval], * significant): {top}\n  {significance}\n{note}  wrote {out}/scores.csv, heatmap.html, summary.json")
     return summary, text, 0

@@ -70,6 +70,7 @@ def head_heatmap(
     model: str | None = None,
     n: int | None = None,
     signed: bool | None = None,
+    mark: str | None = None,
 ) -> go.Figure:
     """A layers x heads heatmap of one value per attention head.
 
@@ -82,6 +83,8 @@ def head_heatmap(
         n: the number of examples the values summarise, shown in the title.
         signed: the value is signed by nature (mediation scores): a diverging scale centred at zero even when every
             value happens to be positive. None: diverging when any value is negative, sequential otherwise.
+        mark: a boolean column; its true cells get a ring (mediation scores: heads significant after correction),
+            and the title says what the ring means.
 
     Returns:
         The figure: x axis ``head``, y axis ``layer`` (layer 0 at the bottom), hover text with the exact values.
@@ -127,6 +130,13 @@ def head_heatmap(
         ygap=1,
     )
     fig = go.Figure(heatmap)
+    if mark is not None:
+        marked = frame[frame[mark].astype(bool)]
+        fig.add_trace(go.Scatter(x=marked["head"].to_numpy(int), y=marked["layer"].to_numpy(int), mode="markers",
+                                 marker={"symbol": "circle-open", "size": 14, "color": "black", "line": {"width": 2}},
+                                 name=f"{mark} ({len(marked)})", hoverinfo="skip", showlegend=True))
+        fig.update_layout(legend={"orientation": "h", "y": -0.25})
+        title = f"{title}; rings: {mark} ({len(marked)} of {len(frame)} heads)"
     fig.update_layout(
         title={"text": full_title(title, model, n)},
         xaxis={"title": {"text": "head"}, "dtick": 1 if n_heads <= 32 else None},
