@@ -137,3 +137,23 @@ def test_bad_calls(tmp_path):
     (tmp_path / cap.MANIFEST).write_text(json.dumps({"format": "other"}))
     with pytest.raises(vb.InputError, match="format"):
         ActivationSet.load(tmp_path)
+
+
+def test_overwrite_replaces_a_capture_and_leaves_other_files(tmp_path):
+    from vlmbind.errors import InputError
+    from vlmbind.stimuli.colorshape import balanced_color_shape
+
+    vlm = vb.load("organism-p2a")
+    first = balanced_color_shape(3, 0, world="organism")
+    vb.capture(vlm, first, ["blocks.0.hook_resid_post"], out=tmp_path, shard_size=2)
+    (tmp_path / "notes.txt").write_text("mine")
+    second = balanced_color_shape(2, 5, world="organism")
+    with pytest.raises(InputError, match="overwrite=True"):
+        vb.capture(vlm, second, ["blocks.0.hook_resid_post"], out=tmp_path)
+    with pytest.raises(InputError, match="contradict"):
+        vb.capture(vlm, second, ["blocks.0.hook_resid_post"], out=tmp_path, overwrite=True, resume=True)
+    acts = vb.capture(vlm, second, ["blocks.0.hook_resid_post"], out=tmp_path, overwrite=True)
+    again = vb.ActivationSet.load(tmp_path)
+    assert len(again) == len(acts) == 2 and [m["id"] for m in again.examples] == [e.id for e in second]
+    assert sorted(p.name for p in tmp_path.glob("shard-*.safetensors")) == ["shard-00000.safetensors"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -324,6 +324,7 @@ def capture(
     batch_size: int = 8,
     shard_size: int = 64,
     resume: bool = False,
+    overwrite: bool = False,
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
     shards: range | None = None,
@@ -340,6 +341,7 @@ def capture(
         batch_size: examples per forward.
         shard_size: examples per shard (memory holds at most one shard).
         resume: continue an interrupted run in ``out`` (same sites, tokens, model and data size).
+        overwrite: replace a capture already in ``out`` (its manifest and shards; other files stay).
         dtype: storage dtype.
         progress: show a progress bar.
         shards: capture only these shard indices of the whole set (one rank of a data-parallel capture,
@@ -383,11 +385,17 @@ def capture(
         memory = {}
     else:
         root = Path(out)
+        if overwrite and resume:
+            raise InputError("overwrite=True and resume=True contradict each other: resume continues the capture "
+                             "on disk, overwrite replaces it")
+        if overwrite and (root / manifest_name).is_file():
+            for stale in [root / manifest_name, *root.glob("shard-*.safetensors"), *root.glob("shard-*.json")]:
+                stale.unlink()  # only the capture's own files: anything else in the directory stays
         if (root / manifest_name).is_file():
             old = json.loads((root / manifest_name).read_text())
             if not resume:
-                raise InputError(f"{root} already holds a capture; pass resume=True (--resume) to continue it, or "
-                                 "choose another directory")
+                raise InputError(f"{root} already holds a capture; pass resume=True (--resume) to continue it, "
+                                 "overwrite=True to replace it, or choose another directory")
             keys = ("format", "model", "sites", "tokens", "n", "shard_size", "prompt_format")
             old.setdefault("prompt_format", manifest["prompt_format"])  # written before formats were recorded
             diff = [k for k in keys if old.get(k) != manifest[k]]
