@@ -18,7 +18,7 @@ from vlmbind.stimuli.colorshape import ColorShapeSplits, balanced_color_shape
 from vlmbind.stimuli.core import StimulusError
 from vlmbind.stimuli.same_object import same_object_scenes
 
-FAST = ProbeConfig(lr=1e-2, batch_size=256, seed=0, max_epochs=200)
+FAST = ProbeConfig(lr=1e-2, batch_size=256, seed=0, max_epochs=80)
 
 
 def test_scenes_hold_a_duplicate_and_each_object_covers_its_2x2_tokens():

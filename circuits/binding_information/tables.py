@@ -61,6 +61,17 @@ def ladder_tables(model: str, world: str) -> str:
         cells = [f"{pixels.loc[f, 'B_O']:.2f} ({pixels.loc[f, 'margin_O']:+.2f} +- {pixels.loc[f, 'margin_O_se']:.2f})"
                  if f in pixels.index else "n/a (pooled families only)" for f in LADDER]
         lines.append(f"| {pixels['site'].iloc[0]}, no model | " + " | ".join(cells) + " |")
+    lines += ["", f"beta_O = B_O / H(O) and B*_OF (bits; H(O|F) = {first['H_O'] - first['H_F']:.2f}), {model}: "
+                  "B*_OF above H(O|F) means the feature probe failed on the unseen test codes (CE_F above H(F)), "
+                  "so read B_O first.", "",
+              "| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
+    for site in sites:
+        cells = []
+        for family in LADDER:
+            row = frame[(frame["site"] == site) & (frame["family"] == family)]
+            cells.append("not run" if row.empty else
+                         f"{row.iloc[0]['beta_O']:.2f} / {row.iloc[0]['B_star_OF']:.2f}")
+        lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
     lines += ["", f"Train vs test CE_O (bits) of the object probe, {model}: the gap is what the probe learnt about "
                   "the training split's feature codes that does not carry over to the unseen test codes.", "",
               "| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
