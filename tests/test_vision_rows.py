@@ -35,13 +35,18 @@ def test_merging_rows_by_the_map_gives_the_towers_output(name):
         assert not np.array_equal(owner, np.repeat(np.arange(n_tokens), 4))
 
 
-def test_activation_set_pools_vision_rows_per_image_token():
+def test_activation_set_pools_vision_rows_per_image_token(tmp_path):
     vlm = vb.load("organism-p2a")
     data = balanced_color_shape(3, 0, world="organism")
     acts = vb.capture(vlm, data, ["vision.blocks.0.hook_resid_post", "blocks.0.hook_resid_post"])
+    on_disk = vb.capture(vlm, data, ["vision.blocks.0.hook_resid_post", "blocks.0.hook_resid_post"], out=tmp_path,
+                         shard_size=2)
+    np.testing.assert_array_equal(vb.ActivationSet.load(tmp_path).stacked_per_token("vision.blocks.0.hook_resid_post"),
+                                  on_disk.stacked_per_token("vision.blocks.0.hook_resid_post"))
     pooled = acts.stacked_per_token("vision.blocks.0.hook_resid_post")
     assert pooled.shape == (3, 36, 64)
-    owner = np.array(acts.examples[1]["vision_row_tokens"])
+    owner = np.array(acts.manifest["vision_row_tokens"][acts.examples[1]["vision_rows"]])
+    assert len(acts.manifest["vision_row_tokens"]) == 1  # one map for same-size images, not one per example
     raw = acts.tensor("vision.blocks.0.hook_resid_post", 1).float().numpy()
     for token in (0, 7, 35):
         np.testing.assert_allclose(pooled[1, token], raw[owner == token].mean(0), rtol=1e-6, atol=1e-6)

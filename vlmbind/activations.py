@@ -23,6 +23,7 @@ example's objects, :func:`~vlmbind.stimuli.core.object_token_positions`), so ana
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -254,7 +255,7 @@ class ActivationSet:
         """
         if self._token_aligned(site):
             return self.tensor(site, i)
-        rows_to_tokens = self.examples[i].get("vision_row_tokens")
+        rows_to_tokens = self.manifest.get("vision_row_tokens", {}).get(self.examples[i].get("vision_rows"))
         if not site.startswith("vision.") or rows_to_tokens is None or self.manifest.get("tokens") != "image":
             raise InputError(f"{site}: its rows are not the language model's image tokens in order and the family "
                              "declares no map from them to image tokens; use an LM site, an in-order projector, or "
@@ -402,6 +403,8 @@ def capture(
             if diff:
                 raise InputError(f"cannot resume {root}: {', '.join(diff)} differ from the run on disk")
             manifest["shards"] = old["shards"]
+            if "vision_row_tokens" in old:
+                manifest["vision_row_tokens"] = old["vision_row_tokens"]
         elif root.exists() and not root.is_dir():
             raise InputError(f"{root} is a file; pass a directory")
     done = {s["name"] for s in manifest["shards"]}
@@ -430,7 +433,12 @@ def capture(
                 if vision_sites and len(batch.images[r]) == 1:
                     rows_to_tokens = vlm.adapter.vision_row_tokens(batch.inputs, int(first_image[r]))
                     if rows_to_tokens is not None:
-                        shard_meta[-1]["vision_row_tokens"] = [int(v) for v in rows_to_tokens]
+                        # one copy per distinct map in the manifest (it depends on the image's grid only), a key
+                        # per example: a per-example list would cost as many ints as vision rows
+                        rows_to_tokens = np.asarray(rows_to_tokens, dtype=np.int64)
+                        key = hashlib.sha1(rows_to_tokens.tobytes()).hexdigest()[:16]
+                        manifest.setdefault("vision_row_tokens", {}).setdefault(key, rows_to_tokens.tolist())
+                        shard_meta[-1]["vision_rows"] = key
                 tensors[f"{TABLE}|{b0 + r}"] = torch.from_numpy(table)
                 for site in lm_sites:
                     tensors[f"{site}|{b0 + r}"] = cache[site][r, table[:, 0]].to(dtype).contiguous()

@@ -204,6 +204,9 @@ def capture(group: Group, vlm: Any, data: Any, sites: Any, out: str | os.PathLik
     group.wait_for(everyone)
     parts = [json.loads(p.read_text()) for p in everyone]
     manifest = {**parts[0], "shards": [s for part in parts for s in part["shards"]]}
+    maps = {k: v for part in parts for k, v in part.get("vision_row_tokens", {}).items()}
+    if maps:
+        manifest["vision_row_tokens"] = maps
     write_json_atomic(manifest, final)
     remove_parts(root, "capture")
     return ActivationSet(root, manifest)
