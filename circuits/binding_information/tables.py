@@ -33,58 +33,46 @@ def _models() -> list[str]:
     return sorted(p.name for p in RESULTS.iterdir() if p.is_dir()) if RESULTS.is_dir() else []
 
 
+def _bits(r: pd.Series) -> str:
+    return f"{r['B_O']:.2f} ({r['margin_O']:+.2f} +- {r['margin_O_se']:.2f})"
+
+
+def _grid(frame: pd.DataFrame, sites: list[str], cell, pixels: pd.DataFrame | None = None) -> list[str]:
+    """A site x family markdown table of ``cell(row)``, with the no-model pixel row last when given."""
+    lines = ["| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
+    for site in sites:
+        cells = []
+        for family in LADDER:
+            row = frame[(frame["site"] == site) & (frame["family"] == family)]
+            cells.append("not run" if row.empty else cell(row.iloc[0]))
+        lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
+    if pixels is not None:
+        cells = [cell(pixels.loc[f]) if f in pixels.index else "n/a (pooled families only)" for f in LADDER]
+        lines.append(f"| {pixels['site'].iloc[0]}, no model | " + " | ".join(cells) + " |")
+    return lines
+
+
 def ladder_tables(model: str, world: str) -> str:
     path = RESULTS / model / f"ladder-{world}" / "probe.csv"
     if not path.is_file():
         return ""
     frame = pd.read_csv(path)
     sites = list(dict.fromkeys(frame["site"]))
+    pixels = _pixels(model, world)
     first = frame.iloc[0]
     h = f"H(O) = {first['H_O']:.2f}, H(O|F) = {first['H_O'] - first['H_F']:.2f} bits"
     lines = [f"**{model}, world `{world}`** ({int(first['n_train'])} / {int(first['n_val'])} / "
              f"{int(first['n_test'])} images; {h}). B_O in bits with its margin over the prior-only probe "
              "(+- 1 SE over test images); a negative B_O is reported as it is: the estimator found no information "
              "beyond its prior.", "",
-             "| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
-    for site in sites:
-        cells = []
-        for family in LADDER:
-            row = frame[(frame["site"] == site) & (frame["family"] == family)]
-            if row.empty:
-                cells.append("not run")
-                continue
-            r = row.iloc[0]
-            cells.append(f"{r['B_O']:.2f} ({r['margin_O']:+.2f} +- {r['margin_O_se']:.2f})")
-        lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
-    pixels = _pixels(model, world)
-    if pixels is not None:
-        cells = [f"{pixels.loc[f, 'B_O']:.2f} ({pixels.loc[f, 'margin_O']:+.2f} +- {pixels.loc[f, 'margin_O_se']:.2f})"
-                 if f in pixels.index else "n/a (pooled families only)" for f in LADDER]
-        lines.append(f"| {pixels['site'].iloc[0]}, no model | " + " | ".join(cells) + " |")
+             *_grid(frame, sites, _bits, pixels)]
     lines += ["", f"beta_O = B_O / H(O) and B*_OF (bits; H(O|F) = {first['H_O'] - first['H_F']:.2f}), {model}: "
                   "B*_OF above H(O|F) means the feature probe failed on the unseen test codes (CE_F above H(F)), "
                   "so read B_O first.", "",
-              "| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
-    for site in sites:
-        cells = []
-        for family in LADDER:
-            row = frame[(frame["site"] == site) & (frame["family"] == family)]
-            cells.append("not run" if row.empty else
-                         f"{row.iloc[0]['beta_O']:.2f} / {row.iloc[0]['B_star_OF']:.2f}")
-        lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
+              *_grid(frame, sites, lambda r: f"{r['beta_O']:.2f} / {r['B_star_OF']:.2f}")]
     lines += ["", f"Train vs test CE_O (bits) of the object probe, {model}: the gap is what the probe learnt about "
                   "the training split's feature codes that does not carry over to the unseen test codes.", "",
-              "| site | " + " | ".join(LADDER) + " |", "|---|" + "---|" * len(LADDER)]
-    for site in sites:
-        cells = []
-        for family in LADDER:
-            row = frame[(frame["site"] == site) & (frame["family"] == family)]
-            cells.append("not run" if row.empty else f"{row.iloc[0]['CE_O_train']:.2f} / {row.iloc[0]['CE_O']:.2f}")
-        lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
-    if pixels is not None:
-        cells = [f"{pixels.loc[f, 'CE_O_train']:.2f} / {pixels.loc[f, 'CE_O']:.2f}" if f in pixels.index
-                 else "n/a (pooled families only)" for f in LADDER]
-        lines.append(f"| {pixels['site'].iloc[0]}, no model | " + " | ".join(cells) + " |")
+              *_grid(frame, sites, lambda r: f"{r['CE_O_train']:.2f} / {r['CE_O']:.2f}", pixels)]
     lines += ["", f"Summary (mean of tokens, best pooled family) vs spatial tokens (attention probe), {model}; FBP's "
                   "[CLS] holds under half of what its spatial tokens give (a ratio below 0.5), and its shared-factor probe "
                   "differs from the full quadratic one by about 2.4 bits:", "",
