@@ -141,3 +141,42 @@ def test_random_arm_from_the_rest_and_bottom_by_magnitude():
         ablation_study(vlm, ds, frame, k=2, mode="zero", random_from="others")
     with pytest.raises(vb.InputError, match="bottom_by"):
         ablation_study(vlm, ds, frame, k=2, mode="zero", bottom_by="size")
+
+
+def test_default_random_pool_is_outside_the_top_k_and_arms_carry_intervals():
+    """By default random-k never draws a top-k head; each arm has a Wilson interval (closed form) and the random
+    arm a t-interval over its seeds, printed seed by seed."""
+    ds = S.binding_query(10, 0)
+    vlm = HeadSensitiveVLM()
+    vlm.answers = {id(e.image): e.answer for e in ds}
+    others = [(l, h) for l in range(4) for h in range(4) if (l, h) not in CRITICAL]
+    result = ablation_study(vlm, ds, _scores([(1, 2), (3, 0), *others]), k=2, mode="zero", seeds=tuple(range(6)))
+    assert result.random_from == "rest"
+    randoms = result.random_seeds()
+    assert len(randoms) == 6 and all(a["accuracy"] == 1.0 for a in randoms)
+    assert all(not {tuple(int(x) for x in h.split(".")) for h in a["heads"]} & CRITICAL for a in randoms)
+    iv = result.intervals()
+    # Wilson for 0 / 10 and 10 / 10 in closed form: [0, z^2 / (n + z^2)] and [n / (n + z^2), 1]
+    z2 = 1.959963984540054 ** 2
+    assert iv["top"]["low"] == pytest.approx(0.0, abs=1e-12)
+    assert iv["top"]["high"] == pytest.approx(z2 / (10 + z2), rel=1e-6)
+    assert iv["clean"]["low"] == pytest.approx(10 / (10 + z2), rel=1e-6)
+    assert iv["random"] == {"accuracy": 1.0, "low": 1.0, "high": 1.0, "seeds": 6, "lowest": 1.0, "highest": 1.0,
+                            "n": 10}
+    # seeds that disagree: the t-interval by hand
+    mixed = vb.analysis.ablation.AblationResult.from_dict(result.summary() | {"arms": [
+        *[a for a in result.arms if a["arm"] != "random"],
+        *({"arm": "random", "seed": s, "heads": ["0.0", "0.1"], "accuracy": acc, "n": 10}
+          for s, acc in enumerate((0.2, 0.6, 0.7)))]})
+    r = mixed.intervals()["random"]
+    half = 4.302652729911275 * np.std([0.2, 0.6, 0.7], ddof=1) / np.sqrt(3)
+    assert r["accuracy"] == pytest.approx(0.5) and r["low"] == pytest.approx(max(0, 0.5 - half))
+    assert r["high"] == pytest.approx(min(1, 0.5 + half)) and (r["lowest"], r["highest"]) == (0.2, 0.7)
+    text = mixed.text()
+    assert "seed 0 0.200, seed 1 0.600, seed 2 0.700" in text and "over 3 seeds" in text
+    fig = mixed.figure()
+    assert fig.data[0].error_y.array is not None and "random mean 0.500" in fig.data[1].name
+    # results saved before the pool was recorded read as drawn from all heads
+    old = result.summary()
+    del old["random_from"]
+    assert vb.analysis.ablation.AblationResult.from_dict(old).random_from == "all"

@@ -2,8 +2,12 @@
 
 Ablation modes (``VLM.ablate``): ``image_attention`` zeroes the heads' attention to image tokens after the softmax
 (renormalised or not), ``zero`` zeroes their output z, ``mean`` replaces z by its mean over the evaluated data set
-(one mean per head over every non-padding position). Random-k draws k distinct heads uniformly from all heads with
-each seed; the same k and mode are used for every arm, so the comparison isolates which heads are ablated.
+(one mean per head over every non-padding position). Random-k draws k distinct heads uniformly with each seed, by
+default from the heads outside the top-k (so a random draw never repeats the top arm); the same k and mode are used
+for every arm, so the comparison isolates which heads are ablated.
+
+Uncertainty: each arm's accuracy carries a Wilson 95% interval over its n examples; the random arm is reported per
+seed and as a mean with a 95% t-interval over the seeds (which heads are drawn is the larger source of variation).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from ..errors import InputError
 from ..evaluate import evaluate
@@ -31,7 +36,8 @@ class AblationResult(Result):
     """Accuracy with no heads ablated and with each arm's heads ablated.
 
     Attributes:
-        model, task, mode, k: what was run; prompt_format: ``raw`` or ``chat``.
+        model, task, mode, k: what was run; prompt_format: ``raw`` or ``chat``; random_from: the random arm's pool
+            (``rest``: the heads outside the top-k; ``all``: results saved before the pool was recorded).
         arms: ``[{"arm": "clean"|"top"|"random"|"bottom", "seed": s or None, "heads": ["l.h", ...], "accuracy": a,
             "n": n}, ...]``.
     """
@@ -43,6 +49,7 @@ class AblationResult(Result):
     renormalize: bool
     arms: list[dict[str, Any]] = field(default_factory=list)
     prompt_format: str = "raw"
+    random_from: str = "rest"
 
     kind = "ablate"
     marker_keys = ("arms",)
@@ -52,7 +59,8 @@ class AblationResult(Result):
     def from_dict(cls, data: dict[str, Any]) -> AblationResult:
         return cls(model=data["model"], task=data["task"], mode=data["mode"], k=data["k"],
                    renormalize=data["renormalize"], arms=data["arms"],
-                   prompt_format=data.get("prompt_format", "raw"))
+                   prompt_format=data.get("prompt_format", "raw"),
+                   random_from=data.get("random_from", "all"))
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> AblationResult:
@@ -62,9 +70,11 @@ class AblationResult(Result):
         return cls.from_dict(data)
 
     def figure(self) -> Any:
-        """Accuracy per arm (random arms per seed)."""
+        """Accuracy per arm (random arms per seed) with Wilson 95% intervals, and the random arms' mean."""
+        intervals = [wilson_interval(a["accuracy"], a["n"]) for a in self.arms]
         return ablation_figure({"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
-                                "renormalize": self.renormalize, "arms": self.arms})
+                                "renormalize": self.renormalize, "arms": self.arms, "intervals": intervals,
+                                "random": self.intervals()["random"]})
 
     def arms_frame(self) -> pd.DataFrame:
         """One row per arm, with the run's settings repeated (heads joined by spaces)."""
@@ -84,14 +94,50 @@ class AblationResult(Result):
             raise KeyError(f"no arm {arm!r}")
         return float(np.mean(values))
 
+    def random_seeds(self) -> list[dict[str, Any]]:
+        """The random arm per seed: ``{"seed", "heads", "accuracy", "n"}``."""
+        return [{k: a.get(k) for k in ("seed", "heads", "accuracy", "n")} for a in self.arms if a["arm"] == "random"]
+
+    def intervals(self) -> dict[str, dict[str, Any]]:
+        """95% intervals per arm: Wilson over the n examples for clean / top / bottom; for random, the mean over
+        seeds with a t-interval over the seeds (``low`` = ``high`` = the mean with one seed) and the spread."""
+        out: dict[str, dict[str, Any]] = {}
+        for arm in ("clean", "top", "bottom"):
+            a = next(x for x in self.arms if x["arm"] == arm)
+            low, high = wilson_interval(a["accuracy"], a["n"])
+            out[arm] = {"accuracy": float(a["accuracy"]), "low": low, "high": high, "n": int(a["n"])}
+        values = np.array([a["accuracy"] for a in self.random_seeds()], dtype=float)
+        mean = float(values.mean())
+        if len(values) > 1:
+            half = float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values)))
+        else:
+            half = 0.0
+        out["random"] = {"accuracy": mean, "low": max(0.0, mean - half), "high": min(1.0, mean + half),
+                         "seeds": int(len(values)), "lowest": float(values.min()), "highest": float(values.max()),
+                         "n": int(self.random_seeds()[0]["n"])}
+        return out
+
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.arms)
 
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
                 "renormalize": self.renormalize, "prompt_format": self.prompt_format,
+                "random_from": self.random_from,
                 "accuracy": {arm: self.accuracy(arm) for arm in ("clean", "top", "random", "bottom")},
-                "arms": self.arms}
+                "intervals": self.intervals(), "arms": self.arms}
+
+    def text(self) -> str:
+        """Two lines: each arm with its interval, and the random arm's seeds one by one."""
+        iv = self.intervals()
+        r = iv["random"]
+        arms = ", ".join(f"{arm} {iv[arm]['accuracy']:.3f} [{iv[arm]['low']:.2f}, {iv[arm]['high']:.2f}]"
+                         for arm in ("clean", "top"))
+        seeds = ", ".join(f"seed {a['seed']} {a['accuracy']:.3f}" for a in self.random_seeds())
+        return (f"accuracy (95% interval, n={iv['clean']['n']}): {arms}, random {r['accuracy']:.3f} "
+                f"[{r['low']:.2f}, {r['high']:.2f}] over {r['seeds']} seeds, bottom {iv['bottom']['accuracy']:.3f} "
+                f"[{iv['bottom']['low']:.2f}, {iv['bottom']['high']:.2f}]\n"
+                f"random-k ({'outside the top-k' if self.random_from == 'rest' else 'from all heads'}): {seeds}")
 
     def save(self, out: str | os.PathLike) -> Path:
         out = Path(out)
@@ -115,11 +161,12 @@ BOTTOM_BY = ("score", "abs")
 
 def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str = "image_attention",
                    renormalize: bool = False, seeds: tuple[int, ...] = (0, 1, 2), batch_size: int = 32,
-                   random_from: str = "all", bottom_by: str = "score") -> AblationResult:
+                   random_from: str = "rest", bottom_by: str = "score") -> AblationResult:
     """Accuracy on ``dataset`` with the top-k, random-k (per seed) and bottom-k heads of ``scores`` ablated.
 
     Args:
-        random_from: the random arm's pool: ``all`` heads, or the ``rest`` (every head outside the top-k).
+        random_from: the random arm's pool: the ``rest`` (every head outside the top-k, the default), or ``all``
+            heads.
         bottom_by: the bottom arm: the k lowest ``score`` s, or the k smallest ``abs`` (|score|: the heads the
             scores call least involved either way).
 
@@ -145,7 +192,7 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
         raise InputError(f"k = {k} must be between 1 and half the heads ({n_heads // 2}) so top and bottom differ")
     means = _means(vlm, dataset, ranked) if mode == "mean" else None
     result = AblationResult(vlm.name, dataset[0].task, mode, k, renormalize,
-                            prompt_format=vlm.active_prompt_format)
+                            prompt_format=vlm.active_prompt_format, random_from=random_from)
 
     def run(arm: str, heads: list[tuple[int, int]], seed: int | None = None) -> None:
         if heads:
@@ -173,6 +220,13 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
             run("random", [rest[int(i)] for i in pick], seed)
     run("bottom", ranked[-k:] if bottom_by == "score" else least_involved(scores, k))
     return result
+
+
+def wilson_interval(accuracy: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of an accuracy over ``n`` examples (scipy's ``binomtest``)."""
+    successes = int(round(float(accuracy) * n))
+    ci = stats.binomtest(successes, int(n)).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def least_involved(scores: Any, k: int) -> list[tuple[int, int]]:

@@ -14,19 +14,37 @@ def ablation_figure(data: dict[str, Any]) -> Any:
         data: the ``results.json`` of ``vlmbind ablate`` (:meth:`AblationResult.summary`).
 
     Returns:
-        A bar chart: one bar per arm (random arms per seed), exact accuracy and heads on hover.
+        A bar chart: one bar per arm (random arms per seed), exact accuracy and heads on hover; with
+        ``data["intervals"]`` (``[(low, high)]`` per arm) error bars, and with ``data["random"]`` (the random arm's
+        mean and interval over seeds) a dashed line across the random bars.
     """
     import plotly.graph_objects as go
 
     arms = data["arms"]
     labels = [a["arm"] if a.get("seed") is None else f"{a['arm']} (seed {a['seed']})" for a in arms]
     colours = {"clean": "#7f7f7f", "top": "#d62728", "random": "#1f77b4", "bottom": "#2ca02c"}
+    intervals = data.get("intervals")
+    error_y = None
+    if intervals:
+        error_y = {"type": "data", "symmetric": False, "color": "#444", "thickness": 1.2,
+                   "array": [hi - a["accuracy"] for a, (_, hi) in zip(arms, intervals)],
+                   "arrayminus": [a["accuracy"] - lo for a, (lo, _) in zip(arms, intervals)]}
     fig = go.Figure(go.Bar(
         x=labels, y=[a["accuracy"] for a in arms], marker={"color": [colours.get(a["arm"], "#9467bd") for a in arms]},
+        error_y=error_y,
         customdata=[[repr(float(a["accuracy"])), ", ".join(a.get("heads", [])) or "none", a["n"]] for a in arms],
         hovertemplate="%{x}<br>accuracy = %{customdata[0]}<br>heads %{customdata[1]}<br>n = %{customdata[2]}"
                       "<extra></extra>",
     ))
+    random = data.get("random")
+    if random and random.get("seeds", 0) > 1:
+        # the random arms' mean and its t-interval over seeds, as a band across their bars
+        xs = [lab for lab, a in zip(labels, arms) if a["arm"] == "random"]
+        fig.add_trace(go.Scatter(
+            x=xs, y=[random["accuracy"]] * len(xs), mode="lines", line={"color": "#1f77b4", "dash": "dash"},
+            name=f"random mean {random['accuracy']:.3f} [{random['low']:.2f}, {random['high']:.2f}]",
+            hoverinfo="name"))
+        fig.update_layout(legend={"orientation": "h", "y": -0.25})
     n = max((int(a["n"]) for a in arms), default=0)
     title = (f"Ablating {data['k']} heads ({data['mode']}{', renormalised' if data['renormalize'] else ''}), "
              f"task {data['task']}")
