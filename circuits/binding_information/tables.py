@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import pandas as pd
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+import readme_tables  # noqa: E402  (circuits/readme_tables.py, shared by the circuits' tables)
+
 RESULTS = HERE / "results"
 README = HERE / "README.md"
-BEGIN, END = "<!-- tables from results: begin -->", "<!-- tables from results: end -->"
+BEGIN, END = readme_tables.BEGIN, readme_tables.END
 POOLED = ("linear", "quadratic", "dnn", "shared_factor")
 LADDER = (*POOLED, "attention")
 
@@ -153,28 +155,8 @@ def render() -> str:
     return "\n\n".join(blocks)
 
 
-def replaced(text: str, tables: str) -> str:
-    """``text`` with everything between the markers replaced by ``tables``."""
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{README} has no {BEGIN} ... {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{tables}\n{END}{tail}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
-    args = p.parse_args(argv)
-    text = README.read_text()
-    new = replaced(text, render())
-    if args.check:
-        if new != text:
-            print(f"{README} disagrees with {RESULTS}: run python {Path(__file__).relative_to(HERE.parent.parent)}")
-            return 1
-        return 0
-    README.write_text(new)
-    return 0
+    return readme_tables.main(README, RESULTS, render, "circuits/binding_information/tables.py", argv)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=32)
     p.add_argument("--n-eval", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ablation-seeds", type=int, default=5, help="random-k draws (from the heads outside the top-k)")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
     vlm = vb.load(args.model)
@@ -76,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     summary["where_heads_look"] = object_attention(vlm, list(scenes)[:32], top).to_dict(orient="records")
     summary["last_token_test"] = last_token_test(vlm, list(S.scene_pairs(args.pairs, "id_selection", args.seed,
                                                                         **kwargs)))
-    summary["ablation"] = {c: vb.ablation_study(vlm, scenes, scores[c], k=min(5, vlm.n_layers * vlm.n_heads // 2))
-                           .summary()["accuracy"] for c in ("id_selection", "feature_retrieval")}
+    summary["ablation"] = {}
+    for c in ("id_selection", "feature_retrieval"):
+        study = vb.ablation_study(vlm, scenes, scores[c], k=min(5, vlm.n_layers * vlm.n_heads // 2),
+                                  seeds=tuple(range(args.ablation_seeds)))
+        study.save(out / f"ablation_{c}")
+        summary["ablation"][c] = study.summary()["accuracy"]
     edit = vb.edit_study(vlm, scores["id_selection"].top(3), [0, 1, 2, 4, 8], n_estimate=4 * args.n_eval,
                          n_eval=args.n_eval, seed=args.seed)
     edit.save(out / "edit")

@@ -1,0 +1,73 @@
+"""The circuits' READMEs show tables rendered from their saved results, their prose quotes only numbers those tables
+print, and the saved results back the claims the prose makes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+CIRCUITS = Path(__file__).resolve().parents[1] / "circuits"
+RENDERED = ("search_heads", "position_ids", "p2a_vs_direct", "binding_information")
+
+
+def _tables(circuit: str):
+    spec = importlib.util.spec_from_file_location(f"{circuit}_tables", CIRCUITS / circuit / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("circuit", RENDERED[:3])
+def test_readme_tables_are_the_rendered_results(circuit):
+    tables = _tables(circuit)
+    text = tables.README.read_text()
+    assert tables.readme_tables.block(text) == tables.render(), f"run python circuits/{circuit}/tables.py"
+
+
+@pytest.mark.parametrize("circuit", RENDERED[:2])
+def test_prose_quotes_only_numbers_the_tables_print(circuit):
+    tables = _tables(circuit)
+    rt = tables.readme_tables
+    text = tables.README.read_text()
+    quoted = rt.quoted_numbers(rt.prose(text))
+    assert quoted, "the prose quotes no number"
+    missing = sorted(quoted - rt.quoted_numbers(tables.render()))
+    assert not missing, f"numbers in {circuit}'s README that no rendered table holds: {missing}"
+
+
+def test_every_circuit_readme_is_rendered_from_results():
+    """A new circuit gets a tables.py too: no README table typed by hand."""
+    readmes = {p.parent.name for p in CIRCUITS.glob("*/README.md")}
+    assert readmes - {"ground_truth"} <= set(RENDERED), sorted(readmes - set(RENDERED))
+
+
+def test_search_heads_results_back_the_claims():
+    results = CIRCUITS / "search_heads" / "results"
+    ablation = json.loads((results / "ablation_count" / "results.json").read_text())
+    assert ablation["random_from"] == "rest" and ablation["intervals"]["random"]["seeds"] >= 5
+    randoms = [a["accuracy"] for a in ablation["arms"] if a["arm"] == "random"]
+    iv = ablation["intervals"]
+    assert iv["top"]["high"] < min(randoms) and iv["top"]["high"] < iv["bottom"]["low"]
+    scores = pd.read_csv(results / "attention_swap" / "scores.csv")
+    best = scores.sort_values("score", ascending=False).iloc[0]
+    assert (best["layer"], best["head"], bool(best["significant"])) == (2, 2, False)  # the prose says so
+    track = json.loads((results / "track_search" / "summary.json").read_text())
+    baseline = _tables("search_heads").centre_baseline(json.loads((results / "track_search" / "centroids.json")
+                                                                  .read_text()))
+    assert track["rmse_mean"][track["valley_layer"]] < baseline
+
+
+def test_position_ids_results_back_the_claims():
+    results = CIRCUITS / "position_ids" / "results"
+    for condition in ("id_selection", "id_retrieval"):
+        assert not pd.read_csv(results / condition / "scores.csv")["significant"].any()
+    fr = pd.read_csv(results / "feature_retrieval" / "scores.csv").sort_values("score", ascending=False)
+    assert (fr.iloc[0]["layer"], fr.iloc[0]["head"]) == (0, 3) and bool(fr.iloc[0]["significant"])
+    summary = json.loads((results / "summary.json").read_text())
+    assert all(r["flipped"] == 0 for r in summary["last_token_test"])
+    edit = json.loads((results / "edit" / "results.json").read_text())
+    assert max(r["efficacy"] for r in edit["rows"] if r["arm"] == "edit") <= 0.1
