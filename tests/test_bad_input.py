@@ -295,7 +295,7 @@ CLI_CASES = [
     C("export-malformed-summary-json", f"export {{fx}}/res_demo {O}", "summary.json", "as JSON"),
     C("export-no-results", f"export {{fx}}/empty_dir {O}", "holds no vlmbind results"),
     C("export-missing-dir", f"export {{fx}}/nope {O}", "does not exist"),
-    C("export-unknown-format", f"export {{fx}}/res_ok --format pdf {O}", "'pdf'", "png, svg, html, csv"),
+    C("export-unknown-format", f"export {{fx}}/res_ok --format gif {O}", "'gif'", "png, svg, pdf, html, csv"),
     # unwritable output directories: a file, or a path below a file
     C("stimuli-out-is-file", "stimuli scene --n 2 --out {fx}/afile", "afile", "existing file"),
     C("stimuli-out-below-file", "stimuli scene --n 2 --out {fx}/afile/sub", "afile", "is a file"),

@@ -28,7 +28,7 @@ from vlmbind.errors import InputError
 from vlmbind.viz import attention_overlay, head_heatmap, write_html_atomic, write_text_atomic
 
 DEMO_FILES = ("validation", "causal", "representations", "attention_mass.csv", "heatmap.html", "overlay.html",
-              "scene.png", "summary.json", "report.html")
+              "scene.png", "summary.json", "report.html", "plotly.min.js")
 SCRIPT_SRC = re.compile(r"<script[^>]*\bsrc\s*=", re.IGNORECASE)
 
 
@@ -264,15 +264,28 @@ def test_demo_report_is_offline_with_every_figure(demo_run):
     reps = printed["representations"]
     figures = 2 + len(printed["causal"]["located"]) + ("edit" in printed["causal"]) + 1 + ("track" in reps) + 1
     assert report.count("Plotly.newPlot") == figures  # the last 1: the validation figure the page opens with
-    assert len(re.findall(r"\* plotly\.js v\d", report)) == 1  # plotly.js embedded exactly once
-    assert not SCRIPT_SRC.search(report)
-    assert "data:image/png;base64," in report  # the overlay's image travels inside the page
+    # plotly.js once for the whole folder: the report and every figure below it load out/plotly.min.js
+    bundle = out / "plotly.min.js"
+    assert re.search(r"\* plotly\.js v\d", bundle.read_text()[:2000])
+    assert SCRIPT_SRC.findall(report) and re.findall(r'<script[^>]*src="([^"]+)"', report) == ["plotly.min.js"]
+    pages = list(out.rglob("*.html"))
+    assert len(pages) >= 8 and list(out.rglob("plotly.min.js")) == [bundle]
+    for page in pages:
+        srcs = re.findall(r'<script[^>]*src="([^"]+)"', page.read_text())
+        assert len(srcs) == 1 and (page.parent / srcs[0]).resolve() == bundle.resolve(), page
+        assert "* plotly.js v" not in page.read_text(), page  # not embedded again
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    assert size < 10e6, f"{out} holds {size / 1e6:.1f} MB"
+    # the first screen states what was found, from the numbers
+    head = report.split("<h2>", 3)
+    assert "What was found" in head[1] and "Validation on organism-vsm" in report.split("</section>")[0]
+    assert "95%" in report.split("</section>")[0]
+    assert re.search(r"data:image(/|\\u002f)png;base64,", report)  # the overlay's image is in the page (plotly escapes /)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["versions"]["transformers"] in report
     assert f"L{summary['head']['layer']}.H{summary['head']['head']}" in report
     for name in ("heatmap.html", "overlay.html"):
         page = (out / name).read_text()
-        assert not SCRIPT_SRC.search(page), name
         assert page.count("Plotly.newPlot") == 1, name
 
 
@@ -356,10 +369,12 @@ def test_attention_overlay_cells_and_shapes():
     weights = np.array([[0.0, 0.1, 0.2, 0.3], [0.05, 0.0, 0.0, 0.35]])
     fig = attention_overlay(image, positions, boxes, weights, "t")
     assert len(fig.layout.shapes) == 8
-    # the heaviest cell is the most opaque; a zero-weight cell is transparent
-    alphas = [float(s.fillcolor.rsplit(",", 1)[1].rstrip(")")) for s in fig.layout.shapes]
-    assert int(np.argmax(alphas)) == 7 and alphas[0] == 0.0
-    assert (fig.layout.shapes[7].x0, fig.layout.shapes[7].y0) == (30.0, 10.0)
+    # nothing is filled, so the image keeps its colours; the heaviest cell has the widest outline and is drawn last
+    assert {s.fillcolor for s in fig.layout.shapes} == {"rgba(0,0,0,0)"}
+    widths = [s.line.width for s in fig.layout.shapes]
+    assert widths == sorted(widths) and widths[-1] == 5.0 and widths[0] == 0.5
+    heaviest = fig.layout.shapes[-1]  # cell (1, 3), box (30, 10, 40, 20), inset by 6% of its side
+    assert (heaviest.x0, heaviest.y0, heaviest.x1, heaviest.y1) == pytest.approx((30.6, 10.6, 39.4, 19.4))
     custom = fig.data[0].customdata
     assert custom[7][1] == 12 and custom[7][2] == repr(0.35)
     assert fig.layout.images[0].source.startswith("data:image/png;base64,")
@@ -384,4 +399,35 @@ def test_write_html_atomic_keeps_old_file_on_failure(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="no space"):
         write_text_atomic("partial", path)
     assert path.read_bytes() == first
-    assert [p.name for p in tmp_path.iterdir()] == ["fig.html"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fig.html", "plotly.min.js"]  # no temporary file left
+
+
+def test_pages_share_one_plotlyjs_per_results_folder(tmp_path):
+    """A page loads plotly.js from beside it, or from the root of an active shared_plotlyjs; the bundle is the
+    installed plotly's, written once and rewritten only when it differs."""
+    from plotly.offline import get_plotlyjs
+
+    from vlmbind.viz import shared_plotlyjs
+
+    fig = head_heatmap(_frame(np.ones((1, 1))))
+    alone = write_html_atomic(fig, tmp_path / "alone" / "fig.html")
+    assert '<script charset="utf-8" src="plotly.min.js"></script>' in alone.read_text()
+    assert (tmp_path / "alone" / "plotly.min.js").read_text() == get_plotlyjs()
+    root = tmp_path / "run"
+    with shared_plotlyjs(root):
+        deep = write_html_atomic(fig, root / "a" / "b" / "fig.html")
+        top = write_html_atomic(fig, root / "fig.html")
+        outside = write_html_atomic(fig, tmp_path / "elsewhere" / "fig.html")
+    assert 'src="../../plotly.min.js"' in deep.read_text() and 'src="plotly.min.js"' in top.read_text()
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("plotly.min.js")) == ["plotly.min.js"]
+    assert (outside.parent / "plotly.min.js").is_file()  # a page outside the root keeps its own copy
+    bundle = root / "plotly.min.js"
+    stamp = bundle.stat().st_mtime_ns
+    with shared_plotlyjs(root):
+        write_html_atomic(fig, root / "c" / "fig.html")
+    assert bundle.stat().st_mtime_ns == stamp  # identical bundle: not rewritten
+    bundle.write_text("stale")
+    write_html_atomic(fig, root / "fig.html")
+    assert bundle.read_text() == get_plotlyjs()  # a stale copy is replaced
+    embedded = write_html_atomic(fig, tmp_path / "emb" / "fig.html", include_plotlyjs=True)
+    assert not (embedded.parent / "plotly.min.js").exists() and "* plotly.js v" in embedded.read_text()

@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from PIL import Image
 
 from vlmbind import cli
 from vlmbind.errors import InputError
 from vlmbind.export import MANIFEST, export_results, safe_target
+from vlmbind.viz import shared_plotlyjs
 
 MODEL = "organism-p2a"
 
@@ -220,7 +222,8 @@ def test_saved_results_load_back_and_save_the_same_files(runs, tmp_path):
             result = load_result(folder)
             assert type(result) is cls and isinstance(result.to_frame(), pd.DataFrame)
             again = tmp_path / name / folder.relative_to(root)
-            result.save(again)
+            with shared_plotlyjs(tmp_path / name):  # the same place for plotly.js as the run's own pages
+                result.save(again)
             for file in EXACT_FILES[cls.kind]:
                 assert (again / file).read_bytes() == (folder / file).read_bytes(), (folder, file)
             seen.add(cls.kind)
@@ -253,3 +256,58 @@ def test_a_folder_with_two_results_or_none_is_named(tmp_path, runs):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match="holds no vlmbind result"):
         load_result(tmp_path / "empty")
+
+
+def test_image_export_size_scale_and_pdf(runs, tmp_path):
+    """PNG at twice the figure's size by default; --width/--height/--scale set the page; PDF is a PDF."""
+    folder = runs["demo"] / "causal/locate/id_selection"
+    export_results(folder, "png", tmp_path / "d")
+    export_results(folder, "png", tmp_path / "w", width=900, height=500, scale=1)
+    export_results(folder, "pdf", tmp_path / "p")
+    default, sized = (Image.open(tmp_path / d / "heatmap.png").size for d in ("d", "w"))
+    assert sized == (900, 500)
+    assert default[0] % 2 == 0 and default[0] >= 1000  # scale 2 of the figure's own width (500 px or more)
+    assert (tmp_path / "p" / "heatmap.pdf").read_bytes()[:5] == b"%PDF-"
+    for bad in (dict(width=3), dict(scale=0), dict(scale=True)):
+        with pytest.raises(InputError):
+            export_results(folder, "png", tmp_path / "bad", **bad)
+    with pytest.raises(InputError, match="apply to png, svg and pdf"):
+        export_results(folder, "html", tmp_path / "bad", scale=2)
+    assert not (tmp_path / "bad").exists()
+    assert cli.main(["export", str(folder), "--format", "png", "--width", "700", "--height", "400", "--scale", "1",
+                     "--out", str(tmp_path / "c")]) == 0
+    assert Image.open(tmp_path / "c" / "heatmap.png").size == (700, 400)
+
+
+def test_html_export_writes_plotlyjs_once(runs, tmp_path):
+    report = export_results(runs["demo"], "html", tmp_path / "h")
+    bundles = list((tmp_path / "h").rglob("plotly.min.js"))
+    assert bundles == [tmp_path / "h" / "plotly.min.js"] and "plotly.min.js" in report.files
+    for page in (tmp_path / "h").rglob("*.html"):
+        src = re.findall(r'<script[^>]*src="([^"]+)"', page.read_text())
+        assert len(src) == 1 and (page.parent / src[0]).resolve() == bundles[0].resolve(), page
+
+
+def test_default_export_folder_is_never_in_a_source_tree(runs, tmp_path):
+    """Results that git tracks (a repository's shipped results) export to runs/export/<path> at the top of the work
+    tree; untracked results export next to themselves."""
+    import shutil
+    import subprocess
+
+    from vlmbind.export import default_export_dir
+
+    repo = tmp_path / "repo"
+    shipped = repo / "circuits" / "x" / "results"
+    shutil.copytree(runs["edit"], shipped)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-C", str(repo)]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "results"], check=True)
+    assert default_export_dir(shipped) == repo / "runs" / "export" / "circuits" / "x" / "results"
+    report = export_results(shipped, "csv")
+    assert Path(report.out) == repo / "runs" / "export" / "circuits" / "x" / "results"
+    assert not (shipped / "export").exists()
+    untracked = repo / "scratch"
+    shutil.copytree(runs["edit"], untracked)
+    assert default_export_dir(untracked) == untracked / "export"
+    assert default_export_dir(runs["edit"]) == runs["edit"] / "export"  # not in any work tree

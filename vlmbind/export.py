@@ -7,13 +7,16 @@ the saved numbers only, through the same builders the writers used (:mod:`vlmbin
 the same figure data as the original. Everything is rendered in memory first and written only when every figure and
 table succeeded; each file is written atomically and, if a write fails, the files of this export are removed again,
 so a failed export leaves nothing partial. Every target path is resolved and checked to lie inside the output
-directory. PNG and SVG go through kaleido (one shared Chromium process when several figures are exported).
+directory. PNG, SVG and PDF go through kaleido (one shared Chromium process when several figures are exported); HTML
+pages load one ``plotly.min.js`` written at the top of the output folder. Without an output folder the export goes
+next to the results, unless they are part of a source tree (:func:`default_export_dir`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 import warnings
 from collections.abc import Callable
@@ -27,8 +30,9 @@ from . import analysis, results  # noqa: F401  (importing analysis registers eve
 from .errors import InputError
 from .io import write_bytes_atomic
 from .results import RESULTS
+from .viz.figures import PLOTLYJS_FILE, plotlyjs_bundle
 
-FORMATS = ("png", "svg", "html", "csv")
+FORMATS = ("png", "svg", "pdf", "html", "csv")
 # how deep export looks for result folders below RESULT_DIR (a demo nests them three levels down)
 MAX_DEPTH = 6
 # written into every output folder; scan() never reads a folder holding it (an export of tables looks like results)
@@ -130,11 +134,46 @@ def safe_target(out: Path, relative: str) -> Path:
     return target
 
 
-def _render(fig: Any, fmt: str, name: str) -> bytes:
+# PNG is a raster: drawn at twice the figure's layout size by default, so it stays sharp on a slide or a page
+DEFAULT_PNG_SCALE = 2.0
+
+
+def _render(fig: Any, fmt: str, name: str, rel: str, *, width: int | None = None, height: int | None = None,
+            scale: float | None = None) -> bytes:
     if fmt == "html":
-        # same div id as vlmbind.viz.write_html_atomic: the original and the export are comparable byte for byte
-        return fig.to_html(include_plotlyjs=True, full_html=True, div_id=f"vlmbind-{name}").encode("utf-8")
-    return fig.to_image(format=fmt)
+        # the same div id and the same relative plotly.js reference as vlmbind.viz.write_html_atomic under the
+        # results' root: the original and the export are comparable byte for byte
+        src = Path(os.path.relpath(PLOTLYJS_FILE, Path(rel).parent)).as_posix()
+        return fig.to_html(include_plotlyjs=src, full_html=True, div_id=f"vlmbind-{name}").encode("utf-8")
+    if scale is None:
+        scale = DEFAULT_PNG_SCALE if fmt == "png" else 1.0
+    return fig.to_image(format=fmt, width=width, height=height, scale=scale)
+
+
+def _tracked_by_git(directory: Path) -> Path | None:
+    """The top of the git work tree when ``directory`` holds files git tracks (it is part of a source tree), else
+    None (also when git is not installed)."""
+    try:
+        top = subprocess.run(["git", "-C", str(directory), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10)
+        if top.returncode != 0:
+            return None
+        tracked = subprocess.run(["git", "-C", str(directory), "ls-files", "--", "."], capture_output=True,
+                                 text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return Path(top.stdout.strip()) if tracked.returncode == 0 and tracked.stdout.strip() else None
+
+
+def default_export_dir(result_dir: str | os.PathLike) -> Path:
+    """Where an export goes without ``--out``: ``RESULT_DIR/export``, next to the results; but when RESULT_DIR is
+    part of a source tree (git tracks files in it, e.g. a repository's shipped results), ``runs/export/<its path in
+    the repository>`` at the top of that work tree instead, so an export never adds files to the source tree."""
+    root = Path(result_dir)
+    top = _tracked_by_git(root) if root.is_dir() else None
+    if top is None:
+        return root / "export"
+    return top / "runs" / "export" / root.resolve().relative_to(top.resolve())
 
 
 @dataclass
@@ -199,15 +238,20 @@ def _write_all(out: Path, payload: list[tuple[str, bytes]]) -> None:
                          f"--out folder") from None
 
 
-def export_results(result_dir: str | os.PathLike, fmt: str = "html", out: str | os.PathLike | None = None) -> ExportReport:
+def export_results(result_dir: str | os.PathLike, fmt: str = "html", out: str | os.PathLike | None = None, *,
+                   width: int | None = None, height: int | None = None, scale: float | None = None) -> ExportReport:
     """Re-render every recognised result under ``result_dir`` in ``fmt``, without loading a model.
 
     Args:
         result_dir: a folder written by ``vlmbind locate / ablate / edit / rsa / track / probe / demo`` (searched
             recursively).
-        fmt: ``png``, ``svg``, ``html`` (one file per figure, ``<name>.<fmt>``) or ``csv`` (the tidy tables;
-            JSON results such as ablation arms flattened).
-        out: the output folder (default ``result_dir/export``); sub-folders mirror ``result_dir``.
+        fmt: ``png``, ``svg``, ``pdf``, ``html`` (one file per figure, ``<name>.<fmt>``; HTML pages load one
+            ``plotly.min.js`` written at the top of ``out``) or ``csv`` (the tidy tables; JSON results such as
+            ablation arms flattened).
+        out: the output folder (default :func:`default_export_dir`: ``result_dir/export``, or ``runs/export/...``
+            when ``result_dir`` is part of a source tree); sub-folders mirror ``result_dir``.
+        width, height: png / svg / pdf: the page size in CSS pixels (default: each figure's own layout size).
+        scale: png / svg / pdf: the size multiplier (default 2 for png, 1 for the vector formats).
 
     Returns:
         An :class:`ExportReport` with the written files and per-file timings.
@@ -222,7 +266,15 @@ def export_results(result_dir: str | os.PathLike, fmt: str = "html", out: str | 
     root = Path(result_dir)
     if not root.exists():
         raise InputError(f"result directory {str(root)!r} does not exist; pass a folder written by vlmbind")
-    out_dir = Path(out) if out is not None else root / "export"
+    for label, value in (("width", width), ("height", height)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 10):
+            raise InputError(f"{label} must be a whole number of pixels >= 10, got {value!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 20):
+        raise InputError(f"scale must be a number in (0, 20], got {scale!r} (2 doubles the pixels of a png)")
+    if fmt in ("html", "csv") and (width, height, scale) != (None, None, None):
+        raise InputError(f"width, height and scale apply to png, svg and pdf, not {fmt}; drop them or pick an image "
+                         f"format")
+    out_dir = Path(out) if out is not None else default_export_dir(root)
     sets = scan(root, skip=out_dir)
     if (root / MANIFEST).is_file():
         raise InputError(f"{str(root)!r} is the output of vlmbind export, not a result folder; pass the folder "
@@ -239,14 +291,16 @@ def export_results(result_dir: str | os.PathLike, fmt: str = "html", out: str | 
                 jobs.append((prefix + name, lambda f=frame: f.to_csv(index=False).encode("utf-8")))
         else:
             for name, build in rs.figures.items():
-                jobs.append((prefix + f"{name}.{fmt}", lambda b=build, n=name: _render(b(), fmt, n)))
+                rel = prefix + f"{name}.{fmt}"
+                jobs.append((rel, lambda b=build, n=name, r=rel: _render(b(), fmt, n, r, width=width, height=height,
+                                                                         scale=scale)))
     if not jobs:
         raise InputError(f"{str(root)!r} holds results ({', '.join(sorted({r.kind for r in sets}))}) but no "
                          f"{'tables' if fmt == 'csv' else 'figures'}; try --format csv")
     for rel, _ in jobs:  # refuse an escaping path before anything is rendered or written
         safe_target(out_dir, rel)
 
-    server = fmt in ("png", "svg") and len(jobs) > 1
+    server = fmt in ("png", "svg", "pdf") and len(jobs) > 1
     payload, timings = [], []
     if server:
         import kaleido
@@ -266,6 +320,8 @@ def export_results(result_dir: str | os.PathLike, fmt: str = "html", out: str | 
             import kaleido
 
             kaleido.stop_sync_server(silence_warnings=True)
+    if fmt == "html":  # one copy of plotly.js for every page of the export
+        payload.append((PLOTLYJS_FILE, plotlyjs_bundle().encode("utf-8")))
     manifest = {"source": str(root.resolve()), "format": fmt, "files": [rel for rel, _ in payload]}
     _write_all(out_dir, [*payload, (MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))])
     return ExportReport(str(root), str(out_dir), fmt, [{"dir": r.rel, "kind": r.kind} for r in sets],

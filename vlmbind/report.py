@@ -6,9 +6,12 @@ from __future__ import annotations
 import html
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
+from .analysis.ablation import wilson_interval
 from .viz import frame_to_html_table
+from .viz.figures import plotlyjs_bundle
 
 _REPORT_CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1100px; margin: 2em auto;
@@ -20,17 +23,27 @@ table.vb-prov th, table.vb-prov td { text-align: left; vertical-align: top; }
 table.vb-table tr:nth-child(even) { background: #f6f6f6; }
 code { background: #f3f3f3; padding: 0 3px; }
 .figs { display: flex; flex-wrap: wrap; gap: 1em; }
+section.findings { background: #f4f8fb; border-left: 4px solid #1f77b4; padding: 0.2em 1em 0.6em; }
+section.findings h2 { margin-top: 0.6em; border: none; }
 """
 
 
+def plotlyjs_tag(src: str | None) -> str:
+    """The page's one plotly.js ``<script>``: a reference to ``src`` (a ``plotly.min.js`` beside the results), or
+    the library inline when ``src`` is None (a page that must stand alone)."""
+    if src is not None:
+        return f'<script charset="utf-8" src="{html.escape(src)}"></script>'
+    return f'<script charset="utf-8">{plotlyjs_bundle()}</script>'
+
+
 def demo_report_html(summary: dict[str, Any], frame: pd.DataFrame, heatmap: Any, overlay: Any, causal: str = "",
-                     validation: str = "") -> str:
-    """One offline page: the validation on a planted organism when given, provenance, the two figures (plotly.js
-    embedded once), the tables, and the causal overview's sections when given."""
+                     validation: str = "", findings: str = "", plotlyjs: str | None = None) -> str:
+    """One offline page: what was found (``findings``, see :func:`findings_section`), the validation on a planted
+    organism when given, provenance, the two figures, the tables, and the causal overview's sections when given.
+    plotly.js is loaded once in the page's head, from ``plotlyjs`` (a relative ``src``) or inline when None."""
     esc = html.escape
     chosen = summary["head"]
-    # plotly.js goes into the first figure on the page only (the validation's, when it opens the page)
-    heatmap_div = heatmap.to_html(full_html=False, include_plotlyjs=not validation, div_id="vlmbind-heatmap")
+    heatmap_div = heatmap.to_html(full_html=False, include_plotlyjs=False, div_id="vlmbind-heatmap")
     overlay_div = overlay.to_html(full_html=False, include_plotlyjs=False, div_id="vlmbind-overlay")
     pivot = frame.pivot(index="layer", columns="head", values="mass")
     pivot.columns = [f"head {h}" for h in pivot.columns]
@@ -54,9 +67,11 @@ def demo_report_html(summary: dict[str, Any], frame: pd.DataFrame, heatmap: Any,
 <meta charset="utf-8">
 <title>vlmbind demo: {esc(summary['model'])}, seed {summary['seed']}</title>
 <style>{_REPORT_CSS}</style>
+{plotlyjs_tag(plotlyjs)}
 </head>
 <body>
 <h1>vlmbind demo: {esc(summary['model'])}</h1>
+{findings}
 {validation}
 <h2>Attention from the last token to the image</h2>
 <p>Each head's attention mass from the last prompt token to the image tokens (the sum of its attention weights over
@@ -86,7 +101,7 @@ the image positions). The overlay shows the head with the largest mass, <b>L{cho
 
 def validation_sections(result: Any, model: str) -> str:
     """The report's opening: every method against the heads planted in an organism, and what that means for the
-    model the rest of the page is about (plotly.js is put on the page here, so this must come first)."""
+    model the rest of the page is about."""
     esc = html.escape
     rows = [{"condition": r["condition"], "method": r["method"], "planted heads": " ".join(r["heads"]) or "-",
              "ranks": " ".join(map(str, r["planted_ranks"])) or "-", "recall@k": r["recall_at_k"],
@@ -95,7 +110,7 @@ def validation_sections(result: Any, model: str) -> str:
     ablation = pd.DataFrame([{"mode": mode, **{k: v for k, v in arms.items()}}
                              for mode, arms in result.ablation_summary().items()])
     planted = ", ".join(f"{c}: {' '.join(h)}" for c, h in result.heads.items()) or "none"
-    figure = result.figure().to_html(full_html=False, include_plotlyjs=True, div_id="vlmbind-validation")
+    figure = result.figure().to_html(full_html=False, include_plotlyjs=False, div_id="vlmbind-validation")
     parts = [
         "<h2>How do I know the methods work? Validation on a planted organism</h2>",
         f"<p><b>{esc(result.model)}</b> had a mechanism trained into chosen heads by SIIT ({esc(planted)}); its "
@@ -143,12 +158,17 @@ def causal_sections(overview: Any) -> str:
     if overview.ablations:
         rows = []
         for name, r in overview.ablations.items():
-            acc = r.summary()["accuracy"]
+            iv = r.intervals()
             rows.append({"study": name, "mode": r.mode, "k": r.k, "top heads": ", ".join(r.arms[1]["heads"]),
-                         **{f"{arm} accuracy": acc[arm] for arm in ("clean", "top", "random", "bottom")}})
+                         **{f"{arm}": f"{iv[arm]['accuracy']:.3f} [{iv[arm]['low']:.2f}, {iv[arm]['high']:.2f}]"
+                            for arm in ("clean", "top", "random", "bottom")},
+                         "random per seed": " ".join(f"{a['accuracy']:.2f}" for a in r.random_seeds()),
+                         "random pool": "outside top-k" if r.random_from == "rest" else "all heads",
+                         "n": iv["clean"]["n"]})
         parts += ["<h2>Ablation: top-k located heads vs random-k vs bottom-k</h2>",
                   "<p>Task accuracy with the heads' attention to image tokens zeroed after the softmax (not "
-                  "renormalised); random-k is the mean over three seeds.</p>",
+                  "renormalised), with 95% intervals: Wilson over the n examples for clean, top and bottom; for "
+                  "random-k the mean over seeds with a t-interval over the seeds, each seed listed beside.</p>",
                   frame_to_html_table(pd.DataFrame(rows), index=False, float_format="{:.3f}")]
     if overview.edit is not None:
         parts += ["<h2>Position-ID edit</h2>",
@@ -199,3 +219,77 @@ def representation_sections(overview: Any) -> str:
         parts += ["<h2>Commands that regenerate the representational parts</h2>", "<ul>"] + [
             f"<li>{esc(k)}: <code>{esc(v)}</code></li>" for k, v in overview.commands.items()] + ["</ul>"]
     return "\n".join(parts)
+
+
+def _wilson_text(accuracy: float, n: int) -> str:
+    low, high = wilson_interval(accuracy, n)
+    return f"{accuracy:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def findings(causal: Any = None, validation: Any = None) -> list[str]:
+    """Two to four sentences stating what the demo measured, built from the results' own numbers: the planted
+    heads' ranks (``validation``), the located heads per condition with 95% intervals and significance, the
+    ablation with intervals, and the position-ID edit against its control."""
+    out: list[str] = []
+    if validation is not None:
+        exact = [r for r in validation.methods if r["method"] == "exact" and r["heads"]]
+        n_heads = len({(r["layer"], r["head"]) for r in validation.scores}) or None
+        parts = [f"{r['condition']} head{'s' if len(r['heads']) > 1 else ''} {' '.join(r['heads'])} at rank "
+                 f"{', '.join(map(str, r['planted_ranks']))} of {n_heads} (AUROC {r['auroc']:.2f}, "
+                 f"n={r['n_pairs']} pairs)" for r in exact]
+        if parts:
+            out.append(f"Validation on {validation.model}, where the mechanism was trained in: exact mediation puts "
+                       f"the planted {'; '.join(parts)}.")
+    if causal is not None and causal.scores:
+        found, empty = [], []
+        for condition, s in causal.scores.items():
+            u = s.uncertainty()
+            significant = s.significant_top()
+            if np.isnan(u["ci_low"]).all():  # results saved without per-pair scores
+                l, h = s.top(1)[0]
+                found.append(f"{condition}: top head {l}.{h} {s.scores[l, h]:+.3f} (no interval: the saved "
+                             f"results lack per-pair scores; n={s.n} pairs)")
+            elif significant:
+                l, h = significant[0]
+                found.append(f"{condition}: head {l}.{h} {s.scores[l, h]:+.3f} [{u['ci_low'][l, h]:+.3f}, "
+                             f"{u['ci_high'][l, h]:+.3f}] ({len(significant)} of {s.scores.size} heads significant, "
+                             f"n={s.n} pairs)")
+            else:
+                empty.append(f"{condition} (n={s.n} pairs)")
+        sentence = f"On {causal.model}, " + ("; ".join(found) if found else "no condition has a significant head")
+        if empty:
+            sentence += f"; no head separates from zero after correction for {', '.join(empty)}"
+        out.append(sentence + " (mean score in logits, 95% bootstrap interval).")
+        # the headline study: the one where the top-k hurt most against random-k; the table has every one
+        studies = sorted(causal.ablations.items(), key=lambda kv: kv[1].accuracy("top") - kv[1].accuracy("random"))
+        for name, r in studies[:1]:
+            iv = r.intervals()
+            rnd = iv["random"]
+            out.append(
+                f"Ablating the top-{r.k} heads of {name} ({r.mode}) takes accuracy from "
+                f"{_wilson_text(iv['clean']['accuracy'], iv['clean']['n'])} to "
+                f"{_wilson_text(iv['top']['accuracy'], iv['top']['n'])}; {r.k} random heads "
+                f"{'outside the top-k' if r.random_from == 'rest' else ''} give {rnd['accuracy']:.2f} "
+                f"[{rnd['low']:.2f}, {rnd['high']:.2f}] over {rnd['seeds']} seeds (lowest {rnd['lowest']:.2f}; "
+                f"n={iv['clean']['n']} examples).".replace("  ", " "))
+        if causal.edit is not None:
+            s = causal.edit.summary()
+            alphas = [a for a in s["efficacy"] if float(a) != 0]
+            if alphas:
+                best = max(alphas, key=lambda a: s["efficacy"][a])
+                eff, ctl, n = s["efficacy"][best], s["control_efficacy"].get(best, float("nan")), s["n_used"]
+                separated = wilson_interval(eff, n)[0] > wilson_interval(ctl, n)[1]
+                out.append(f"The position-ID edit at heads {', '.join(s['heads'])} switches "
+                           f"{_wilson_text(eff, n)} of answers at its best alpha ({best}); the empty-cell control "
+                           f"switches {_wilson_text(ctl, n)} ({'the edit is above it' if separated else 'not separated'}"
+                           f"; n={n} examples).")
+    return out
+
+
+def findings_section(causal: Any = None, validation: Any = None) -> str:
+    """The report's opening section: :func:`findings` as a short list."""
+    items = findings(causal, validation)
+    if not items:
+        return ""
+    body = "\n".join(f"<li>{html.escape(t)}</li>" for t in items)
+    return f'<section class="findings">\n<h2>What was found</h2>\n<ul>\n{body}\n</ul>\n</section>'

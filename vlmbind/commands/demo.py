@@ -1,7 +1,8 @@
 """``vlmbind demo``: run a model on a drawn scene, then the causal and representational overviews -> a report.
 
-The demo writes every file atomically and embeds plotly.js once in ``report.html`` so the report opens offline; apart
-from the recorded command line, the same model and seed give byte-identical files.
+The demo writes every file atomically; one ``plotly.min.js`` at the top of the output folder serves the report and
+every figure below it, so the folder opens offline and holds one copy of plotly.js. Apart from the recorded command
+line, the same model and seed give byte-identical files.
 """
 
 from __future__ import annotations
@@ -22,15 +23,29 @@ from PIL import Image, ImageDraw
 
 from .. import loading
 from ..analysis.attention import AttentionMass, last_token_attention
-from ..analysis.overview import causal_overview, representation_overview
+from ..analysis.overview import ABLATION_SEEDS, causal_overview, representation_overview
 from ..analysis.validate import recorded_planted, validate
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..io import check_out_dir
-from ..report import causal_sections, demo_report_html, representation_sections, validation_sections
+from ..report import (
+    causal_sections,
+    demo_report_html,
+    findings_section,
+    representation_sections,
+    validation_sections,
+)
 from ..stimuli import scene_description
 from ..version import __version__
-from ..viz import attention_overlay, write_bytes_atomic, write_html_atomic, write_text_atomic
+from ..viz import (
+    PLOTLYJS_FILE,
+    attention_overlay,
+    plotlyjs_src,
+    shared_plotlyjs,
+    write_bytes_atomic,
+    write_html_atomic,
+    write_text_atomic,
+)
 from .arguments import add_placement, add_prompt_format, load_model, non_negative_int, placement, positive_int
 
 # the shipped organism trained with Point-to-Answer answers (see vlmbind/organisms/weights/organism-p2a/README.md)
@@ -219,6 +234,10 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
                                                   n_train=args.probe_n, n_val=quarter, n_test=quarter)
         summary["representations"] = representations.summary()
 
+    summary["sizes"] = {"scene_seed": args.seed, "pairs_per_condition": args.pairs if causal else None,
+                        "eval_examples": args.eval_n if causal else None,
+                        "ablation_random_seeds": len(ABLATION_SEEDS) if causal else None,
+                        "probe_train_images": args.probe_n if representations else None}
     out.mkdir(parents=True, exist_ok=True)
     files = {
         "attention_mass.csv": lambda p: write_text_atomic(frame.to_csv(index=False), p),
@@ -229,21 +248,23 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "report.html": lambda p: write_text_atomic(
             demo_report_html(summary, frame, heatmap, overlay, (causal_sections(causal) if causal else "")
                              + (representation_sections(representations) if representations else ""),
-                             validation_sections(validation, vlm.name) if validation else ""), p),
+                             validation_sections(validation, vlm.name) if validation else "",
+                             findings=findings_section(causal, validation), plotlyjs=plotlyjs_src(p)), p),
     }
     written = []
-    if validation is not None:
-        validation.save(out / "validation")
-        written.append("validation")
-    if causal is not None:
-        causal.save(out / "causal")
-        written.append("causal")
-    if representations is not None:
-        representations.save(out / "representations")
-        written.append("representations")
-    for name, write in files.items():
-        write(out / name)
-    written += list(files)
+    with shared_plotlyjs(out):  # one plotly.min.js for every page below out
+        if validation is not None:
+            validation.save(out / "validation")
+            written.append("validation")
+        if causal is not None:
+            causal.save(out / "causal")
+            written.append("causal")
+        if representations is not None:
+            representations.save(out / "representations")
+            written.append("representations")
+        for name, write in files.items():
+            write(out / name)
+    written += [*files, PLOTLYJS_FILE]
     elapsed = time.perf_counter() - start
 
     result = {**summary, "out": str(out), "files": written, "elapsed_s": round(elapsed, 3)}
@@ -261,9 +282,12 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
             if scores.significance_note():
                 lines.append(f"    {scores.significance_note()}")
         for name, study in causal.ablations.items():
-            acc = study.summary()["accuracy"]
-            lines.append(f"  ablate top-{study.k} ({name}): accuracy clean {acc['clean']:.2f}, top {acc['top']:.2f}, "
-                         f"random {acc['random']:.2f}, bottom {acc['bottom']:.2f}")
+            iv = study.intervals()
+            lines.append(f"  ablate top-{study.k} ({name}, n={iv['clean']['n']}): accuracy clean "
+                         f"{iv['clean']['accuracy']:.2f}, top {iv['top']['accuracy']:.2f} [{iv['top']['low']:.2f}, "
+                         f"{iv['top']['high']:.2f}], random {iv['random']['accuracy']:.2f} (seeds "
+                         + " ".join(f"{a['accuracy']:.2f}" for a in study.random_seeds())
+                         + f"), bottom {iv['bottom']['accuracy']:.2f}")
     if representations is not None:
         rsa_lm = representations.summary()["rsa_lm"]
         lines.append("  RSA r by LM layer: compositional " + ", ".join(f"{v:.2f}" for v in rsa_lm["compositional"])
@@ -278,6 +302,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         f"  prompt: {prompt!r}" + (f" (expected: {expected!r})" if expected else ""),
         f"  top next tokens: {preds}",
         f"  head with the most last-token attention on the image: L{layer}.H{head} (mass {mass[layer, head]:.3f})",
+        "  sizes: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary["sizes"].items() if v is not None),
         *lines,
         f"  wrote {len(written)} files to {out} in {elapsed:.1f} s; open {out / 'report.html'}",
     ])

@@ -17,14 +17,23 @@ def add_parser(sub: Any, common: Any) -> None:
                     "exported too, to the same relative paths under --out.",
     )
     p.add_argument("result_dir", metavar="RESULT_DIR", help="a folder written by a vlmbind command")
-    p.add_argument("--format", default="html", help=f"one of {', '.join(FORMATS)} (default html)")
-    p.add_argument("--out", default=None, help="output folder (default RESULT_DIR/export)")
+    p.add_argument("--format", default="html", help=f"one of {', '.join(FORMATS)} (default html; HTML pages share "
+                                                    f"one plotly.min.js written at the top of the output folder)")
+    p.add_argument("--out", default=None, help="output folder (default RESULT_DIR/export, or runs/export/<path> "
+                                               "when RESULT_DIR is part of a git-tracked source tree)")
+    p.add_argument("--width", type=int, default=None, help="png/svg/pdf: page width in CSS pixels (default: the "
+                                                           "figure's own)")
+    p.add_argument("--height", type=int, default=None, help="png/svg/pdf: page height in CSS pixels (default: the "
+                                                            "figure's own)")
+    p.add_argument("--scale", type=float, default=None, help="png/svg/pdf: size multiplier (default 2 for png, "
+                                                             "1 for svg and pdf)")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
     """``vlmbind export``: see :func:`export_results`."""
-    report = export_results(args.result_dir, args.format, args.out)
+    report = export_results(args.result_dir, args.format, args.out, width=args.width, height=args.height,
+                            scale=args.scale)
     kinds = ", ".join(f"{r['dir']} ({r['kind']})" for r in report.results)
     slowest = max(report.timings, key=lambda t: t["seconds"])
     text = (f"vlmbind export: {len(report.results)} result folder(s): {kinds}\n"

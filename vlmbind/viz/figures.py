@@ -6,16 +6,20 @@ same figure from the same table. Hover text always shows the exact stored value 
 reading a number off a colour bar is not good enough to compare heads. Colour scales are chosen from the data: a
 diverging scale centred at zero for signed values (effects, differences), a sequential one for non-negative values
 (attention mass, probabilities). plotly is imported by the builders when they run, so importing vlmbind does not
-load it. Images travel inside the figure as PNG data URIs, so every HTML file written here
-is readable offline. Writers go through a temporary file in the target directory and ``os.replace``, so a reader
+load it. Images travel inside the figure as PNG data URIs, and plotly.js (about 4.8 MB) is written once per results
+folder as ``plotly.min.js`` and referenced by a relative path, so every HTML file written here is readable offline
+and a folder of ten figures holds one copy of the library (see :func:`shared_plotlyjs`). Writers go through a temporary file in the target directory and ``os.replace``, so a reader
 never sees a half-written file and an interrupted run leaves the previous file intact.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import contextvars
 import io
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,15 +37,56 @@ SEQUENTIAL_SCALE = "Viridis"
 DIVERGING_SCALE = "RdBu_r"
 
 
+PLOTLYJS_FILE = "plotly.min.js"
+_PLOTLYJS_ROOT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("vlmbind_plotlyjs_root", default=None)
+
+
+@contextlib.contextmanager
+def shared_plotlyjs(root: str | os.PathLike) -> Iterator[Path]:
+    """While active, every page written below ``root`` references one ``root/plotly.min.js`` (a run that writes
+    figures into several sub-folders, such as the demo, keeps one copy of plotly.js instead of one per folder)."""
+    resolved = Path(root).resolve()
+    token = _PLOTLYJS_ROOT.set(resolved)
+    try:
+        yield resolved
+    finally:
+        _PLOTLYJS_ROOT.reset(token)
+
+
+def plotlyjs_bundle() -> str:
+    """plotly.js as shipped with the installed plotly (the file :func:`plotlyjs_src` writes)."""
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def plotlyjs_src(page: str | os.PathLike, *, write: bool = True) -> str:
+    """The relative ``src`` by which the HTML page at ``page`` loads plotly.js: ``plotly.min.js`` in the active
+    :func:`shared_plotlyjs` root when the page lies below it, else beside the page. With ``write``, the bundle is
+    written there unless an identical one is already present."""
+    page = Path(page).resolve()
+    root = _PLOTLYJS_ROOT.get()
+    folder = root if root is not None and page.parent.is_relative_to(root) else page.parent
+    bundle = folder / PLOTLYJS_FILE
+    if write:
+        text = plotlyjs_bundle()
+        if not bundle.is_file() or bundle.stat().st_size != len(text.encode("utf-8")) or \
+                bundle.read_text(encoding="utf-8") != text:
+            write_text_atomic(text, bundle)
+    return Path(os.path.relpath(bundle, page.parent)).as_posix()
+
+
 def write_html_atomic(
-    fig: go.Figure, path: str | os.PathLike, *, include_plotlyjs: bool | str = True, div_id: str | None = None
+    fig: go.Figure, path: str | os.PathLike, *, include_plotlyjs: bool | str = "shared", div_id: str | None = None
 ) -> Path:
-    """Write ``fig`` as a standalone HTML page, atomically.
+    """Write ``fig`` as an HTML page, atomically.
 
     Args:
         fig: the figure.
         path: the destination ``.html`` file.
-        include_plotlyjs: ``True`` embeds plotly.js (about 4.8 MB; readable offline), ``"cdn"`` links it.
+        include_plotlyjs: ``"shared"`` (default) loads ``plotly.min.js`` from the results folder, written there
+            once (:func:`plotlyjs_src`; readable offline as long as the folder stays together); ``True`` embeds
+            plotly.js in the page (about 4.8 MB per page); ``"cdn"`` links it online.
         div_id: the plot's ``<div>`` id; defaults to one derived from the file name, so the same figure gives the
             same bytes (plotly would otherwise draw a random id).
 
@@ -49,6 +94,9 @@ def write_html_atomic(
         The destination as a :class:`~pathlib.Path`.
     """
     path = Path(path)
+    if include_plotlyjs == "shared":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        include_plotlyjs = plotlyjs_src(path)
     html = fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True, div_id=div_id or f"vlmbind-{path.stem}")
     return write_text_atomic(html, path)
 
@@ -148,13 +196,6 @@ def head_heatmap(
     return fig
 
 
-def _with_alpha(colour: str, alpha: float) -> str:
-    """``rgb(r, g, b)`` (as plotly's colour scales give) -> ``rgba(r, g, b, alpha)``."""
-    inner = colour[colour.index("(") + 1 : colour.rindex(")")]
-    r, g, b = (float(v) for v in inner.split(",")[:3])
-    return f"rgba({r:.0f}, {g:.0f}, {b:.0f}, {alpha:.4f})"
-
-
 def image_data_uri(image: Image.Image) -> str:
     """A PIL image as a ``data:image/png;base64,...`` URI (lossless, embeddable in offline HTML)."""
     buf = io.BytesIO()
@@ -169,10 +210,11 @@ def attention_overlay(
     weights: np.ndarray,
     title: str,
     *,
-    opacity: float = 0.7,
+    max_line: float = 5.0,
     value_name: str = "attention",
 ) -> go.Figure:
-    """Image-token cells coloured by a weight, drawn over the image they cover.
+    """Image-token cells outlined by a weight, drawn over the image they cover; the image itself is never tinted,
+    so the objects keep their true colours (this is a tool about colour binding).
 
     Args:
         image: the original image (pixel coordinates of ``boxes`` refer to it).
@@ -180,14 +222,15 @@ def attention_overlay(
         boxes: ``rows cols 4`` pixel boxes ``(x0, y0, x1, y1)`` of the tokens in the original image (``S 4``).
         weights: ``rows cols`` one weight per token, e.g. one head's attention from the last token (``S``).
         title: the figure title.
-        opacity: opacity of the cell with the largest weight; a cell's opacity is proportional to its weight, so
-            the image shows through where attention is low.
+        max_line: outline width in pixels of the cell with the largest weight; a cell's width is proportional to
+            its weight (at least a hairline), and its colour comes from a sequential scale.
         value_name: what the weights are, for the colour bar and hover text.
 
     Returns:
-        The figure: the image as background in pixel coordinates (y down), one outlined rectangle per token filled
-        on a sequential scale from 0 to the largest weight (opacity proportional to the weight), and an invisible
-        marker at each cell centre carrying the hover text (row, col, position, exact weight) and the colour bar.
+        The figure: the image as background in pixel coordinates (y down), one unfilled rectangle per token whose
+        outline colour (sequential scale from 0 to the largest weight) and width grow with the weight, heavier
+        cells drawn last so they stay on top, and an invisible marker at each cell centre carrying the hover text
+        (row, col, position, exact weight) and the colour bar.
 
     Raises:
         InputError: the shapes of positions, boxes and weights do not agree, or a weight is not finite.
@@ -215,14 +258,18 @@ def attention_overlay(
     colours = sample_colorscale(SEQUENTIAL_SCALE, list(scaled))
 
     fig = go.Figure()
+    # each outline is inset a little from its cell's edge so neighbouring outlines stay apart
+    inset = (0.06 * np.minimum(flat_box[:, 2] - flat_box[:, 0], flat_box[:, 3] - flat_box[:, 1])).tolist()
     shapes = [
         {
-            "type": "rect", "xref": "x", "yref": "y", "x0": b[0], "y0": b[1], "x1": b[2], "y1": b[3],
-            "fillcolor": _with_alpha(c, opacity * a), "line": {"width": 0.5, "color": "rgba(90,90,90,0.35)"},
-            "layer": "above",
+            "type": "rect", "xref": "x", "yref": "y", "x0": b[0] + d, "y0": b[1] + d, "x1": b[2] - d, "y1": b[3] - d,
+            "fillcolor": "rgba(0,0,0,0)", "layer": "above",
+            "line": {"width": max(0.5, max_line * a), "color": c if a > 0.05 else "rgba(90,90,90,0.35)"},
         }
-        for b, c, a in zip(flat_box.tolist(), colours, scaled.tolist())
+        for b, c, a, d in zip(flat_box.tolist(), colours, scaled.tolist(), inset)
     ]
+    order = np.argsort(scaled, kind="stable")
+    shapes = [shapes[i] for i in order]
     cell_labels = [", ".join(str(int(i)) for i in cell) for cell in cells]
     fig.add_trace(
         go.Scatter(
@@ -271,5 +318,8 @@ __all__ = [
     "image_data_uri",
     "write_bytes_atomic",
     "write_html_atomic",
+    "shared_plotlyjs",
+    "plotlyjs_src",
+    "PLOTLYJS_FILE",
     "write_text_atomic",
 ]
