@@ -165,6 +165,13 @@ def test_scores_frame_and_cli(vlm, tmp_path, monkeypatch, capsys) -> None:
     assert main(["ui", "--port", "0"]) == 2
 
 
+def pick_condition(page, condition: str) -> None:
+    """Choose the counterfactual condition in the page's dropdown, as a user does (type, then Enter)."""
+    field = page.locator("#cf-condition input")
+    field.fill(condition)
+    field.press("Enter")
+
+
 def _answer_changing_head(ctl: UIController, state: dict, scores: vb.HeadScores) -> str:
     """The highest-scoring head whose image_attention ablation changes the greedy answer."""
     clean = ctl.answer(state, [], "ablate", "image_attention")["answer"]
@@ -221,6 +228,60 @@ def test_browser_click_ablates_head_and_exports(vlm, ctl, state, tmp_path) -> No
             assert after != before
             assert after == ctl.answer(state, [key], "ablate", "image_attention")["answer"]
             assert page.inner_text("#heads-list") == f"ablated heads: {key}"
+
+            def heads_become(text: str) -> None:
+                page.wait_for_function(f"document.querySelector('#heads-list').innerText === {text!r}",
+                                       timeout=30000)
+                page.wait_for_selector("#heatmap .nsewdrag", timeout=30000)
+
+            # clicks toggle: the same cell twice, and the last-clicked cell again after "clear heads"
+            page.mouse.click(x, y)
+            heads_become("ablated heads: none")
+            page.mouse.click(x, y)
+            heads_become(f"ablated heads: {key}")
+            page.click("#clear")
+            heads_become("ablated heads: none")
+            page.mouse.click(x, y)
+            heads_become(f"ablated heads: {key}")
+
+            # the page names both conditions; the counterfactual image sits beside the clean one
+            assert page.inner_text("#conditions") == ("heatmap: id_selection scores | counterfactual for "
+                                                      "patching: id_selection")
+            assert "mismatch" not in (page.get_attribute("#conditions", "class") or "")
+            clean_box = page.locator("#clean-image").bounding_box()
+            cf_box = page.locator("#cf-image").bounding_box()
+            assert page.get_attribute("#cf-image", "src").startswith("data:image/png;base64,")
+            assert cf_box["x"] > clean_box["x"] + clean_box["width"] - 1 and abs(cf_box["y"] - clean_box["y"]) < 2
+            assert page.get_attribute("#cf-image", "src") != page.get_attribute("#clean-image", "src")
+
+            # another counterfactual condition than the heatmap's: said on the page, and patching is refused
+            page.locator("#action label", has_text="patch").click()
+            pick_condition(page, "feature_retrieval")
+            page.wait_for_function("document.querySelector('#conditions').className.includes('mismatch')",
+                                   timeout=30000)
+            page.wait_for_function("document.querySelector('#answer').innerText.includes('patching refused')",
+                                   timeout=30000)
+            assert "feature_retrieval" in page.inner_text("#cf-caption")
+            pick_condition(page, "id_selection")
+            page.wait_for_function("!document.querySelector('#conditions').className.includes('mismatch')",
+                                   timeout=30000)
+            patched = ctl.answer(state, [key], "patch", "image_attention")["answer"]
+            page.wait_for_function(f"document.querySelector('#answer-text') && "
+                                   f"document.querySelector('#answer-text').innerText === {patched!r}", timeout=30000)
+            page.locator("#action label", has_text="ablate").click()
+
+            # locate asks before it replaces loaded scores; dismissing keeps them, accepting replaces them
+            page.once("dialog", lambda d: d.dismiss())
+            page.click("#locate")
+            page.wait_for_timeout(1500)
+            assert "(exact)" not in page.text_content("#heatmap .gtitle")
+            messages: list[str] = []
+            page.once("dialog", lambda d: (messages.append(d.message), d.accept()))
+            page.click("#locate")
+            page.wait_for_function("document.querySelector('#heatmap .gtitle') && "
+                                   "document.querySelector('#heatmap .gtitle').textContent.includes('(exact)')",
+                                   timeout=60000)
+            assert messages and "Replace the loaded id_selection scores" in messages[0]
             with page.expect_download(timeout=30000) as dl:
                 page.hover("#heatmap .nsewdrag")
                 page.click("#heatmap .modebar-btn[data-title^='Download plot']")
@@ -271,7 +332,8 @@ def test_parallel_http_clients_get_the_serial_answers(vlm, ctl, state) -> None:
                            {"id": "heads-store", "property": "data", "value": heads},
                            {"id": "action", "property": "value", "value": action},
                            {"id": "mode", "property": "value", "value": mode}],
-                "changedPropIds": ["heads-store.data"], "state": []}
+                "changedPropIds": ["heads-store.data"],
+                "state": [{"id": "scores-store", "property": "data", "value": {"condition": None}}]}
         request = Request(f"http://127.0.0.1:{port}/_dash-update-component", data=json.dumps(body).encode(),
                           headers={"Content-Type": "application/json"})
         with urlopen(request, timeout=120) as response:
@@ -288,3 +350,31 @@ def test_parallel_http_clients_get_the_serial_answers(vlm, ctl, state) -> None:
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in vlm.model.modules()
                    if any(getattr(f, "__module__", "") == "vlmbind.hooks"
                           for f in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]))
+
+
+def test_conditions_are_named_matched_and_switchable(vlm, tmp_path) -> None:
+    """The scores' condition is read from HeadScores or the summary beside a scores.csv; switching the
+    counterfactual condition regenerates the same scene's counterfactual; patching across conditions is refused."""
+    own = UIController(vlm)
+    state, _ = own.generate_stimulus(3)
+    assert state["cf_condition"] == "id_selection" and state["seed"] == 3
+    pairs = vb.stimuli.scene_pairs(2, "feature_retrieval", 0, **training_defaults(vlm, "scene", {"n_objects": 3}))
+    scores = vb.locate(vlm, pairs)
+    assert ui.scores_condition(scores) == "feature_retrieval"
+    scores.save(tmp_path / "loc")
+    assert ui.scores_condition(str(tmp_path / "loc" / "scores.csv")) == "feature_retrieval"
+    assert ui.scores_condition(scores.to_frame()) is None
+    text, ok = ui.condition_status("feature_retrieval", "id_selection")
+    assert not ok and "they differ" in text
+    refused = own.answer(state, ["0.3"], "patch", scores_condition="feature_retrieval")
+    assert "patching refused" in refused["error"]
+    switched, _ = own.set_condition("feature_retrieval", state)
+    expected = vb.stimuli.scene_pairs(1, "feature_retrieval", 3, **own._scene_kwargs())[0]
+    assert switched["image"] == state["image"]  # the same clean scene
+    assert switched["cf_condition"] == "feature_retrieval"
+    assert switched["cf_expected"] == expected.answer_counterfactual
+    assert "error" not in own.answer(switched, ["0.3"], "patch", scores_condition="feature_retrieval")
+    _, message = own.set_condition("attention_swap", switched)
+    assert "not one of" in message and own.condition == "feature_retrieval"
+    app = build_app(vlm, scores=str(tmp_path / "loc" / "scores.csv"), controller=UIController(vlm))
+    assert app.vlmbind.condition == "feature_retrieval"  # the counterfactual follows the loaded scores

@@ -17,6 +17,7 @@ import hashlib
 import io
 import threading
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from .errors import InputError
 from .evaluate import training_defaults
 from .hooks import PatchHeads
 from .stimuli import scene_pairs
-from .userfiles import SCORE_COLUMNS, read_scores
+from .userfiles import SCORE_COLUMNS, read_json_object, read_scores
 from .viz import attention_overlay, head_heatmap
 
 MODES = ("image_attention", "zero", "mean")
@@ -142,6 +143,37 @@ def scores_frame(scores: Any, n_layers: int, n_heads: int) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
+def scores_condition(scores: Any) -> str | None:
+    """The condition the scores were located under: HeadScores' own, or the ``condition`` in the ``summary.json``
+    beside a ``scores.csv`` written by ``vlmbind locate``; None when unknown (a bare frame or a foreign file)."""
+    if scores is None:
+        return None
+    if hasattr(scores, "condition"):
+        return str(scores.condition)
+    if isinstance(scores, pd.DataFrame):
+        return None
+    summary = Path(scores).parent / "summary.json"
+    if summary.is_file():
+        try:
+            value = read_json_object(summary).get("condition")
+        except InputError:
+            return None
+        return str(value) if value else None
+    return None
+
+
+def condition_status(scores_cond: str | None, cf_cond: str) -> tuple[str, bool]:
+    """The page's line naming the heatmap's and the counterfactual's conditions, and whether they match (an
+    unknown scores condition counts as a match: there is nothing to compare)."""
+    shown = scores_cond or "unknown condition"
+    match = scores_cond is None or scores_cond == cf_cond
+    text = f"heatmap: {shown} scores | counterfactual for patching: {cf_cond}"
+    if not match:
+        text += (f" -- they differ: patching would move the {cf_cond} answer, not what the heatmap ranks; pick "
+                 f"{scores_cond} as the counterfactual, or press locate for {cf_cond} scores")
+    return text, match
+
+
 class UIController:
     """The model side of the app: every callback body, serialised by one lock.
 
@@ -179,8 +211,22 @@ class UIController:
         # scene_pairs' clean scenes are exactly scene_description(n, seed, ...)'s with the same parameters
         pair = scene_pairs(1, self.condition, seed, **self._scene_kwargs())[0]
         state = {"image": _png_b64(pair.clean.image), "cf_image": _png_b64(pair.counterfactual.image),
-                 "prompt": pair.clean.prompt, "expected": pair.clean.answer, "source": f"scene seed {seed}"}
-        return state, f"generated scene (seed {seed}); expected answer {pair.clean.answer!r}"
+                 "prompt": pair.clean.prompt, "expected": pair.clean.answer, "source": f"scene seed {seed}",
+                 "seed": seed, "cf_condition": self.condition, "cf_expected": pair.answer_counterfactual}
+        return state, (f"generated scene (seed {seed}); expected answer {pair.clean.answer!r}; {self.condition} "
+                       f"counterfactual answer {pair.answer_counterfactual!r}")
+
+    def set_condition(self, condition: str, state: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str]:
+        """Switch the counterfactual condition; a generated scene gets its counterfactual for the new condition
+        (same seed), an uploaded counterfactual stays as it is."""
+        if condition not in CONDITIONS:
+            return state, f"condition {condition!r} is not one of {', '.join(CONDITIONS)}"
+        self.condition = condition
+        if state and state.get("seed") is not None and state.get("source", "").startswith("scene seed"):
+            return self.generate_stimulus(state["seed"])
+        new = dict(state or {})
+        new["cf_condition"] = condition
+        return new, f"counterfactual condition: {condition}"
 
     def upload(self, contents: str | None, filename: str | None, state: dict[str, Any] | None,
                prompt: str | None, *, counterfactual: bool = False) -> tuple[dict[str, Any] | None, str]:
@@ -200,8 +246,10 @@ class UIController:
             # same size as the input so both give the same number of image tokens
             size = _from_b64(new["image"]).size
             new["cf_image"] = _png_b64(image.resize(size, Image.BILINEAR) if image.size != size else image)
+            new.update(cf_condition=f"uploaded ({filename or 'image'})", cf_expected=None)
             return new, f"counterfactual {filename or 'image'} loaded ({image.size[0]}x{image.size[1]})"
-        new.update(image=_png_b64(image), cf_image=None, expected=None, source=filename or "upload")
+        new.update(image=_png_b64(image), cf_image=None, expected=None, source=filename or "upload", seed=None,
+                   cf_condition=None, cf_expected=None)
         new["prompt"] = prompt if prompt else new.get("prompt", "")
         return new, f"loaded {filename or 'image'} ({image.size[0]}x{image.size[1]}, RGB)"
 
@@ -256,8 +304,12 @@ class UIController:
         return [], self.vlm.ablate(heads, mode=mode, means=means)
 
     def answer(self, state: dict[str, Any] | None, heads: list[str] | None, action: str = "ablate",
-               mode: str = "image_attention") -> dict[str, Any]:
+               mode: str = "image_attention", scores_condition: str | None = None) -> dict[str, Any]:
         """Clean and intervened answer with the top logits at the last position.
+
+        Args:
+            scores_condition: the condition of the scores on the page; patching from a generated counterfactual of
+                another condition is refused (the answer would not test what the heatmap ranks).
 
         Returns:
             ``{"error": msg}`` on bad input, else ``heads``, ``action``, ``mode``, ``answer`` and ``clean_answer``
@@ -268,6 +320,12 @@ class UIController:
             return {"error": "no input yet: generate a scene or upload an image"}
         keys = list(heads or [])
         pairs = [_parse_key(k) for k in keys]
+        cf_condition = state.get("cf_condition")
+        if action == "patch" and pairs and scores_condition and cf_condition in CONDITIONS \
+                and cf_condition != scores_condition:
+            return {"error": f"patching refused: the heatmap shows {scores_condition} scores but the "
+                             f"counterfactual is a {cf_condition} scene; pick {scores_condition} as the "
+                             f"counterfactual condition, or press locate for {cf_condition} scores"}
         try:
             with self.lock:
                 batch = self._batch(state)
@@ -331,7 +389,8 @@ class UIController:
         with self.lock:
             scores = locate(self.vlm, pairs, method="exact")
         frame = scores_frame(scores, self.vlm.n_layers, self.vlm.n_heads)
-        return frame.to_dict("records"), (f"located {self.condition} on {scores.n} pairs in {scores.seconds:.2f} s")
+        return frame.to_dict("records"), (f"located {self.condition} on {scores.n} pairs in {scores.seconds:.2f} s; "
+                                          f"the heatmap now shows these scores")
 
     def heatmap(self, records: list[dict[str, Any]], heads: list[str] | None, title: str) -> go.Figure:
         """The scores heatmap with an ``x`` on every active head."""
@@ -362,7 +421,33 @@ def _answer_view(result: dict[str, Any]) -> Any:
     ])
 
 
-def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str = "id_selection", n_pairs: int = 8,
+UI_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #222; margin: 0; background: #fafafa; }
+#vb-page { max-width: 1500px; margin: 0 auto; padding: 0.5em 1.2em 2em; }
+#vb-page h3 { margin: 0.6em 0 0.4em; font-weight: 600; }
+.vb-bar { display: flex; flex-wrap: wrap; align-items: center; gap: 0.6em; margin: 0.35em 0; }
+.vb-bar label { color: #555; font-size: 0.9em; }
+button { font: inherit; font-size: 0.9em; padding: 0.25em 0.8em; border: 1px solid #bbb; border-radius: 4px;
+         background: #fff; cursor: pointer; }
+button:hover { background: #eef4fa; border-color: #1f77b4; }
+#message { color: #444; font-size: 0.9em; min-height: 1.2em; }
+#conditions { font-size: 0.9em; padding: 0.3em 0.6em; border-left: 4px solid #2ca02c; background: #f1f8f1; }
+#conditions.mismatch { border-left-color: #d62728; background: #fbeeee; color: #8b1a1a; }
+.vb-images { display: flex; gap: 1em; align-items: flex-start; }
+.vb-images figure { margin: 0; text-align: center; font-size: 0.85em; color: #555; }
+.vb-images img { width: 168px; height: 168px; image-rendering: pixelated; border: 1px solid #ccc; background: #fff; }
+.vb-panel { background: #fff; border: 1px solid #e3e3e3; border-radius: 6px; padding: 0.4em 0.8em; margin: 0.4em 0; }
+.vb-figs { display: flex; flex-wrap: wrap; gap: 0.8em; }
+table { border-collapse: collapse; font-size: 0.9em; } td, th { padding: 1px 10px; text-align: right; }
+.error { color: #b00; }
+"""
+
+
+def _image_src(data: str | None) -> str:
+    return f"data:image/png;base64,{data}" if data else ""
+
+
+def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str | None = None, n_pairs: int = 8,
               controller: UIController | None = None) -> Any:
     """The Dash app for ``vlm``.
 
@@ -370,7 +455,8 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str = "
         vlm: a loaded VLM.
         scores: initial head scores (HeadScores, frame or a ``scores.csv`` path); None shows zeros until "locate".
         seed: the first generated scene's seed.
-        condition: counterfactual condition of generated pairs (``id_selection`` or ``feature_retrieval``).
+        condition: counterfactual condition of generated pairs (``id_selection`` or ``feature_retrieval``); None:
+            the loaded scores' condition when it is one of those, else ``id_selection``.
         n_pairs: pairs for on-demand locate.
         controller: reuse a controller (tests); default a new one.
 
@@ -380,51 +466,77 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str = "
     import dash
     from dash import Input, Output, State, dcc, html
 
+    loaded_condition = scores_condition(scores)
+    if condition is None:
+        condition = loaded_condition if loaded_condition in CONDITIONS else "id_selection"
     ctl = controller or UIController(vlm, condition=condition, n_pairs=n_pairs)
+    ctl.condition = condition
     initial_scores = scores_frame(scores, vlm.n_layers, vlm.n_heads).to_dict("records")
-    initial_title = "head scores" if scores is not None else "no scores yet: press 'locate'"
+    initial_title = (f"{loaded_condition or 'loaded'} scores" if scores is not None
+                     else "no scores yet: press 'locate'")
     state, message = ctl.generate_stimulus(seed)
+    status, match = condition_status(loaded_condition, condition)
 
     app = dash.Dash(__name__, title=f"vlmbind ui: {vlm.name}")
-    app.layout = html.Div([
+    app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + UI_CSS + "</style>")
+    app.layout = html.Div(id="vb-page", children=[
         html.H3(f"vlmbind ui: {vlm.name} ({vlm.n_layers} layers x {vlm.n_heads} heads)"),
         dcc.Store(id="input-store", data=state),
         dcc.Store(id="heads-store", data=[]),
         dcc.Store(id="selected-store", data=None),
-        dcc.Store(id="scores-store", data={"records": initial_scores, "title": initial_title}),
+        dcc.Store(id="scores-store", data={"records": initial_scores, "title": initial_title,
+                                           "condition": loaded_condition,
+                                           "source": "loaded" if scores is not None else None}),
         dcc.Store(id="result-store"),
-        html.Div([
-            html.Label("seed "), dcc.Input(id="seed", type="number", value=seed, min=0, step=1),
-            html.Button("generate scene", id="generate"),
-            dcc.Upload(html.Button("upload image"), id="upload", multiple=False, style={"display": "inline-block"}),
-            dcc.Upload(html.Button("upload counterfactual"), id="upload-cf", multiple=False,
-                       style={"display": "inline-block"}),
+        dcc.ConfirmDialog(id="confirm-locate"),
+        html.Div(className="vb-panel", children=[
+            html.Div(className="vb-bar", children=[
+                html.Label("seed"), dcc.Input(id="seed", type="number", value=seed, min=0, step=1,
+                                              style={"width": "5em"}),
+                html.Button("generate scene", id="generate"),
+                dcc.Upload(html.Button("upload image"), id="upload", multiple=False),
+                dcc.Upload(html.Button("upload counterfactual"), id="upload-cf", multiple=False),
+                html.Label("counterfactual"),
+                dcc.Dropdown(list(CONDITIONS), condition, id="cf-condition", clearable=False,
+                             style={"width": "200px"}),
+            ]),
+            html.Div(className="vb-bar", children=[
+                html.Label("prompt"), dcc.Input(id="prompt", type="text", value=state["prompt"], debounce=True,
+                                                style={"width": "60%"})]),
+            html.Div(message, id="message"),
+            html.Div(status, id="conditions", className="" if match else "mismatch"),
         ]),
-        html.Div([html.Label("prompt "), dcc.Input(id="prompt", type="text", value=state["prompt"], debounce=True,
-                                                 style={"width": "60%"})]),
-        html.Div(message, id="message"),
-        html.Div([
+        html.Div(className="vb-panel vb-bar", children=[
             dcc.RadioItems(ACTIONS, "ablate", id="action", inline=True),
-            dcc.Dropdown(list(MODES), "image_attention", id="mode", clearable=False, style={"width": "240px"}),
+            dcc.Dropdown(list(MODES), "image_attention", id="mode", clearable=False, style={"width": "200px"}),
             html.Button("clear heads", id="clear"),
             html.Button("locate", id="locate"),
             html.Button("download CSV", id="download-btn"),
             dcc.Download(id="download"),
+            html.Span(id="heads-list"),
         ]),
-        html.Div(id="heads-list"),
-        html.Div(id="answer"),
-        html.Div([
+        html.Div(className="vb-panel vb-bar", children=[
+            html.Div(className="vb-images", children=[
+                html.Figure([html.Img(id="clean-image", src=_image_src(state["image"])),
+                             html.Figcaption("clean input", id="clean-caption")]),
+                html.Figure([html.Img(id="cf-image", src=_image_src(state.get("cf_image"))),
+                             html.Figcaption(f"counterfactual ({condition})", id="cf-caption")]),
+            ]),
+            html.Div(id="answer"),
+        ]),
+        html.Div(className="vb-figs", children=[
             dcc.Loading(dcc.Graph(id="heatmap", config=GRAPH_CONFIG), id="heatmap-loading"),
             dcc.Graph(id="overlay", config=GRAPH_CONFIG),
-        ], style={"display": "flex", "flexWrap": "wrap"}),
+        ]),
     ])
 
     @app.callback(Output("input-store", "data"), Output("message", "children"), Output("prompt", "value"),
                   Input("generate", "n_clicks"), Input("upload", "contents"), Input("upload-cf", "contents"),
-                  Input("prompt", "value"), State("upload", "filename"), State("upload-cf", "filename"),
-                  State("seed", "value"), State("input-store", "data"), prevent_initial_call=True)
-    def on_input(_n: Any, contents: Any, cf_contents: Any, prompt: Any, filename: Any, cf_filename: Any,
-                 seed_value: Any, current: Any) -> tuple[Any, str, Any]:
+                  Input("prompt", "value"), Input("cf-condition", "value"), State("upload", "filename"),
+                  State("upload-cf", "filename"), State("seed", "value"), State("input-store", "data"),
+                  prevent_initial_call=True)
+    def on_input(_n: Any, contents: Any, cf_contents: Any, prompt: Any, cf_condition: Any, filename: Any,
+                 cf_filename: Any, seed_value: Any, current: Any) -> tuple[Any, str, Any]:
         trigger = dash.ctx.triggered_id
         if trigger == "generate":
             try:
@@ -432,6 +544,10 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str = "
             except InputError as exc:
                 return current, str(exc), dash.no_update
             return new, msg, new["prompt"]
+        if trigger == "cf-condition":
+            with ctl.lock:
+                new, msg = ctl.set_condition(cf_condition, current)
+            return new, msg, dash.no_update
         if trigger == "upload":
             new, msg = ctl.upload(contents, filename, current, prompt)
             return new, msg, dash.no_update
@@ -442,20 +558,41 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str = "
         new["prompt"] = prompt or ""
         return new, "prompt updated", dash.no_update
 
-    @app.callback(Output("heads-store", "data"), Output("selected-store", "data"),
+    @app.callback(Output("clean-image", "src"), Output("cf-image", "src"), Output("cf-caption", "children"),
+                  Output("conditions", "children"), Output("conditions", "className"),
+                  Input("input-store", "data"), Input("scores-store", "data"))
+    def on_images(current: Any, store: Any) -> tuple[str, str, str, str, str]:
+        current = current or {}
+        cf_condition = current.get("cf_condition") or "none"
+        expected = current.get("cf_expected")
+        caption = f"counterfactual ({cf_condition})" + (f": {expected!r}" if expected else "")
+        if not current.get("cf_image"):
+            caption = "no counterfactual: generate a scene or upload one"
+        text, ok = condition_status(store.get("condition"), cf_condition if cf_condition in CONDITIONS
+                                    else ctl.condition)
+        if store.get("source") is None:
+            text = text.replace("unknown condition scores", "no scores yet (press locate)")
+        return (_image_src(current.get("image")), _image_src(current.get("cf_image")), caption, text,
+                "" if ok else "mismatch")
+
+    @app.callback(Output("heads-store", "data"), Output("selected-store", "data"), Output("heatmap", "clickData"),
                   Input("heatmap", "clickData"), Input("clear", "n_clicks"), State("heads-store", "data"),
                   State("selected-store", "data"), prevent_initial_call=True)
-    def on_click(click: Any, _clear: Any, heads: Any, selected: Any) -> tuple[list[str], Any]:
+    def on_click(click: Any, _clear: Any, heads: Any, selected: Any) -> tuple[list[str], Any, None]:
+        # clickData is reset after every click: Dash fires only when it changes, so without the reset a second
+        # click on the same cell (or a click on the last cell after "clear") would do nothing
         if dash.ctx.triggered_id == "clear":
-            return [], selected
+            return [], selected, None
+        if not click:
+            return dash.no_update, dash.no_update, dash.no_update
         new, key = ctl.toggle_head(click, heads)
-        return new, key or selected
+        return new, key or selected, None
 
     @app.callback(Output("result-store", "data"), Output("answer", "children"), Output("heads-list", "children"),
                   Input("input-store", "data"), Input("heads-store", "data"), Input("action", "value"),
-                  Input("mode", "value"))
-    def on_answer(current: Any, heads: Any, action: Any, mode: Any) -> tuple[Any, Any, str]:
-        result = ctl.answer(current, heads, action, mode)
+                  Input("mode", "value"), State("scores-store", "data"))
+    def on_answer(current: Any, heads: Any, action: Any, mode: Any, store: Any) -> tuple[Any, Any, str]:
+        result = ctl.answer(current, heads, action, mode, scores_condition=(store or {}).get("condition"))
         verb = "ablated" if action == "ablate" else "patched"
         listed = f"{verb} heads: {', '.join(heads or []) or 'none'}"
         return {k: v for k, v in result.items() if k != "logits"}, _answer_view(result), listed
@@ -464,14 +601,21 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str = "
     def on_overlay(current: Any, selected: Any) -> go.Figure:
         return ctl.overlay(current, selected)
 
-    @app.callback(Output("scores-store", "data"), Output("message", "children", allow_duplicate=True),
-                  Input("locate", "n_clicks"), State("seed", "value"), prevent_initial_call=True)
-    def on_locate(_n: Any, seed_value: Any) -> tuple[Any, str]:
+    @app.callback(Output("confirm-locate", "displayed"), Output("confirm-locate", "message"),
+                  Output("scores-store", "data"), Output("message", "children", allow_duplicate=True),
+                  Input("locate", "n_clicks"), Input("confirm-locate", "submit_n_clicks"), State("seed", "value"),
+                  State("scores-store", "data"), prevent_initial_call=True)
+    def on_locate(_n: Any, _confirmed: Any, seed_value: Any, store: Any) -> tuple[Any, Any, Any, Any]:
+        if dash.ctx.triggered_id == "locate" and (store or {}).get("source") == "loaded":
+            ask = (f"Replace the loaded {store.get('condition') or ''} scores with {ctl.condition} scores located "
+                   f"now on {ctl.n_pairs} pairs? (the loaded file is not changed)")
+            return True, ask, dash.no_update, dash.no_update
         try:
             records, msg = ctl.locate(seed_value)
         except InputError as exc:
-            return dash.no_update, str(exc)
-        return {"records": records, "title": f"{ctl.condition} scores (exact)"}, msg
+            return False, dash.no_update, dash.no_update, str(exc)
+        return False, dash.no_update, {"records": records, "title": f"{ctl.condition} scores (exact)",
+                                       "condition": ctl.condition, "source": "located"}, msg
 
     @app.callback(Output("heatmap", "figure"), Input("scores-store", "data"), Input("heads-store", "data"))
     def on_heatmap(store: Any, heads: Any) -> go.Figure:
