@@ -1,0 +1,128 @@
+"""The docs run as written: the README's Python blocks execute (in a scratch folder), every ``vlmbind`` command line
+in the README, docs/, circuits/ and notebooks/ parses with the real parser, a few concrete ones run, and every tool
+the docs name is installed."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("circuits/*/README.md")),
+        ROOT / "notebooks" / "README.md", ROOT / "benchmarks" / "RESULTS.md"]
+# what the docs' placeholders stand for when a line is parsed
+PLACEHOLDERS = {"M": "organism-p2a", "N": "4", "S": "0", "DIR": "/tmp/vlmbind-docs", "TASK": "scene",
+                "CONDITION": "id_selection", "P": "2", "T": "scene", "H": "127.0.0.1", "W": "800",
+                "RESULT_DIR": "/tmp/vlmbind-docs", "...": "blocks.0.hook_resid_post"}
+
+
+def fenced_blocks(path: Path) -> list[tuple[str, str]]:
+    """``(language, text)`` of every fenced code block of a markdown file, fences paired in order."""
+    blocks, language, lines = [], None, []
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            if language is None:
+                language, lines = line[3:].strip(), []
+            else:
+                blocks.append((language, "\n".join(lines) + "\n"))
+                language = None
+        elif language is not None:
+            lines.append(line)
+    return blocks
+
+
+def python_blocks(path: Path) -> list[str]:
+    return [text for language, text in fenced_blocks(path) if language == "python"]
+
+
+def needs_weights(block: str) -> bool:
+    """A block that loads a hub checkpoint (``owner/name``): it needs weights nobody can download here."""
+    return bool(re.search(r"vb\.load\(\s*\"[\w.-]+/[\w.-]+\"", block))
+
+
+def command_lines(path: Path) -> list[str]:
+    """Every ``vlmbind ...`` command in the file's shell blocks (``.venv/bin/vlmbind``, ``-m vlmbind`` too)."""
+    out = []
+    for language, block in fenced_blocks(path):
+        if language not in ("", "bash", "sh", "console"):
+            continue
+        for line in block.splitlines():
+            line = re.split(r"\s+#", line, maxsplit=1)[0].strip()
+            m = re.search(r"(?:^|\s|/)(?:-m\s+)?vlmbind\s+(\S.*)$", line)
+            if m and not line.startswith(("#", "pip", "python", "make")):
+                out.append(m.group(1))
+    return out
+
+
+def concrete(args: str) -> list[str]:
+    """A documented command line made parseable: optional parts kept (the first alternative), placeholders filled."""
+    args = re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(" | ")[0], args)
+    tokens = []
+    for token in shlex.split(args):
+        token = token.split("|")[0] if "|" in token and not token.startswith("--") else token
+        tokens.append(PLACEHOLDERS.get(token, token))
+    return tokens
+
+
+def test_the_docs_hold_commands_and_python():
+    assert len([line for path in DOCS if path.is_file() for line in command_lines(path)]) >= 20
+    assert len(python_blocks(ROOT / "README.md")) >= 5
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if p.is_file()], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_documented_command_parses(path):
+    from vlmbind.commands import build_parser
+    from vlmbind.commands.arguments import UsageError
+
+    parser = build_parser()
+    for line in command_lines(path):
+        argv = concrete(line)
+        try:
+            parser.parse_args(argv)
+        except UsageError as exc:
+            pytest.fail(f"{path.name}: 'vlmbind {line}' does not parse as {argv}: {exc}")
+
+
+def test_readme_python_runs_as_written(tmp_path):
+    """Every README Python block, in order, as one script in a scratch folder; a block that loads a hub
+    checkpoint is only compiled (no weights can be downloaded here)."""
+    blocks = python_blocks(ROOT / "README.md")
+    runnable = [b for b in blocks if not needs_weights(b)]
+    for block in blocks:
+        compile(block, "README block", "exec")
+    assert len(blocks) - len(runnable) <= 1, "only the multi-device example may need a hub checkpoint"
+    script = tmp_path / "readme.py"
+    script.write_text("\n".join(runnable))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("argv", [
+    ["stimuli", "rsa", "--positions", "2", "--seed", "0", "--out", "{tmp}/rsa"],
+    ["stimuli", "scene", "--n", "4", "--seed", "0", "--out", "{tmp}/scene", "--pairs", "id_selection"],
+    ["locate", "--model", "organism-p2a", "--condition", "id_selection", "--n-pairs", "16", "--out", "{tmp}/loc"],
+])
+def test_concrete_readme_commands_run(argv, tmp_path, capsys):
+    from vlmbind.commands import main
+
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 0, capsys.readouterr().err
+
+
+def test_the_tools_the_docs_name_are_installed():
+    """notebooks/README.md runs notebooks with `jupyter execute` (nbclient): it must be in the venv."""
+    text = (ROOT / "notebooks" / "README.md").read_text()
+    assert ".venv/bin/jupyter execute" in text and "nbconvert" not in text
+    bindir = Path(sys.executable).parent
+    jupyter = shutil.which("jupyter", path=str(bindir))
+    assert jupyter, f"jupyter is not installed in {bindir}"
+    run = subprocess.run([jupyter, "execute", "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
