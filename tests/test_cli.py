@@ -431,3 +431,15 @@ def test_pages_share_one_plotlyjs_per_results_folder(tmp_path):
     assert bundle.read_text() == get_plotlyjs()  # a stale copy is replaced
     embedded = write_html_atomic(fig, tmp_path / "emb" / "fig.html", include_plotlyjs=True)
     assert not (embedded.parent / "plotly.min.js").exists() and "* plotly.js v" in embedded.read_text()
+
+
+def test_conditions_side_by_side_share_one_colour_scale():
+    from vlmbind.viz.figures import share_colour_scale
+
+    small = head_heatmap(_frame(np.array([[0.0005, -0.0002], [0.0001, 0.0]])), "mass", signed=True)
+    large = head_heatmap(_frame(np.array([[15.6, -1.0], [0.5, 0.0]])), "mass", signed=True)
+    assert share_colour_scale([small, large]) == 15.6
+    for fig in (small, large):
+        assert (fig.data[0].zmin, fig.data[0].zmax, fig.data[0].zmid) == (-15.6, 15.6, 0.0)
+        assert "+-15.6" in fig.layout.title.text
+    assert small.data[0].text[0][0] == repr(0.0005)  # hover keeps the exact value

@@ -11,7 +11,7 @@ import pandas as pd
 
 from .analysis.ablation import wilson_interval
 from .viz import frame_to_html_table
-from .viz.figures import plotlyjs_bundle
+from .viz.figures import plotlyjs_bundle, share_colour_scale
 
 _REPORT_CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1100px; margin: 2em auto;
@@ -136,14 +136,18 @@ def causal_sections(overview: Any) -> str:
     parts = ["<h2>Located heads (exact head-level mediation)</h2>",
              "<p>Each head's mean score over counterfactual pairs: the patched run's logit difference between the "
              "counterfactual and the clean answer, minus the clean run's (docs/methods.md section 4), computed with "
-             "the exact fast method. Attribution patching's top-k recall against it is listed beside.</p>",
+             "the exact fast method. Attribution patching's top-k recall against it is listed beside. The "
+             "heatmaps share one colour scale, so a pale condition has small scores; the table gives each "
+             "condition's own largest |score|.</p>",
              '<div class="figs">']
-    for condition, scores in overview.scores.items():
-        parts.append(f'<div class="fig">{scores.figure().to_html(full_html=False, include_plotlyjs=False)}</div>')
+    figures = [scores.figure() for scores in overview.scores.values()]
+    share_colour_scale(figures)
+    for fig in figures:
+        parts.append(f'<div class="fig">{fig.to_html(full_html=False, include_plotlyjs=False)}</div>')
     parts.append("</div>")
     table = pd.DataFrame([
-        {"condition": c, "pairs": s.n, "top heads": ", ".join(f"{l}.{h} ({s.scores[l, h]:+.3f})"
-                                                               for l, h in s.top(5)),
+        {"condition": c, "pairs": s.n, "max |score|": float(np.abs(s.scores).max()),
+         "top heads (mean [95% interval], * significant)": s.ranking_text(5),
          "attribution recall@5": overview.recall.get(c, {}).get("top5", float("nan")),
          "attribution recall@10": overview.recall.get(c, {}).get("top10", float("nan"))}
         for c, s in overview.scores.items()])

@@ -304,6 +304,32 @@ def attention_overlay(
     return fig
 
 
+def share_colour_scale(figures: list[go.Figure]) -> float:
+    """Give the heatmaps of ``figures`` one symmetric colour scale, ``+-`` the largest |value| among them, and say
+    so in each title: heads of conditions side by side are then compared by colour honestly (a condition whose
+    scores are a thousand times smaller looks pale instead of as vivid as the others). Hover keeps exact values.
+
+    Returns:
+        The shared bound.
+    """
+    bound = 0.0
+    for fig in figures:
+        for trace in fig.data:
+            if trace.type == "heatmap" and trace.z is not None:
+                z = np.asarray(trace.z, dtype=float)
+                if np.isfinite(z).any():
+                    bound = max(bound, float(np.nanmax(np.abs(z))))
+    bound = bound or 1.0
+    for fig in figures:
+        for trace in fig.data:
+            if trace.type == "heatmap":
+                trace.update(zmin=-bound, zmax=bound, zmid=0.0)
+        title = fig.layout.title.text or ""
+        fig.update_layout(title={"text": f"{title}<br><sup>colour scale shared by the figures beside it: "
+                                         f"+-{bound:.3g}</sup>"})
+    return bound
+
+
 def frame_to_html_table(frame: pd.DataFrame, *, float_format: str = "{:.4f}", index: bool = True) -> str:
     """A small HTML table for reports (values escaped; floats formatted with ``float_format``)."""
     return frame.to_html(
@@ -319,6 +345,7 @@ __all__ = [
     "write_bytes_atomic",
     "write_html_atomic",
     "shared_plotlyjs",
+    "share_colour_scale",
     "plotlyjs_src",
     "PLOTLYJS_FILE",
     "write_text_atomic",
