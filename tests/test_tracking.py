@@ -361,7 +361,8 @@ def test_track_command(tmp_path, capsys):
     assert main(["track", "--model", "organism-p2a", "--task", "search", "--n", "2", "--out", str(out),
                  "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert {p.name for p in out.iterdir()} == {"rmse.csv", "rmse.html", "centroids.json", "summary.json"}
+    assert {p.name for p in out.iterdir()} == {"rmse.csv", "rmse.html", "centroids.json", "summary.json",
+                                               "plotly.min.js"}
     import pandas as pd
 
     frame = pd.read_csv(out / "rmse.csv")

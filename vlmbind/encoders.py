@@ -26,6 +26,7 @@ from transformers import AutoImageProcessor
 
 from .adapters.base import get_module
 from .batches import RunOutput
+from .choices import ENCODER_NAMES
 from .errors import InputError, ModelLoadError
 from .hooks import HookSession
 from .sites import resolve_sites
@@ -220,7 +221,6 @@ def load_encoder(path: str, config: Any, **hf_kwargs: Any) -> VisionEncoder:
 # ----------------------------------------------------------------------------------------------------------------
 # tiny random encoders (tests, examples)
 # ----------------------------------------------------------------------------------------------------------------
-ENCODER_NAMES = ("tiny-clip", "tiny-siglip", "tiny-dinov2")
 
 
 def build_tiny_encoder(name: str, seed: int = 0, image_size: int = 224, patch: int = 16) -> VisionEncoder:

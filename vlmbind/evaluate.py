@@ -35,6 +35,7 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
+from .choices import EVAL_CHECKPOINT as CHECKPOINT  # noqa: F401  (public here too)
 from .decoding import GREEDY
 from .errors import InputError
 from .io import json_default, write_json_atomic, write_jsonl_atomic, write_text_atomic
@@ -50,8 +51,6 @@ from .stimuli.answers import (
     to_canvas,
 )
 from .stimuli.points import pointing_spans
-
-CHECKPOINT = "eval.partial.jsonl"
 
 
 def score(example: Example, output: str) -> tuple[bool, Any]:

@@ -27,12 +27,12 @@ from typing import Any
 import pandas as pd
 
 from . import analysis, results  # noqa: F401  (importing analysis registers every result kind)
+from .choices import EXPORT_FORMATS as FORMATS
 from .errors import InputError
 from .io import write_bytes_atomic
 from .results import RESULTS
 from .viz.figures import PLOTLYJS_FILE, plotlyjs_bundle
 
-FORMATS = ("png", "svg", "pdf", "html", "csv")
 # how deep export looks for result folders below RESULT_DIR (a demo nests them three levels down)
 MAX_DEPTH = 6
 # written into every output folder; scan() never reads a folder holding it (an export of tables looks like results)

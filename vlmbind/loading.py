@@ -8,7 +8,6 @@ model and processor; the family is detected from the config's ``model_type`` (vi
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from pathlib import Path
@@ -22,8 +21,9 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoProcessor
 
 from . import tiny
 from .adapters.base import adapter_class_for_config, supported_families
+from .choices import ATTN_IMPLEMENTATIONS, hub_config_message, unknown_name_error
 from .encoders import ENCODER_NAMES, ENCODERS, build_tiny_encoder, load_encoder
-from .errors import InputError, ModelLoadError, UnsupportedModelError, close_matches
+from .errors import InputError, ModelLoadError
 from .models import TRAINING_FILE, VLM
 from .shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
 from .userfiles import read_json_object
@@ -34,8 +34,8 @@ def registered_names() -> list[str]:
     return [*shipped_organisms(), *tiny.TINY_NAMES, *ENCODER_NAMES]
 
 
+# its keys are vlmbind.choices.DTYPE_NAMES (the --dtype choices; tests/test_cli_startup.py checks they agree)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 
 
 def resolve_device(device: str | None) -> str | None:
@@ -147,13 +147,9 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
         vlm = _from_pretrained(str(path), **hf_kwargs)
         vlm.name, vlm.source = name, f"shipped organism ({path.relative_to(path.parents[3])})"
         return vlm
-    near = difflib.get_close_matches(name, registered_names(), n=3, cutoff=0.8)
-    if name.startswith("tiny-") or name.startswith("organism-") or (near and "/" not in name
-                                                                     and not Path(name).exists()):
-        raise UnsupportedModelError(
-            f"unknown model name {name!r}.{close_matches(name, registered_names())} Registered names: "
-            f"{', '.join(registered_names())}; or pass a directory or hub id."
-        )
+    unknown = unknown_name_error(name, registered_names())  # a misspelt registered name (same check as the CLI's)
+    if unknown is not None:
+        raise unknown
     return _from_pretrained(name, **hf_kwargs)
 
 
@@ -184,11 +180,10 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
     except (OSError, ValueError) as exc:
         if is_dir:
             _refuse_unknown_model_type(Path(name) / "config.json")
-        where = "directory" if is_dir else "hub id"
+        reason = str(exc).splitlines()[0]
         raise ModelLoadError(
-            f"could not read a model config from {where} {name!r}: {str(exc).splitlines()[0]}. "
-            + ("Check the path." if is_dir else "vlmbind never downloads: fetch the checkpoint into the Hugging Face "
-               f"cache first (huggingface-cli download {name}) or pass a directory saved with save_pretrained.")
+            f"could not read a model config from directory {name!r}: {reason}. Check the path." if is_dir
+            else hub_config_message(name, reason)
         ) from exc
     if config.model_type in ENCODERS:
         return load_encoder(name, config, **hf_kwargs)

@@ -17,6 +17,7 @@ from PIL import Image
 from . import adapters as _adapters  # noqa: F401  (registers the families)
 from .adapters.base import ModelAdapter, adapter_class_for_config
 from .batches import Batch, RunOutput, append_tokens
+from .choices import PROMPT_FORMATS
 from .decoding import generate_ids
 from .errors import InputError, close_matches
 from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
@@ -26,9 +27,9 @@ from .stimuli.answers import FRAMES, frames_for
 from .tokens import TokenIndex, decode_generated, text_offsets
 
 TRAINING_FILE = "vlmbind_training.json"
-# how a task's prompt reaches the model: ``raw`` (image placeholders then the prompt, as the organisms are trained) or
-# ``chat`` (a user turn of the processor's chat template, then the assistant turn the answer starts)
-PROMPT_FORMATS = ("raw", "chat")
+# PROMPT_FORMATS (from vlmbind.choices): how a task's prompt reaches the model: ``raw`` (image placeholders then the
+# prompt, as the organisms are trained) or ``chat`` (a user turn of the processor's chat template, then the assistant
+# turn the answer starts)
 
 
 class VLM:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from .choices import IG_STEPS
 from .errors import InputError
 from .hooks import ATTENTION_IMPL, HookSession
 from .interventions import PatchHeadEntries, PatchHeads
@@ -590,9 +591,6 @@ def attribution_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]
     layers = sorted({layer for layer, _ in heads})
     clean, clean_z, grads = _path_gradients(vlm, task, layers, [0.0])
     return clean, _estimates(vlm, task, heads, clean, clean_z, grads)
-
-
-IG_STEPS = 8
 
 
 def integrated_gradients_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], *,

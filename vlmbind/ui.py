@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from .analysis import locate
+from .choices import UI_CONDITIONS
 from .errors import InputError
 from .evaluate import training_defaults
 from .hooks import PatchHeads
@@ -37,7 +38,7 @@ from .viz import attention_overlay, head_heatmap
 MODES = ("image_attention", "zero", "mean")
 ACTIONS = ("ablate", "patch")
 # last-token conditions of scene_pairs: their counterfactual is patched at the last position, as the UI does
-CONDITIONS = ("id_selection", "feature_retrieval")
+CONDITIONS = UI_CONDITIONS
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024
 MAX_PIXELS_SIDE = 4096
 TOP_K = 5

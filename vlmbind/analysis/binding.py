@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..choices import DEFAULT_SITE_CHOICE, PROBE_FAMILIES  # noqa: F401  (DEFAULT_SITE_CHOICE: public here too)
+from ..choices import PROBE_CHECKPOINT as CHECKPOINT  # noqa: F401  (public here too)
 from ..errors import InputError
 from ..io import json_default, write_json_atomic, write_text_atomic
 from ..probes import binding_information, pairwise_probe
@@ -29,10 +31,6 @@ from ..results import Result, read_csv_columns, read_json_object, register_resul
 from ..stimuli.colorshape import FBP, ORGANISM, ColorShapeSplits, ColorShapeWorld, entropies, world_named
 from ..viz import write_html_atomic
 from ..viz.probes import binding_figure
-
-PROBE_FAMILIES = ("linear", "quadratic", "dnn", "shared_factor", "attention", "pairwise")
-CHECKPOINT = "probe.partial.json"
-DEFAULT_SITE_CHOICE = ("last vision block", "projector", "middle LM layer")
 
 
 def default_world(vlm: Any) -> ColorShapeWorld:

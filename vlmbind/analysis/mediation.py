@@ -36,6 +36,8 @@ from safetensors.numpy import save
 from scipy.stats import false_discovery_control, spearmanr, ttest_1samp
 from tqdm.auto import tqdm
 
+from ..choices import CONDITIONS, METHODS  # noqa: F401  (CONDITIONS: public here too)
+from ..choices import LOCATE_CHECKPOINT as CHECKPOINT  # noqa: F401  (public here too)
 from ..errors import InputError
 from ..io import write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..patching import METHOD_FUNCTIONS, PatchTask
@@ -43,9 +45,6 @@ from ..results import Result, read_csv_columns, read_json_object, register_resul
 from ..stimuli.scenes import check_alignment
 from ..viz import head_heatmap, write_html_atomic
 
-METHODS = tuple(METHOD_FUNCTIONS)
-CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval", "attention_swap")
-CHECKPOINT = "locate.partial.safetensors"
 # first-order and path estimates, reported beside exact scores of their top candidates
 ESTIMATES = ("attribution", "integrated_gradients")
 

@@ -28,6 +28,8 @@ import pandas as pd
 from scipy import stats
 from sklearn.decomposition import PCA
 
+from ..choices import RSA_DEFAULT_SITES as DEFAULT_SITES  # noqa: F401  (public here too)
+from ..choices import SIMILARITIES
 from ..errors import InputError
 from ..io import write_json_atomic, write_text_atomic
 from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
@@ -39,8 +41,6 @@ from ..viz.rsa import (  # noqa: F401  (MODEL_MATRICES, pca_figure: public here 
     pca_figure,
     rsa_figure,
 )
-
-SIMILARITIES = ("pearson", "cosine")
 
 
 def model_matrices(objects: pd.DataFrame) -> dict[str, np.ndarray]:
@@ -223,9 +223,6 @@ def pca(acts: Any, site: str, n_components: int = 2) -> pd.DataFrame:
     frame["cell"] = [f"({r}, {c})" for r, c in zip(frame["row"], frame["col"])]
     frame["site"] = site
     return frame
-
-
-DEFAULT_SITES = "vision.blocks.*.hook_resid_post,projector.hook_out,blocks.*.hook_resid_post"
 
 
 def rsa_stimuli(vlm: Any, n_positions: int, seed: int) -> Any:

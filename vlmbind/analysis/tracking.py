@@ -41,6 +41,8 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from ..choices import TRACK_QUERIES as QUERIES
+from ..choices import TRACK_TASKS as TASKS
 from ..decoding import generate_ids
 from ..errors import InputError, close_matches
 from ..evaluate import max_new_tokens_for, training_defaults
@@ -60,8 +62,6 @@ __all__ = [
 ]
 
 PATTERN_SITES = "blocks.*.attn.hook_pattern"
-QUERIES = ("emit", "self")
-TASKS = ("count", "search")
 TOKEN_RULE = ("every generated token whose decoded characters overlap the point's span, i.e. the tokens from the one "
               "holding '(' to the one holding ')' (a leading space in the '(' token rides along); in a Molmo2 tag "
               "with several points, the tokens of each point's 'idx x y' triple")

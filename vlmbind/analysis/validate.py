@@ -40,6 +40,7 @@ from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from ..choices import DEFAULT_ALPHAS, VALIDATION_METHODS
 from ..errors import InputError
 from ..evaluate import training_defaults
 from ..io import write_json_atomic, write_text_atomic
@@ -56,9 +57,7 @@ from .edits import edit_study
 from .mediation import HeadScores, locate, scene_task
 
 SCENE_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
-VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients")
 PROBE_TARGETS = ("cell", "colour", "shape")
-DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def planted_heads(vlm: Any) -> dict[str, list[tuple[int, int]]]:

@@ -4,40 +4,46 @@ from __future__ import annotations
 
 from typing import Any
 
-import pandas as pd
-
-from ..analysis.ablation import MODES, ablation_study
+from ..choices import ABLATION_MODES as MODES
 from ..errors import InputError
-from ..evaluate import training_defaults
-from ..sites import parse_heads
-from ..stimuli.tasks import generate
-from ..userfiles import read_scores
-from .arguments import add_placement, add_prompt_format, load_model, out_dir, parse_range
+from .arguments import add_placement, add_prompt_format, check_model, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("ablate", parents=[common], help="task accuracy with heads ablated (top-k vs random vs bottom)",
                        description="Ablate heads given by --heads, or the top / random / bottom k of a scores.csv "
                                    "written by `vlmbind locate`, and report task accuracy for each arm.")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
     add_placement(p)
     add_prompt_format(p)
-    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"))
+    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"),
+                   help="the task whose accuracy is measured")
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
     heads.add_argument("--scores", help="a scores.csv from vlmbind locate")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--mode", choices=MODES, default="image_attention")
+    p.add_argument("--top-k", type=int, default=5, help="heads per arm (default 5)")
+    p.add_argument("--mode", choices=MODES, default="image_attention",
+                   help="image_attention (zero attention to image tokens), zero or mean (the head's output)")
     p.add_argument("--renormalize", action="store_true", help="image_attention: renormalise the remaining attention")
-    p.add_argument("--seeds", type=int, default=3, help="random-k arms (default 3)")
-    p.add_argument("--n", type=int, default=200)
+    p.add_argument("--seeds", type=int, default=5,
+                   help="random-k draws, each from the heads outside the top-k (default 5)")
+    p.add_argument("--n", type=int, default=200, help="evaluation examples (default 200)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed")
-    p.add_argument("--objects", type=parse_range)
+    p.add_argument("--objects", type=parse_range, help="objects per display: N or LOW-HIGH (default: the task's)")
     p.add_argument("--out", default=None, help="output directory (default runs/ablate/<model>-<task>)")
     p.set_defaults(func=cmd_ablate)
 
 
 def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    import pandas as pd
+
+    from ..analysis.ablation import ablation_study
+    from ..evaluate import training_defaults
+    from ..sites import parse_heads
+    from ..stimuli.tasks import generate
+    from ..userfiles import read_scores
+
     if args.n < 1:
         raise InputError(f"--n must be a positive number of examples, got {args.n}")
     if args.top_k < 1:
@@ -66,10 +72,8 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         result = ablation_study(vlm, dataset, frame, k=len(heads), mode=args.mode, renormalize=args.renormalize,
                                 seeds=tuple(range(args.seeds)))
     result.save(out)
-    acc = result.summary()["accuracy"]
     summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
                "out": str(out), "command": " ".join(command)}
-    text = (f"{vlm.name} on {args.task} (n={args.n}), {args.mode} ablation of {result.k} heads: clean "
-            f"{acc['clean']:.3f}, top {acc['top']:.3f}, random {acc['random']:.3f}, bottom {acc['bottom']:.3f}\n"
-            f"  wrote {out}/results.json")
+    text = (f"{vlm.name} on {args.task} (n={args.n}), {args.mode} ablation of {result.k} heads\n  "
+            + result.text().replace("\n", "\n  ") + f"\n  wrote {out}/results.json")
     return summary, text, 0

@@ -1,26 +1,41 @@
 """What the subcommands share: the parser class that raises instead of exiting, argument types, the capture options,
-and the preamble of every command that runs a model (:func:`out_dir`, then :func:`load_model` or, for
-the sweeps, :func:`model_session` and :func:`rank_done`).
+and the preamble of every command that runs a model (:func:`check_model`, :func:`out_dir`, then :func:`load_model`
+or, for the sweeps, :func:`model_session` and :func:`rank_done`).
 
-The preamble's order is part of the contract: a bad ``--out`` fails before anything else (nothing written, no model
-loaded), then checks of the run's size against the ranks and of leftovers of an interrupted run, then the ranks start
-and each loads the model.
+The preamble's order is part of the contract: a ``--model`` that cannot load by its name alone (a misspelt registered
+name, a hub id whose config is not in the Hugging Face cache: :func:`check_model`) fails first, before torch is
+imported; then a bad ``--out`` fails (nothing written, no model loaded), then checks of the run's size against the
+ranks and of leftovers of an interrupted run, then the ranks start and each loads the model.
+
+This module and the commands' ``add_parser`` functions import nothing heavy (the choices come from
+:mod:`vlmbind.choices`), so ``vlmbind --help`` and those errors answer at once; the heavy modules are imported by the
+functions that use them.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import loading, parallel
-from ..io import check_out_dir
-from ..models import PROMPT_FORMATS
-from ..precision import low_precision_warning
-from ..stimuli.answers import FRAMES
+from ..choices import (
+    ATTN_IMPLEMENTATIONS,
+    DTYPE_NAMES,
+    FRAMES,
+    PROMPT_FORMATS,
+    hub_config_message,
+    is_registered,
+    registered_names,
+    unknown_name_error,
+)
+from ..errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from ..parallel import Group
 
 
 class UsageError(Exception):
@@ -94,11 +109,11 @@ def add_placement(p: Any) -> None:
     g = p.add_argument_group("placement and precision")
     g.add_argument("--device", default=None,
                    help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one); default: the CPU")
-    g.add_argument("--dtype", choices=tuple(loading.DTYPES), default=None,
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="weights' dtype (default: float32 on the CPU, the checkpoint's own on a GPU); scores are "
                         "computed in float32 either way, but bfloat16 weights change them (a warning says how much)")
     g.add_argument("--device-map", default=None, help="accelerate placement for large checkpoints, e.g. auto")
-    g.add_argument("--attn-implementation", choices=loading.ATTN_IMPLEMENTATIONS, default=None,
+    g.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default=None,
                    help="attention kernel (default sdpa for checkpoints); runs that read or edit attention "
                         "patterns switch to vlmbind's eager attention on their own")
 
@@ -109,14 +124,54 @@ def placement(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
+def check_model(args: argparse.Namespace) -> None:
+    """Refuse ``--model`` at once, without importing torch, when :func:`vlmbind.load` would refuse it by its name
+    alone: a misspelt registered name (the same :class:`~vlmbind.errors.UnsupportedModelError`, with close matches),
+    or a hub id whose config is not in the Hugging Face cache (vlmbind never downloads; the same
+    :class:`~vlmbind.errors.ModelLoadError` wording, saying how to fetch it or to pass a directory). Registered names
+    and local paths pass; :func:`vlmbind.load` checks them (and repeats these checks for the Python API). Every command
+    that runs a model calls it first, before its own imports; :func:`load_model` and :func:`model_session` call it
+    too."""
+    name = os.fspath(args.model)
+    if is_registered(name):
+        return
+    unknown = unknown_name_error(name, registered_names())
+    if unknown is not None:
+        raise unknown
+    if Path(name).exists() or name.startswith((".", "/", "~")):
+        return
+    reason = _not_cached(name)
+    if reason:
+        raise ModelLoadError(hub_config_message(name, reason))
+
+
+def _not_cached(hub_id: str) -> str | None:
+    """Why ``hub_id``'s config cannot be read from the Hugging Face cache (the cache transformers reads), or None when
+    it is there or the id is one the hub library refuses (then loading says why)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(hub_id, "config.json")
+    except Exception:  # noqa: BLE001 - an id the hub library refuses: the full load reports it as today
+        return None
+    if isinstance(found, str):
+        return None
+    return "its config.json is not in the Hugging Face cache"
+
+
 def out_dir(args: argparse.Namespace, command: str, *qualifiers: str) -> Path:
     """``--out``, or ``runs/<command>/<model>[-<qualifier>...]``, checked before any work (:func:`check_out_dir`)."""
+    from ..io import check_out_dir
+
     default = "-".join([f"runs/{command}/{Path(str(args.model)).name}", *qualifiers])
     return check_out_dir(args.out or default)
 
 
 def load_model(args: argparse.Namespace) -> Any:
     """``--model``, loaded in this process (commands that run on one process), in ``--prompt-format``."""
+    from .. import loading
+
+    check_model(args)
     return _warned(_formatted(loading.load(args.model, **placement(args)), args))
 
 
@@ -128,6 +183,8 @@ def _formatted(vlm: Any, args: argparse.Namespace) -> Any:
 
 def _warned(vlm: Any) -> Any:
     """``vlm``, after printing the measured low-precision warning to stderr when its weights are bf16 / fp16."""
+    from ..precision import low_precision_warning
+
     warning = low_precision_warning(vlm)
     if warning:
         print(warning, file=sys.stderr)
@@ -136,13 +193,16 @@ def _warned(vlm: Any) -> Any:
 
 @contextlib.contextmanager
 def model_session(args: argparse.Namespace, command: list[str], out: Path | None = None, *,
-                  sweep: str | None = None, checkpoint: Path | None = None) -> Iterator[tuple[parallel.Group, Any]]:
+                  sweep: str | None = None, checkpoint: Path | None = None) -> Iterator[tuple[Group, Any]]:
     """The ranks of a sweep (``--processes``) and the model each loads: ``(group, vlm)``.
 
     With ``sweep`` (the command's part prefix), leftovers of an interrupted run in ``out`` are refused unless
     ``--resume`` (see :func:`vlmbind.parallel.check_leftovers`); spawned ranks rerun the command line through
     ``args.rank_entry`` (the command's ``main``).
     """
+    from .. import loading, parallel
+
+    check_model(args)
     if sweep is not None:
         world = parallel.world_size(args.processes)
         parallel.check_leftovers(out, sweep, checkpoint, world, args.resume)
@@ -154,8 +214,10 @@ def model_session(args: argparse.Namespace, command: list[str], out: Path | None
         yield group, (_warned(vlm) if group.is_main else vlm)
 
 
-def rank_done(group: parallel.Group, out: str | Path) -> tuple[dict[str, Any], str, int]:
+def rank_done(group: Group, out: str | Path) -> tuple[dict[str, Any], str, int]:
     """The CLI result of a rank other than 0 (its work is in the parts; rank 0 writes the results)."""
+    from .. import parallel
+
     return ({"rank": group.rank, "processes": group.world, "out": str(out)},
             f"rank {group.rank} of {group.world}: part written to {Path(out) / parallel.PARTS}", 0)
 

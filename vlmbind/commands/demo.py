@@ -13,40 +13,22 @@ import json
 import platform
 import shlex
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import plotly
-import torch
-import transformers
-from PIL import Image, ImageDraw
-
-from .. import loading
-from ..analysis.attention import AttentionMass, last_token_attention
-from ..analysis.overview import ABLATION_SEEDS, causal_overview, representation_overview
-from ..analysis.validate import recorded_planted, validate
 from ..errors import InputError
-from ..evaluate import training_defaults
-from ..io import check_out_dir
-from ..report import (
-    causal_sections,
-    demo_report_html,
-    findings_section,
-    representation_sections,
-    validation_sections,
-)
-from ..stimuli import scene_description
 from ..version import __version__
-from ..viz import (
-    PLOTLYJS_FILE,
-    attention_overlay,
-    plotlyjs_src,
-    shared_plotlyjs,
-    write_bytes_atomic,
-    write_html_atomic,
-    write_text_atomic,
+from .arguments import (
+    add_placement,
+    add_prompt_format,
+    check_model,
+    load_model,
+    non_negative_int,
+    placement,
+    positive_int,
 )
-from .arguments import add_placement, add_prompt_format, load_model, non_negative_int, placement, positive_int
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # the shipped organism trained with Point-to-Answer answers (see vlmbind/organisms/weights/organism-p2a/README.md)
 DEFAULT_MODEL = "organism-p2a"
@@ -106,6 +88,9 @@ def _draw_scene(seed: int, size: int = 224) -> tuple[Image.Image, list[dict[str,
     Returns:
         The ``size x size`` RGB image and one ``{colour, shape, box}`` per object (box ``x0, y0, x1, y1`` pixels).
     """
+    import numpy as np
+    from PIL import Image, ImageDraw
+
     rng = np.random.default_rng(seed)
     third = _THIRD_OBJECTS[int(rng.integers(len(_THIRD_OBJECTS)))]
     cells = rng.permutation(9)[:3]
@@ -131,6 +116,10 @@ def _draw_scene(seed: int, size: int = 224) -> tuple[Image.Image, list[dict[str,
 
 
 def _versions() -> dict[str, str]:
+    import plotly
+    import torch
+    import transformers
+
     return {
         "vlmbind": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "plotly": plotly.__version__, "python": platform.python_version(),
@@ -140,6 +129,9 @@ def _versions() -> dict[str, str]:
 def _demo_scene(vlm: Any, seed: int) -> tuple[Image.Image, list[dict[str, Any]], str, str | None]:
     """The demo's scene, prompt and expected answer: for a model vlmbind trained (an organism), a scene-description
     stimulus on its own canvas and pools, so the model is asked what it learned; otherwise the fixed drawn scene."""
+    from ..evaluate import training_defaults
+    from ..stimuli import scene_description
+
     if not getattr(vlm, "training", None):
         image, objects = _draw_scene(seed)
         return image, objects, DEMO_PROMPT, None
@@ -156,6 +148,32 @@ def _png_bytes(image: Image.Image) -> bytes:
 
 def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
     """``vlmbind demo``: run a model on a drawn scene and write the CSV, figures, scene, summary and report."""
+    check_model(args)
+    import numpy as np
+    import torch
+
+    from .. import loading
+    from ..analysis.attention import AttentionMass, last_token_attention
+    from ..analysis.overview import ABLATION_SEEDS, causal_overview, representation_overview
+    from ..analysis.validate import recorded_planted, validate
+    from ..io import check_out_dir
+    from ..report import (
+        causal_sections,
+        demo_report_html,
+        findings_section,
+        representation_sections,
+        validation_sections,
+    )
+    from ..viz import (
+        PLOTLYJS_FILE,
+        attention_overlay,
+        plotlyjs_src,
+        shared_plotlyjs,
+        write_bytes_atomic,
+        write_html_atomic,
+        write_text_atomic,
+    )
+
     start = time.perf_counter()
     out = check_out_dir(args.out)  # a bad --out fails now, not after the whole run
     if not args.no_validate:  # so does a validation model with nothing planted (read from its record, no weights)

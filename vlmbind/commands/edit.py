@@ -4,19 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..analysis.ablation import ranked_heads
-from ..analysis.edits import (
-    alpha_label,
-    check_alphas,
-    check_heads,
-    check_positive,
-    edit_study,
-    entropy_repair,
-)
 from ..errors import InputError
-from ..sites import parse_heads
-from ..userfiles import read_scores
-from .arguments import add_placement, add_prompt_format, load_model, out_dir, parse_range
+from .arguments import add_placement, add_prompt_format, check_model, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -24,7 +13,7 @@ def add_parser(sub: Any, common: Any) -> None:
                        description="Estimate position IDs at chosen heads, add alpha * (d_t - d_o) at the last "
                                    "prompt token, and report how often the answer switches to the object at t "
                                    "(with an empty-cell control); --repair adds the entropy-repair experiment.")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
     add_placement(p)
     add_prompt_format(p)
     heads = p.add_mutually_exclusive_group(required=True)
@@ -34,7 +23,7 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--alpha", default="0,0.5,1,2,4,8", help="comma-separated alphas (0 is always added)")
     p.add_argument("--n-estimate", type=int, default=512, help="estimation examples (default 512)")
     p.add_argument("--n-eval", type=int, default=64, help="evaluation examples (default 64)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="stimulus seed")
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
     p.add_argument("--repair", action="store_true", help="also run entropy repair (high-entropy IDs into "
                                                           "low-entropy scenes)")
@@ -43,6 +32,10 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, int]]:
+    from ..analysis.ablation import ranked_heads
+    from ..analysis.edits import check_heads
+    from ..userfiles import read_scores
+
     frame = read_scores(path_text, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
     ranked = ranked_heads(frame)
     if not 1 <= top_k <= len(ranked):
@@ -51,6 +44,10 @@ def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, 
 
 
 def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from ..analysis.edits import alpha_label, check_alphas, check_heads, check_positive, edit_study, entropy_repair
+    from ..sites import parse_heads
+
     alphas = check_alphas(args.alpha)
     check_positive(**{"--n-estimate": args.n_estimate, "--n-eval": args.n_eval})
     if args.heads is not None:

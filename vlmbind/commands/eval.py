@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import parallel, sweeps
+from ..choices import EVAL_CHECKPOINT as CHECKPOINT
 from ..errors import InputError
-from ..evaluate import CHECKPOINT, evaluate, training_defaults
-from ..stimuli.tasks import generate, task_kwargs
-from .arguments import add_placement, add_point_frame, add_prompt_format, model_session, out_dir, parse_range, rank_done
+from .arguments import (
+    add_placement,
+    add_point_frame,
+    add_prompt_format,
+    check_model,
+    model_session,
+    out_dir,
+    parse_range,
+    rank_done,
+)
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -18,7 +25,8 @@ def add_parser(sub: Any, common: Any) -> None:
     add_placement(p)
     add_prompt_format(p)
     add_point_frame(p)
-    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"))
+    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"),
+                   help="the task to answer")
     p.add_argument("--n", type=int, default=200, help="number of examples (default 200)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1; training uses others)")
     p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH")
@@ -28,7 +36,7 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--diversity", choices=("low", "high"), help="count: one colour and shape, or many")
     p.add_argument("--image-size", type=int, help="canvas side in pixels (default: the model's training size)")
     p.add_argument("--grid", type=parse_range, help="object grid: N or ROWS-COLS")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="examples per generation batch (default 16)")
     p.add_argument("--out", default=None, help="output directory (default runs/eval/<model>-<task>)")
     p.add_argument("--resume", action="store_true",
                    help=f"continue an interrupted run from OUT/{CHECKPOINT} (same arguments)")
@@ -39,6 +47,11 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from .. import parallel, sweeps
+    from ..evaluate import evaluate, training_defaults
+    from ..stimuli.tasks import generate, task_kwargs
+
     if args.n < 1:
         raise InputError(f"--n must be a positive number of examples, got {args.n}")
     if args.batch_size < 1:

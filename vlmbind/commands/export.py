@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..export import FORMATS, export_results
+from ..choices import EXPORT_FORMATS as FORMATS
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -32,6 +32,8 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def cmd_export(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
     """``vlmbind export``: see :func:`export_results`."""
+    from ..export import export_results
+
     report = export_results(args.result_dir, args.format, args.out, width=args.width, height=args.height,
                             scale=args.scale)
     kinds = ", ".join(f"{r['dir']} ({r['kind']})" for r in report.results)

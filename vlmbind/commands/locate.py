@@ -4,27 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import parallel, sweeps
-from ..analysis.mediation import CHECKPOINT, CONDITIONS, METHODS, answer_casing, locate
-from ..analysis.traces import point_swap_pairs
+from ..choices import CONDITIONS, IG_STEPS, METHODS
+from ..choices import LOCATE_CHECKPOINT as CHECKPOINT
 from ..errors import InputError
-from ..evaluate import training_defaults
-from ..patching import IG_STEPS
-from ..stimuli import scene_pairs
-from .arguments import add_placement, add_prompt_format, model_session, out_dir, parse_range, rank_done
+from .arguments import add_placement, add_prompt_format, check_model, model_session, out_dir, parse_range, rank_done
 
 
 def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("locate", parents=[common], help="head-level causal mediation on counterfactual scene pairs",
                        description="Score every attention head by patching its output from counterfactual scenes.")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
     add_placement(p)
     p.add_argument("--condition", required=True, choices=CONDITIONS,
                    help="scene pairs (VSM's three) or attention_swap (PbP: the model's own pointing traces)")
-    p.add_argument("--n-pairs", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-pairs", type=int, default=16,
+                   help="counterfactual pairs (default 16); too few to separate any head from zero is said")
+    p.add_argument("--seed", type=int, default=0, help="pair seed")
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
-    p.add_argument("--entropy", choices=("high", "low"), default="high")
+    p.add_argument("--entropy", choices=("high", "low"), default="high",
+                   help="scenes of distinct features (high) or shared ones (low)")
     add_prompt_format(p)
     p.add_argument("--method", choices=METHODS, default="exact",
                    help="exact (fast, equal to naive), naive (one forward per head), attribution (first-order "
@@ -44,6 +42,13 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from .. import parallel, sweeps
+    from ..analysis.mediation import answer_casing, locate
+    from ..analysis.traces import point_swap_pairs
+    from ..evaluate import training_defaults
+    from ..stimuli import scene_pairs
+
     if args.n_pairs < 1:
         raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
     if args.ig_steps < 1:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from PIL import Image
-
-from .. import loading
 from .arguments import format_table, one_line
 
 # the image size `vlmbind models` probes each model's image-token grid(s) with
@@ -30,6 +27,10 @@ def describe_model(name: str) -> dict[str, Any]:
         ``name, family, display_name, layers, heads, kv_heads, d_head, d_model, vision_layers, image_tokens,
         grids [{name, image, rows, cols}], source``.
     """
+    from PIL import Image
+
+    from .. import loading
+
     vlm = loading.load(name)
     probe = Image.new("RGB", (PROBE_SIZE, PROBE_SIZE), "white")
     index = vlm.prepare(probe, "What is in this image?").index[0]
@@ -62,6 +63,8 @@ def cmd_models(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, 
     A registered model that fails to build is listed with its ``error`` (the other rows are still useful) and makes
     the exit code 1: a registered name that cannot load is a bug in vlmbind, not bad input.
     """
+    from .. import loading
+
     rows, failed = [], []
     for name in loading.registered_names():
         try:

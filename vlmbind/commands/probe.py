@@ -4,34 +4,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import parallel, sweeps
-from ..analysis.binding import (
-    CHECKPOINT,
-    DEFAULT_SITE_CHOICE,
-    PROBE_FAMILIES,
-    colorshape_splits,
-    default_sites,
-    default_world,
-    probe_sites,
-)
+from ..choices import DEFAULT_SITE_CHOICE, PROBE_FAMILIES, WORLD_NAMES
+from ..choices import PROBE_CHECKPOINT as CHECKPOINT
 from ..errors import InputError
-from ..probes import ProbeConfig
-from ..stimuli.colorshape import WORLDS
-from .arguments import add_capture_arguments, add_placement, add_prompt_format, model_session, out_dir, rank_done
+from .arguments import (
+    add_capture_arguments,
+    add_placement,
+    add_prompt_format,
+    check_model,
+    model_session,
+    out_dir,
+    rank_done,
+)
 
 
 def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("probe", parents=[common], help="binding-information probes on BalancedColorShape",
                        description="Capture BalancedColorShape (train/val/test splits by feature code) and estimate "
                                    "each site's binding information in bits (FBP) or IsSameObject accuracy (VOB).")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
     add_placement(p)
     add_prompt_format(p)
     p.add_argument("--sites", default=None, help="comma-separated sites or patterns (default: "
                                                  + ", ".join(DEFAULT_SITE_CHOICE) + ")")
     p.add_argument("--family", default="linear",
                    help=f"comma-separated probe families: {', '.join(PROBE_FAMILIES)} (default linear)")
-    p.add_argument("--world", choices=("auto", *WORLDS), default="auto",
+    p.add_argument("--world", choices=("auto", *WORLD_NAMES), default="auto",
                    help="the BalancedColorShape world: fbp (FBP's 8 x 8 palette, 18 objects on 256 px), organism "
                         "(the organisms' 4 x 4 palette, 5 objects on their 168 px canvas); default auto: the "
                         "organism world for the organisms, fbp otherwise")
@@ -44,7 +42,7 @@ def add_parser(sub: Any, common: Any) -> None:
                         "validation loss")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (FBP: 1e-3; small sets want ~1e-2)")
     p.add_argument("--batch-size", type=int, default=512, help="probe mini-batch (FBP: 512)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="stimulus and probe seed")
     p.add_argument("--resume", action="store_true",
                    help=f"continue an interrupted run: its capture in OUT/activations and the probes in OUT/{CHECKPOINT}")
     p.add_argument("--out", default=None, help="output directory (default runs/probe/<model>)")
@@ -53,6 +51,12 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from .. import parallel, sweeps
+    from ..analysis.binding import colorshape_splits, default_sites, default_world, probe_sites
+    from ..probes import ProbeConfig
+    from ..stimuli.colorshape import WORLDS
+
     families = tuple(f.strip() for f in args.family.split(",") if f.strip())
     bad = [f for f in families if f not in PROBE_FAMILIES]
     if bad or not families:

@@ -4,26 +4,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import sweeps
-from ..analysis.rsa import DEFAULT_SITES, SIMILARITIES, pca, rsa, rsa_stimuli
+from ..choices import RSA_DEFAULT_SITES as DEFAULT_SITES
+from ..choices import SIMILARITIES
 from ..errors import InputError
-from ..viz import write_html_atomic
-from ..viz.rsa import pca_figure
-from .arguments import add_capture_arguments, add_placement, add_prompt_format, model_session, out_dir, rank_done
+from .arguments import (
+    add_capture_arguments,
+    add_placement,
+    add_prompt_format,
+    check_model,
+    model_session,
+    out_dir,
+    rank_done,
+)
 
 
 def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("rsa", parents=[common], help="RSA and PCA of object representations on the single-object set",
                        description="Capture the single-object RSA set, then compare each site's object similarity "
                                    "matrix with the conjunctive, compositional and position model matrices.")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
     add_placement(p)
     add_prompt_format(p)
     p.add_argument("--sites", default=DEFAULT_SITES, help=f"comma-separated sites or patterns (default {DEFAULT_SITES})")
     p.add_argument("--positions", type=int, default=4, help="cells per colour-shape conjunction (default 4)")
-    p.add_argument("--similarity", choices=SIMILARITIES, default="pearson")
-    p.add_argument("--permutations", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--similarity", choices=SIMILARITIES, default="pearson",
+                   help="how two objects' representations are compared (default pearson)")
+    p.add_argument("--permutations", type=int, default=1000, help="permutations of the p-values (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="stimulus and permutation seed")
     p.add_argument("--resume", action="store_true", help="continue an interrupted capture in OUT/activations")
     p.add_argument("--out", default=None, help="output directory (default runs/rsa/<model>)")
     add_capture_arguments(p)
@@ -31,6 +38,12 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from .. import sweeps
+    from ..analysis.rsa import pca, rsa, rsa_stimuli
+    from ..viz import write_html_atomic
+    from ..viz.rsa import pca_figure
+
     if args.positions < 1:
         raise InputError(f"--positions must be at least 1, got {args.positions}")
     if args.permutations < 0:

@@ -7,9 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..io import check_out_dir
-from ..stimuli.core import StimulusError
-from ..stimuli.tasks import PAIR_CONDITIONS, TASKS, generate, task_kwargs
+from ..choices import PAIR_CONDITIONS
+from ..choices import STIMULI_TASKS as TASKS
 from .arguments import parse_range
 
 
@@ -20,7 +19,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("task", choices=sorted(TASKS), help="which data set")
     p.add_argument("--n", type=int, default=None, help="number of examples (pairs with --pairs); rsa takes none")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="stimulus seed (same seed, byte-identical files)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--pairs", choices=PAIR_CONDITIONS, help="scene only: counterfactual pairs for this condition")
     p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH")
@@ -38,6 +37,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_stimuli(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    from ..io import check_out_dir
+    from ..stimuli.core import StimulusError
+    from ..stimuli.tasks import generate, task_kwargs
+
     kwargs = task_kwargs(args.task, vars(args))
     if args.seed < 0:
         raise StimulusError(f"--seed must be >= 0, got {args.seed}")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..analysis.tracking import QUERIES, TASKS, track, tracking_dataset
+from ..choices import TRACK_QUERIES as QUERIES
+from ..choices import TRACK_TASKS as TASKS
 from ..errors import InputError
-from .arguments import add_placement, add_point_frame, add_prompt_format, load_model, out_dir, parse_range
+from .arguments import add_placement, add_point_frame, add_prompt_format, check_model, load_model, out_dir, parse_range
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -17,7 +18,7 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--model", required=True, help="registered name, model directory or hub id")
     add_placement(p)
     add_prompt_format(p)
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", required=True, choices=TASKS, help="the pointing task the centroids are tracked on")
     p.add_argument("--n", type=int, default=32, help="number of examples (default 32)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1)")
     p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH (default: training range)")
@@ -31,6 +32,9 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def cmd_track(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from ..analysis.tracking import track, tracking_dataset
+
     if args.n < 1:
         raise InputError(f"--n must be a positive number of examples, got {args.n}")
     if args.seed < 0:

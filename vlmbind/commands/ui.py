@@ -5,10 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..analysis.mediation import CONDITIONS
+from ..choices import UI_CONDITIONS
 from ..errors import InputError
-from ..ui import build_app
-from .arguments import add_placement, add_prompt_format, load_model
+from .arguments import add_placement, add_prompt_format, check_model, load_model
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -19,16 +18,25 @@ def add_parser(sub: Any, common: Any) -> None:
     add_placement(p)
     add_prompt_format(p)
     p.add_argument("--scores", default=None, help="a scores.csv from vlmbind locate (default: locate on demand)")
-    p.add_argument("--condition", choices=CONDITIONS, default="id_selection",
-                   help="counterfactual of generated scenes (patched at the last token)")
+    p.add_argument("--condition", choices=UI_CONDITIONS, default=None,
+                   help="counterfactual of generated scenes, patched at the last token (default: the condition of "
+                        "--scores when it is one of these, else id_selection); the page can switch it")
     p.add_argument("--pairs", type=int, default=8, help="pairs for on-demand locate")
     p.add_argument("--seed", type=int, default=0, help="first scene's seed")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8050)
+    p.add_argument("--port", type=int, default=8050, help="TCP port (default 8050)")
     p.set_defaults(func=cmd_ui)
 
 
+def build_app(*args: Any, **kwargs: Any) -> Any:
+    """:func:`vlmbind.ui.build_app` (imported when the app is built: it needs torch and dash)."""
+    from ..ui import build_app as build
+
+    return build(*args, **kwargs)
+
+
 def cmd_ui(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
     if not 0 < args.port < 65536:
         raise InputError(f"--port {args.port} is not a TCP port; pass 1..65535")
     if args.pairs < 1:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..analysis.ablation import MODES
-from ..analysis.validate import DEFAULT_ALPHAS, VALIDATION_METHODS, recorded_planted, validate
+from ..choices import ABLATION_MODES as MODES
+from ..choices import DEFAULT_ALPHAS, IG_STEPS, VALIDATION_METHODS
 from ..errors import InputError
-from ..patching import IG_STEPS
-from ..sites import parse_heads
-from .arguments import add_placement, add_prompt_format, int_at_least, load_model, out_dir
+from .arguments import add_placement, add_prompt_format, check_model, int_at_least, load_model, out_dir
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -31,7 +29,8 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--seed", type=int, default=1000, help="stimulus seed (default 1000, away from training's)")
     p.add_argument("--objects", type=int_at_least(2, "3"),
                    help="objects per scene (default: the count the planting held out, else 3)")
-    p.add_argument("--entropy", choices=("high", "low"), default="high")
+    p.add_argument("--entropy", choices=("high", "low"), default="high",
+                   help="scenes of distinct features (high) or shared ones (low)")
     p.add_argument("--methods", default=",".join(VALIDATION_METHODS),
                    help=f"mediation methods, comma-separated (default {','.join(VALIDATION_METHODS)})")
     p.add_argument("--naive-heads", type=int_at_least(1, "6"), default=6,
@@ -54,6 +53,8 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def _given_heads(values: list[str]) -> dict[str, list[str]]:
+    from ..sites import parse_heads
+
     out: dict[str, list[str]] = {}
     for value in values:
         condition, sep, heads = value.partition("=")
@@ -71,6 +72,9 @@ def _floats(text: str, what: str) -> list[float]:
 
 
 def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from ..analysis.validate import recorded_planted, validate
+
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     alphas = _floats(args.alpha, "--alpha")

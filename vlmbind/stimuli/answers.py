@@ -30,6 +30,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ..choices import FRAMES
 from ..errors import InputError
 from .core import COLOURS, LETTERS, SHAPES
 from .points import POINT_FORMATS, PointSpan, pointing_spans
@@ -47,13 +48,6 @@ NUMBER_WORDS = {w: i for i, w in enumerate(
 NUMBER_WORDS.update({"none": 0, "single": 1})
 SPELLINGS = {"grey": "gray"}
 
-FRAMES = {
-    "canvas": "stimulus canvas cells: x = column, y = row, 0-based, cell centres at integers",
-    "pixels": "pixels of the original image",
-    "resized": "pixels of the image as the processor resized it (Qwen2.5-VL's absolute coordinates)",
-    "permille": "0-1000 of the image's width and height (Qwen2-VL boxes, Molmo2 points)",
-    "percent": "0-100 of the image's width and height (Molmo points)",
-}
 # formats whose frame is part of the format, whatever model wrote them
 SELF_DESCRIBING = {"box": "permille", "molmo": "percent", "molmo2": "permille"}
 

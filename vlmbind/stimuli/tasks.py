@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
+from ..choices import PAIR_CONDITIONS  # noqa: F401  (public here too)
 from .core import Canvas, StimulusError
 
 # task -> (module, function, options it accepts besides n / seed / out)
@@ -25,7 +26,6 @@ TASKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rsa": ("rsa_set", "rsa_set", ("positions", "canvas")),
     "colorshape": ("colorshape", "balanced_color_shape", ("split",)),
 }
-PAIR_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
 _CANVAS_OPTIONS = ("image_size", "grid", "object_size")
 
 
