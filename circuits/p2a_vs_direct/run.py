@@ -21,6 +21,16 @@ from vlmbind.io import write_json_atomic, write_text_atomic
 S = vb.stimuli
 HERE = Path(__file__).parent
 
+
+def _tables():
+    """This circuit's tables.py (the README's table, rendered from results), loaded by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("p2a_vs_direct_tables", HERE / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 # (row label, task, generator kwargs, PbP Qwen2.5-VL-7B reference: (P2A, Direct) or None)
 ROWS = [
     ("scene, high entropy (2-4 objects)", "scene", {"entropy": "high"}, None),
@@ -64,28 +74,6 @@ def run(models: list[str], n: int, seed: int) -> dict:
     return results
 
 
-def table(results: dict) -> str:
-    names = list(results["models"])
-    head = "| task | " + " | ".join(names) + " | PbP P2A | PbP Direct |\n|---|" + "---|" * (len(names) + 2) + "\n"
-    lines = []
-    for label, task, _, ref in ROWS:
-        cells = []
-        for m in names:
-            row = results["models"][m]["rows"][label]
-            cell = f"{100 * row['accuracy']:.1f}"
-            regime = (results["models"][m].get("training") or {}).get("regime")
-            if regime == "p2a" and row.get("points_exact") is not None:
-                cell += f" (points {100 * row['points_exact']:.0f})"
-            cells.append(cell)
-        extra = ""
-        if task == "query":
-            ceiling = results["models"][names[0]]["rows"][label]["summary"].get("counting_ceiling")
-            extra = f" (counting-only ceiling {100 * ceiling:.1f})" if ceiling is not None else ""
-        lines.append(f"| {label}{extra} | " + " | ".join(cells) + f" | {ref[0] if ref else ''} | "
-                     f"{ref[1] if ref else ''} |")
-    return head + "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["organism-p2a", "organism-direct"])
@@ -95,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = run(args.models, args.n, args.seed)
     write_json_atomic(results, args.out / "results.json")
-    write_text_atomic(table(results), args.out / "table.md")
-    print(table(results))
+    table = _tables().render(results)  # the README's table (with intervals), from these results
+    write_text_atomic(table + "\n", args.out / "table.md")
+    print(table)
     return 0
 
 

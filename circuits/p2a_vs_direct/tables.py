@@ -35,8 +35,10 @@ def _wilson(accuracy: float, n: int) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
-def render() -> str:
-    results = json.loads((RESULTS / "results.json").read_text())
+def render(results: dict | None = None) -> str:
+    """The table of ``results`` (default: the saved ``results/results.json``)."""
+    if results is None:
+        results = json.loads((RESULTS / "results.json").read_text())
     names = list(results["models"])
     n = {row["n"] for m in names for row in results["models"][m]["rows"].values()}
     lines = [f"Accuracy in % (95% Wilson interval) on n = {', '.join(map(str, sorted(n)))} fresh stimuli per row.", "",
