@@ -16,6 +16,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 import readme_tables  # noqa: E402  (circuits/readme_tables.py, shared by the circuits' tables)
 
+from vlmbind.analysis.ablation import wilson_interval  # noqa: E402  (the intervals the ablations report)
+
 RESULTS = HERE / "results"
 README = HERE / "README.md"
 
@@ -26,13 +28,6 @@ def _rows() -> list:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.ROWS
-
-
-def _wilson(accuracy: float, n: int) -> tuple[float, float]:
-    from scipy import stats
-
-    ci = stats.binomtest(int(round(accuracy * n)), n).proportion_ci(method="wilson")
-    return float(ci.low), float(ci.high)
 
 
 def render(results: dict | None = None) -> str:
@@ -47,7 +42,7 @@ def render(results: dict | None = None) -> str:
         cells = []
         for m in names:
             row = results["models"][m]["rows"][label]
-            low, high = _wilson(row["accuracy"], row["n"])
+            low, high = wilson_interval(row["accuracy"], row["n"])
             cell = f"{100 * row['accuracy']:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
             regime = (results["models"][m].get("training") or {}).get("regime")
             if regime == "p2a" and row.get("points_exact") is not None:
