@@ -120,32 +120,40 @@ def _planting_config(**overrides):
     return TrainConfig(**{**fields, **overrides})
 
 
-@pytest.mark.parametrize("position", [None, "trained"])
-def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, position):
+@pytest.mark.parametrize("readouts", [False, True])
+def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts):
     """A run with SIIT logs each step's variable, interchanged unaligned head and loss parts, evaluates interchange
     accuracy beside the unpatched rate of the counterfactual answer, and a run stopped at step 20 and resumed ends
-    with the weights and losses of the uninterrupted run (also with a trained position readout, whose weights and
-    optimizer state travel beside the checkpoint)."""
+    with the weights and losses of the uninterrupted run (also with the trained position and ID-selection readouts,
+    whose weights and optimizer states travel beside the checkpoint)."""
     from vlmbind.organisms.model import build_organism
     from vlmbind.organisms.train import load_weights, train
 
     siit = {"alignments": {"feature_retrieval": ["1.1"]}, "pairs": 4, "objects": [3, 3]}
-    if position:
-        siit.update(position_layer=0, position_readout=position)
+    if readouts:
+        siit.update(alignments={"feature_retrieval": ["1.1"], "id_selection": ["1.0"]}, position_layer=0,
+                    position_readout="trained", selection_weight=1.0, source_grad=True)
     config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit)
     result = train(config, tmp_path / "run", progress=False, threads=1)
     state = json.loads((result.checkpoint / "trainer_state.json").read_text())
     parts = state["siit_losses"]
-    assert len(parts) == 40 and {p["variable"] for p in parts} == {"feature_retrieval"}
-    assert all(math.isfinite(p["iit"]) and math.isfinite(p["strict"]) and p["strict_head"] != "1.1" for p in parts)
+    assert len(parts) == 40 and {p["variable"] for p in parts} == set(siit["alignments"])
+    aligned = {h for heads in siit["alignments"].values() for h in heads}
+    assert all(math.isfinite(p["iit"]) and math.isfinite(p["strict"]) and p["strict_head"] not in aligned
+               for p in parts)
     assert len({p["strict_head"] for p in parts}) > 1  # a different unaligned head is interchanged over the steps
     logged = result.evals[-1]["siit"]["feature_retrieval"]
     assert set(logged) == {"interchange_accuracy", "counterfactual_unpatched", "unaligned_changes",
                            "unaligned_changes_max"}
-    if position:
+    if readouts:
         assert all(math.isfinite(p["position"]) for p in parts) and parts[-1]["position"] < parts[0]["position"]
         assert 0.0 <= result.evals[-1]["position_code_accuracy"] <= 1.0
         assert (result.checkpoint / "position_probe.safetensors").is_file()
+        # the selection readout is a loss part on the id_selection steps only
+        assert all(("selection" in p) == (p["variable"] == "id_selection") for p in parts)
+        assert all(math.isfinite(p["selection"]) for p in parts if "selection" in p)
+        assert 0.0 <= result.evals[-1]["selection_accuracy"] <= 1.0
+        assert (result.checkpoint / "selection_probe.safetensors").is_file()
 
     stopped = train(config, tmp_path / "resumed", progress=False, threads=1, until=20)
     assert stopped.step == 20
@@ -266,3 +274,46 @@ def test_last_token_variables_can_be_interchanged_at_the_answer_positions(organi
     with pytest.raises(TrainingError, match="last_positions"):
         TrainConfig(image_size=112, tasks={"scene": 1.0},
                     siit={"alignments": {"id_selection": ["1.0"]}, "last_positions": "all"})
+
+
+def test_selection_readout_reads_the_missing_objects_cell_from_the_aligned_heads():
+    """The ID-selection readout's target is the missing object's cell in the source scene, which for a swap pair is
+    the swapped described object's cell in the base; its features are the aligned heads' slices at each row's patch
+    positions, in head order."""
+    from vlmbind.organisms.siit import SelectionProbe, target_cells
+
+    canvas = Canvas(image_size=168, grid=6)
+    pairs = list(scene_pairs(12, "id_selection", 3, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
+    source, base = target_cells(pairs, canvas), target_cells(pairs, canvas, "clean")
+    for p, s, b in zip(pairs, source.tolist(), base.tolist()):
+        j, t = p.counterfactual.fields["swapped"]
+        assert s == p.clean.objects[j].row * 6 + p.clean.objects[j].col
+        assert b == p.clean.objects[t].row * 6 + p.clean.objects[t].col != s
+
+    d_head = 4
+    probe = SelectionProbe([(2, 1), (0, 3)], d_head, 36, seed=0)
+    stored = {2: torch.randn(2, 7, 16), 0: torch.randn(2, 7, 16)}
+    positions = [[6], [4, 5]]
+    features = probe.features(stored, positions)
+    expected = torch.stack([torch.cat([stored[2][r, q, 4:8], stored[0][r, q, 12:16]])
+                            for r, q in ((0, 6), (1, 4), (1, 5))])
+    assert torch.equal(features, expected)
+    targets = torch.tensor([7, 30])
+    with torch.no_grad():
+        probe.linear.weight.zero_()
+        probe.linear.bias.zero_()
+        probe.linear.bias[30] = 5.0
+    assert probe.accuracy(stored, positions, targets) == pytest.approx(2 / 3)  # the second row counts twice
+    assert float(probe.loss(stored, positions, targets).detach()) > 0
+
+
+@pytest.mark.parametrize("siit, match", [
+    ({"alignments": {"feature_retrieval": ["1.0"]}, "selection_weight": 1.0, "source_grad": True}, "not aligned"),
+    ({"alignments": {"id_selection": ["1.0"]}, "selection_weight": 1.0}, "source_grad"),
+    ({"alignments": {"id_selection": ["1.0"]}, "selection_weight": 1.0, "source_grad": True, "iit_weight": 0},
+     "iit_weight"),
+    ({"alignments": {"id_selection": ["1.0"]}, "selection_weight": -1}, "selection_weight must be"),
+])
+def test_bad_selection_readouts_are_named(siit, match):
+    with pytest.raises(TrainingError, match=match):
+        TrainConfig(image_size=112, tasks={"scene": 1.0}, model={"layers": 2}, siit=siit)

@@ -80,6 +80,11 @@ class SIITSpec:
         position_readout: ``trained`` (a linear probe trained with the model, kept beside its checkpoints: the code
             only has to be linearly readable, as a head's keys and values read it) or ``fixed`` (a fixed random
             readout with cosine logits: the code must dominate the token's residual stream).
+        selection_weight: when > 0, the ID-selection readout: a linear probe, trained beside the organism, must read
+            the missing object's grid cell from the ``id_selection`` heads' outputs at their patch positions in the
+            source run (cross-entropy, this weight; needs ``source_grad``). Interchanging a head can only move the
+            answer where the head carries the variable; this asks it to carry it, the IIT loss then asks the later
+            layers to use it.
         last_positions: where a last-token variable (``id_selection``, ``feature_retrieval``) is interchanged:
             ``answer`` (the last prompt token and every answer position that predicts a token; the answer's second
             word, the shape, is predicted at the colour word's position, which is where CMA patches and scores when
@@ -103,6 +108,7 @@ class SIITSpec:
     position_layer: int | None = None
     position_weight: float = 1.0
     position_readout: str = "trained"
+    selection_weight: float = 0.0
     last_positions: str = "answer"
 
     def __post_init__(self) -> None:
@@ -152,6 +158,18 @@ class SIITSpec:
         if isinstance(self.position_weight, bool) or not isinstance(self.position_weight, (int, float)) \
                 or not self.position_weight >= 0:
             raise TrainingError(f"siit.position_weight must be a number >= 0, got {self.position_weight!r}")
+        if isinstance(self.selection_weight, bool) or not isinstance(self.selection_weight, (int, float)) \
+                or not self.selection_weight >= 0:
+            raise TrainingError(f"siit.selection_weight must be a number >= 0, got {self.selection_weight!r}")
+        if self.selection_weight > 0 and "id_selection" not in aligned:
+            raise TrainingError("siit.selection_weight > 0 reads the id_selection heads, but id_selection is not "
+                                "aligned; align it or set selection_weight to 0")
+        if self.selection_weight > 0 and not self.iit_weight > 0:
+            raise TrainingError("siit.selection_weight > 0 reads the heads in the IIT loss's source run; set "
+                                "iit_weight above 0")
+        if self.selection_weight > 0 and not self.source_grad:
+            raise TrainingError("siit.selection_weight > 0 trains the id_selection heads through the source run; set "
+                                "source_grad to true")
         if self.position_readout not in POSITION_READOUTS:
             raise TrainingError(f"siit.position_readout must be one of {POSITION_READOUTS}, got "
                                 f"{self.position_readout!r}")
@@ -200,7 +218,8 @@ class SIITSpec:
                 "strict_positions": self.strict_positions, "source_grad": self.source_grad,
                 "skip_objects": list(self.skip_objects), "swap": self.swap, "recolour": self.recolour,
                 "position_layer": self.position_layer, "position_weight": self.position_weight,
-                "position_readout": self.position_readout, "last_positions": self.last_positions}
+                "position_readout": self.position_readout, "last_positions": self.last_positions,
+                **({"selection_weight": self.selection_weight} if self.selection_weight else {})}
 
     @classmethod
     def from_value(cls, value: SIITSpec | Mapping[str, Any] | None) -> SIITSpec | None:
@@ -465,23 +484,93 @@ def position_code_accuracy(hidden_states: torch.Tensor, input_ids: torch.Tensor,
     return float((pred == target).float().mean())
 
 
+def target_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas, side: str = "counterfactual") -> torch.Tensor:
+    """Per pair, the grid cell (raster index) of the missing object in the source (``counterfactual``) or base
+    (``clean``) scene: the value of the ``id_selection`` variable there."""
+    cells = []
+    for p in pairs:
+        example = p.counterfactual if side == "counterfactual" else p.clean
+        o = example.objects[example.fields["target"]]
+        cells.append(o.row * canvas.shape[1] + o.col)
+    return torch.tensor(cells, dtype=torch.long)
+
+
+class SelectionProbe(torch.nn.Module):
+    """A linear readout of the missing object's grid cell from the ``id_selection`` heads' outputs (their ``o_proj``
+    input slices, concatenated), trained beside the organism (never part of it)."""
+
+    def __init__(self, heads: Sequence[tuple[int, int]], d_head: int, cells: int, seed: int):
+        super().__init__()
+        self.heads, self.d_head, self.cells = list(heads), int(d_head), int(cells)
+        self.linear = torch.nn.Linear(len(self.heads) * self.d_head, self.cells)
+        g = torch.Generator().manual_seed(POSITION_READOUT_SEED + 1000 + int(seed))
+        with torch.no_grad():
+            self.linear.weight.normal_(0.0, (len(self.heads) * self.d_head) ** -0.5, generator=g)
+            self.linear.bias.zero_()
+
+    def features(self, stored: Mapping[int, torch.Tensor], positions: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``N x (heads * d_head)``: the heads' outputs at every row's positions (rows repeated per position)."""
+        rows = [r for r, pos in enumerate(positions) for _ in pos]
+        cols = [q for pos in positions for q in pos]
+        parts = [stored[l][rows, cols, h * self.d_head : (h + 1) * self.d_head] for l, h in self.heads]
+        return torch.cat(parts, dim=-1)
+
+    def _targets(self, targets: torch.Tensor, positions: Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.cat([targets[r].repeat(len(pos)) for r, pos in enumerate(positions)])
+
+    def loss(self, stored: Mapping[int, torch.Tensor], positions: Sequence[Sequence[int]],
+             targets: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(self.features(stored, positions))
+        return torch.nn.functional.cross_entropy(logits, self._targets(targets, positions).to(logits.device))
+
+    def accuracy(self, stored: Mapping[int, torch.Tensor], positions: Sequence[Sequence[int]],
+                 targets: torch.Tensor) -> float:
+        with torch.no_grad():
+            pred = self.linear(self.features(stored, positions)).argmax(-1).cpu()
+        return float((pred == self._targets(targets, positions)).float().mean())
+
+
+def selection_accuracy(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
+                       pairs: Sequence[CounterfactualPair], probe: SelectionProbe, canvas: Canvas, *,
+                       batch_size: int = 32, last_positions: str = "answer") -> float:
+    """Share of the source runs' patch positions where ``probe`` reads the missing object's cell from the heads."""
+    hits, total = 0.0, 0
+    layers = sorted({l for l, _ in probe.heads})
+    with evaluating(model):
+        for i in range(0, len(pairs), batch_size):
+            chunk = pairs[i : i + batch_size]
+            batch = interchange_batch(builder, chunk, "counterfactual", last_positions)
+            with interchange.capture(layers):
+                model(**batch.source.inputs, use_cache=False)
+            n = sum(len(p) for p in batch.positions)
+            hits += probe.accuracy(interchange.stored, batch.positions, target_cells(chunk, canvas)) * n
+            total += n
+    return hits / total if total else float("nan")
+
+
 def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder, spec: SIITSpec, *, seed: int,
-                step: int, canvas: Canvas, loss_norm: str = "example") -> dict[str, Any]:
+                step: int, canvas: Canvas, loss_norm: str = "example",
+                selection: SelectionProbe | None = None) -> dict[str, Any]:
     """The step's IIT and strictness losses (tensors in the graph) and what they were computed on.
 
     Returns:
-        ``{"iit": loss, "strict": loss, "variable": v, "strict_head": "l.h"}`` (a loss is None when its weight is 0).
+        ``{"iit": loss, "strict": loss, "selection": loss, "variable": v, "strict_head": "l.h"}`` (a loss is None
+        when its weight is 0; ``selection``, the ID-selection readout's, also on steps of another variable or
+        without a ``selection`` probe).
     """
     rng = _step_rng(seed, SIIT_STREAM, step)
     variables = sorted(spec.alignments)
     variable = variables[int(rng.integers(len(variables)))]
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
-    out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None}
+    out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None}
     if spec.iit_weight > 0:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
         logits = interchange_logits(model, interchange, batch, spec.heads(variable), batch.positions,
                                     source_grad=spec.source_grad)
         out["iit"] = answer_loss(logits, batch.base.labels, loss_norm)
+        if selection is not None and spec.selection_weight > 0 and variable == "id_selection":
+            # interchange.stored still holds the source run's outputs, in the graph (source_grad)
+            out["selection"] = selection.loss(interchange.stored, batch.positions, target_cells(pairs, canvas))
     if spec.strict_weight > 0:
         a = interchange.adapter
         free = spec.unaligned(a.n_layers, a.n_heads)

@@ -59,6 +59,7 @@ from .siit import (
     SIIT_EVAL_STREAM,
     HeadInterchange,
     PositionProbe,
+    SelectionProbe,
     SIITSpec,
     answer_changes,
     draw_pairs,
@@ -66,6 +67,7 @@ from .siit import (
     interchange_accuracy,
     position_code_accuracy,
     position_code_loss,
+    selection_accuracy,
     siit_losses,
     unpatched_accuracy,
 )
@@ -532,22 +534,25 @@ def _evaluate_position(model: torch.nn.Module, batches: dict[str, list[TrainBatc
 
 
 PROBE_FILE = "position_probe.safetensors"
+SELECTION_PROBE_FILE = "selection_probe.safetensors"
 
 
-def _save_probe(directory: Path, probe: PositionProbe, optimizer: torch.optim.Optimizer) -> None:
+def _save_probe(directory: Path, probe: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                name: str = PROBE_FILE) -> None:
     tensors = {f"param.{n}": p.detach().clone() for n, p in probe.named_parameters()}
     by_id = {id(p): n for n, p in probe.named_parameters()}
     for p, st in optimizer.state.items():
         for key, value in st.items():
             tensors[f"state.{by_id[id(p)]}.{key}"] = torch.as_tensor(value).detach().clone()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / PROBE_FILE))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / name))
 
 
-def _load_probe(directory: Path, probe: PositionProbe, optimizer: torch.optim.Optimizer) -> None:
-    path = directory / PROBE_FILE
+def _load_probe(directory: Path, probe: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                name: str = PROBE_FILE) -> None:
+    path = directory / name
     if not path.is_file():
-        raise TrainingError(f"checkpoint {str(directory)!r} has no {PROBE_FILE}; it was not written by a run with "
-                            "a trained position readout")
+        raise TrainingError(f"checkpoint {str(directory)!r} has no {name}; it was not written by a run with "
+                            f"this trained readout")
     tensors = load_file(str(path))
     with torch.no_grad():
         for n, p in probe.named_parameters():
@@ -650,14 +655,24 @@ def train(
     position_layer = siit.position_layer if siit is not None else None
     cells = grid_side(config.image_size) ** 2
     probe = probe_optimizer = save_probe = None
+    readouts: list[tuple[torch.nn.Module, torch.optim.Optimizer, str]] = []
     if position_layer is not None and siit.position_readout == "trained":
         probe = PositionProbe(config.model.hidden, cells, config.seed)
         probe_optimizer = torch.optim.AdamW(probe.parameters(), lr=config.lr, weight_decay=0.0)
+        readouts.append((probe, probe_optimizer, PROBE_FILE))
+    selection = None
+    if siit is not None and siit.selection_weight > 0:
+        selection = SelectionProbe(siit.heads("id_selection"), interchange.d_head, cells, config.seed)
+        readouts.append((selection, torch.optim.AdamW(selection.parameters(), lr=config.lr, weight_decay=0.0),
+                         SELECTION_PROBE_FILE))
+    if readouts:
         if resume:
-            _load_probe(existing[-1], probe, probe_optimizer)
+            for module, opt, name in readouts:
+                _load_probe(existing[-1], module, opt, name)
 
         def save_probe(directory: Path) -> None:
-            _save_probe(directory, probe, probe_optimizer)
+            for module, opt, name in readouts:
+                _save_probe(directory, module, opt, name)
     siit_eval = {} if siit is None or not config.eval_every else {
         v: draw_pairs(siit, v, seed=config.seed, stream=SIIT_EVAL_STREAM, step=k, canvas=mixture.canvas,
                       n=config.eval_size) for k, v in enumerate(sorted(siit.alignments))}
@@ -702,10 +717,11 @@ def train(
             del output
             if siit is not None:
                 extra = siit_losses(model, interchange, builder, siit, seed=config.seed, step=step,
-                                    canvas=mixture.canvas, loss_norm=config.loss_norm)
+                                    canvas=mixture.canvas, loss_norm=config.loss_norm, selection=selection)
                 parts = {"behaviour": behaviour, "variable": extra["variable"],
                          "strict_head": extra["strict_head"]}
-                for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight)):
+                for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight),
+                                     ("selection", siit.selection_weight)):
                     if extra[name] is not None:
                         loss = loss + weight * extra[name]
                         parts[name] = float(extra[name].detach())
@@ -716,11 +732,11 @@ def train(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if probe is not None:
-                for group in probe_optimizer.param_groups:
+            for _module, opt, _name in readouts:
+                for group in opt.param_groups:
                     group["lr"] = lr
-                probe_optimizer.step()
-                probe_optimizer.zero_grad(set_to_none=True)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise TrainingError(f"the loss became {value} at step {step + 1}; lower lr ({config.lr}) or "
@@ -736,6 +752,10 @@ def train(
                 entry: dict[str, Any] = {"step": done, "tasks": result}
                 if siit_eval:
                     entry["siit"] = _evaluate_siit(model, interchange, builder, siit, siit_eval, config.batch_size)
+                    if selection is not None:
+                        entry["selection_accuracy"] = selection_accuracy(
+                            model, interchange, builder, siit_eval["id_selection"], selection, mixture.canvas,
+                            batch_size=config.batch_size, last_positions=siit.last_positions)
                     if position_layer is not None:
                         entry["position_code_accuracy"] = _evaluate_position(
                             model, eval_batches, position_layer, builder.image_token_id, cells, probe)
