@@ -132,8 +132,10 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts):
     siit = {"alignments": {"feature_retrieval": ["1.1"]}, "pairs": 4, "objects": [3, 3]}
     if readouts:
         siit.update(alignments={"feature_retrieval": ["1.1"], "id_selection": ["1.0"]}, position_layer=0,
-                    position_readout="trained", selection_weight=1.0, source_grad=True)
-    config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit)
+                    position_readout="trained", selection_weight=1.0, selection_attention_weight=1.0,
+                    source_grad=True)
+    config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit,
+                              attn_implementation="eager")
     result = train(config, tmp_path / "run", progress=False, threads=1)
     state = json.loads((result.checkpoint / "trainer_state.json").read_text())
     parts = state["siit_losses"]
@@ -149,10 +151,12 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts):
         assert all(math.isfinite(p["position"]) for p in parts) and parts[-1]["position"] < parts[0]["position"]
         assert 0.0 <= result.evals[-1]["position_code_accuracy"] <= 1.0
         assert (result.checkpoint / "position_probe.safetensors").is_file()
-        # the selection readout is a loss part on the id_selection steps only
-        assert all(("selection" in p) == (p["variable"] == "id_selection") for p in parts)
-        assert all(math.isfinite(p["selection"]) for p in parts if "selection" in p)
-        assert 0.0 <= result.evals[-1]["selection_accuracy"] <= 1.0
+        # the selection readout and attention are loss parts on the id_selection steps only
+        for name in ("selection", "selection_attention"):
+            assert all((name in p) == (p["variable"] == "id_selection") for p in parts)
+            assert all(math.isfinite(p[name]) for p in parts if name in p)
+        readout = result.evals[-1]["selection"]
+        assert 0.0 <= readout["accuracy"] <= 1.0 and 0.0 < readout["attention_mass"] <= 1.0
         assert (result.checkpoint / "selection_probe.safetensors").is_file()
 
     stopped = train(config, tmp_path / "resumed", progress=False, threads=1, until=20)
@@ -305,6 +309,35 @@ def test_selection_readout_reads_the_missing_objects_cell_from_the_aligned_heads
         probe.linear.bias[30] = 5.0
     assert probe.accuracy(stored, positions, targets) == pytest.approx(2 / 3)  # the second row counts twice
     assert float(probe.loss(stored, positions, targets).detach()) > 0
+
+
+def test_selection_attention_is_read_at_the_target_objects_token():
+    """The attention loss reads each aligned head's pattern at the row's patch positions on the image token of the
+    row's target cell (image tokens in raster order); a perfectly attending head has loss 0."""
+    from vlmbind.organisms.siit import attention_on_targets, selection_attention_loss, target_tokens
+
+    ids = torch.tensor([[1, 9, 9, 9, 9, 2, 3], [1, 2, 9, 9, 9, 9, 3]])
+    tokens = target_tokens(ids, 9, torch.tensor([2, 0]))
+    assert tokens.tolist() == [3, 2]
+    with pytest.raises(TrainingError, match="only 4 image tokens"):
+        target_tokens(ids, 9, torch.tensor([4, 0]))
+    patterns = {1: torch.full((2, 2, 7, 7), 1 / 7)}
+    patterns[1][0, 1, 6] = torch.nn.functional.one_hot(torch.tensor(3), 7).float()
+    patterns[1][1, 1, [5, 6]] = torch.nn.functional.one_hot(torch.tensor(2), 7).float()
+    positions = [[6], [5, 6]]
+    assert attention_on_targets(patterns, [(1, 1)], positions, tokens).tolist() == [1.0, 1.0, 1.0]
+    assert float(selection_attention_loss(patterns, [(1, 1)], positions, tokens)) == pytest.approx(0.0, abs=1e-6)
+    assert float(selection_attention_loss(patterns, [(1, 0)], positions, tokens)) == pytest.approx(math.log(7))
+
+
+def test_selection_attention_needs_eager_attention(tmp_path):
+    from vlmbind.organisms.train import train
+
+    siit = {"alignments": {"id_selection": ["1.0"]}, "pairs": 2, "objects": [3, 3], "selection_attention_weight": 1.0,
+            "source_grad": True}
+    config = _planting_config(steps=2, eval_every=0, checkpoint_every=2, siit=siit, attn_implementation="sdpa")
+    with pytest.raises(TrainingError, match="attn_implementation='eager'"):
+        train(config, tmp_path / "run", progress=False, threads=1, until=2)
 
 
 @pytest.mark.parametrize("siit, match", [

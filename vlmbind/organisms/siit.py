@@ -85,6 +85,11 @@ class SIITSpec:
             source run (cross-entropy, this weight; needs ``source_grad``). Interchanging a head can only move the
             answer where the head carries the variable; this asks it to carry it, the IIT loss then asks the later
             layers to use it.
+        selection_attention_weight: when > 0, the ``id_selection`` heads' attention at their patch positions in the
+            source run must fall on the missing object's image token (cross-entropy of the attention, this weight;
+            needs ``source_grad`` and the organism built with eager attention, whose patterns carry gradients). With
+            the readout, this says how the head gets the position: by attending to the object and copying its
+            position code.
         last_positions: where a last-token variable (``id_selection``, ``feature_retrieval``) is interchanged:
             ``answer`` (the last prompt token and every answer position that predicts a token; the answer's second
             word, the shape, is predicted at the colour word's position, which is where CMA patches and scores when
@@ -109,6 +114,7 @@ class SIITSpec:
     position_weight: float = 1.0
     position_readout: str = "trained"
     selection_weight: float = 0.0
+    selection_attention_weight: float = 0.0
     last_positions: str = "answer"
 
     def __post_init__(self) -> None:
@@ -158,18 +164,19 @@ class SIITSpec:
         if isinstance(self.position_weight, bool) or not isinstance(self.position_weight, (int, float)) \
                 or not self.position_weight >= 0:
             raise TrainingError(f"siit.position_weight must be a number >= 0, got {self.position_weight!r}")
-        if isinstance(self.selection_weight, bool) or not isinstance(self.selection_weight, (int, float)) \
-                or not self.selection_weight >= 0:
-            raise TrainingError(f"siit.selection_weight must be a number >= 0, got {self.selection_weight!r}")
-        if self.selection_weight > 0 and "id_selection" not in aligned:
-            raise TrainingError("siit.selection_weight > 0 reads the id_selection heads, but id_selection is not "
-                                "aligned; align it or set selection_weight to 0")
-        if self.selection_weight > 0 and not self.iit_weight > 0:
-            raise TrainingError("siit.selection_weight > 0 reads the heads in the IIT loss's source run; set "
-                                "iit_weight above 0")
-        if self.selection_weight > 0 and not self.source_grad:
-            raise TrainingError("siit.selection_weight > 0 trains the id_selection heads through the source run; set "
-                                "source_grad to true")
+        for name in ("selection_weight", "selection_attention_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise TrainingError(f"siit.{name} must be a number >= 0, got {value!r}")
+            if value > 0 and "id_selection" not in aligned:
+                raise TrainingError(f"siit.{name} > 0 reads the id_selection heads, but id_selection is not aligned; "
+                                    f"align it or set {name} to 0")
+            if value > 0 and not self.iit_weight > 0:
+                raise TrainingError(f"siit.{name} > 0 reads the heads in the IIT loss's source run; set iit_weight "
+                                    "above 0")
+            if value > 0 and not self.source_grad:
+                raise TrainingError(f"siit.{name} > 0 trains the id_selection heads through the source run; set "
+                                    "source_grad to true")
         if self.position_readout not in POSITION_READOUTS:
             raise TrainingError(f"siit.position_readout must be one of {POSITION_READOUTS}, got "
                                 f"{self.position_readout!r}")
@@ -219,7 +226,9 @@ class SIITSpec:
                 "skip_objects": list(self.skip_objects), "swap": self.swap, "recolour": self.recolour,
                 "position_layer": self.position_layer, "position_weight": self.position_weight,
                 "position_readout": self.position_readout, "last_positions": self.last_positions,
-                **({"selection_weight": self.selection_weight} if self.selection_weight else {})}
+                **({"selection_weight": self.selection_weight} if self.selection_weight else {}),
+                **({"selection_attention_weight": self.selection_attention_weight}
+                   if self.selection_attention_weight else {})}
 
     @classmethod
     def from_value(cls, value: SIITSpec | Mapping[str, Any] | None) -> SIITSpec | None:
@@ -324,20 +333,35 @@ class HeadInterchange:
         self.adapter = adapter_class_for_config(model.config)(model, processor)
         self.d_head = self.adapter.d_head
         self.stored: dict[int, torch.Tensor] = {}
+        self.patterns: dict[int, torch.Tensor] = {}
 
     def _modules(self, layers: Sequence[int]) -> dict[int, Any]:
         return {l: self.adapter.o_proj_module(l) for l in sorted(set(layers))}
 
     @contextlib.contextmanager
-    def capture(self, layers: Sequence[int], grad: bool = False) -> Iterator[None]:
-        self.stored = {}
+    def capture(self, layers: Sequence[int], grad: bool = False, patterns: bool = False) -> Iterator[None]:
+        """Store the layers' ``o_proj`` inputs in ``stored`` (and with ``patterns`` their attention probabilities,
+        ``B H P P``, in ``patterns``: eager attention only)."""
+        self.stored, self.patterns = {}, {}
 
         def hook(layer: int):
             def pre(_module: Any, args: tuple) -> None:
                 self.stored[layer] = args[0] if grad else args[0].detach()
             return pre
 
+        def pattern_hook(layer: int):
+            def post(_module: Any, _args: tuple, output: Any) -> None:
+                weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+                if weights is None:
+                    raise TrainingError("the attention returned no pattern: build the organism with "
+                                        "attn_implementation='eager' to train on attention patterns")
+                self.patterns[layer] = weights if grad else weights.detach()
+            return post
+
         handles = [m.register_forward_pre_hook(hook(l)) for l, m in self._modules(layers).items()]
+        if patterns:
+            handles += [self.adapter.attention_module(l).register_forward_hook(pattern_hook(l))
+                        for l in sorted(set(layers))]
         try:
             yield
         finally:
@@ -382,13 +406,14 @@ class HeadInterchange:
 
 def interchange_logits(model: Any, interchange: HeadInterchange, batch: InterchangeBatch,
                        heads: Sequence[tuple[int, int]], where: Sequence[Sequence[int]] | torch.Tensor, *,
-                       source_grad: bool = False) -> torch.Tensor:
-    """Logits of the base rows with ``heads``' outputs at ``where`` taken from the source rows."""
+                       source_grad: bool = False, patterns: bool = False) -> torch.Tensor:
+    """Logits of the base rows with ``heads``' outputs at ``where`` taken from the source rows (the source run's
+    outputs, and with ``patterns`` its attention, stay in ``interchange.stored`` / ``patterns``)."""
     layers = sorted({l for l, _ in heads})
     with contextlib.ExitStack() as stack:
         if not source_grad:
             stack.enter_context(torch.no_grad())
-        with interchange.capture(layers, grad=source_grad):
+        with interchange.capture(layers, grad=source_grad, patterns=patterns):
             model(**batch.source.inputs, use_cache=False)
     values = interchange.stored
     b, p, width = values[layers[0]].shape
@@ -530,22 +555,61 @@ class SelectionProbe(torch.nn.Module):
         return float((pred == self._targets(targets, positions)).float().mean())
 
 
-def selection_accuracy(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
-                       pairs: Sequence[CounterfactualPair], probe: SelectionProbe, canvas: Canvas, *,
-                       batch_size: int = 32, last_positions: str = "answer") -> float:
-    """Share of the source runs' patch positions where ``probe`` reads the missing object's cell from the heads."""
-    hits, total = 0.0, 0
-    layers = sorted({l for l, _ in probe.heads})
+def target_tokens(input_ids: torch.Tensor, image_token_id: int, cells: torch.Tensor) -> torch.Tensor:
+    """Per row, the sequence position of the image token of grid cell ``cells[row]`` (one image per row, its tokens
+    in raster order)."""
+    out = []
+    for r in range(input_ids.shape[0]):
+        positions = torch.nonzero(input_ids[r] == image_token_id).flatten()
+        if int(cells[r]) >= len(positions):
+            raise TrainingError(f"row {r}: cell {int(cells[r])} but only {len(positions)} image tokens")
+        out.append(positions[int(cells[r])])
+    return torch.stack(out)
+
+
+def attention_on_targets(patterns: Mapping[int, torch.Tensor], heads: Sequence[tuple[int, int]],
+                         positions: Sequence[Sequence[int]], targets: torch.Tensor) -> torch.Tensor:
+    """The heads' attention on each row's target token, at each of the row's positions (heads, then rows)."""
+    return torch.cat([patterns[layer][r, head, list(pos), int(targets[r])]
+                      for layer, head in heads for r, pos in enumerate(positions)])
+
+
+def selection_attention_loss(patterns: Mapping[int, torch.Tensor], heads: Sequence[tuple[int, int]],
+                             positions: Sequence[Sequence[int]], targets: torch.Tensor) -> torch.Tensor:
+    """Mean over heads, rows and the rows' positions of ``-log`` the attention on the row's target token."""
+    return -torch.log(attention_on_targets(patterns, heads, positions, targets).clamp_min(1e-9)).mean()
+
+
+def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
+                      pairs: Sequence[CounterfactualPair], heads: Sequence[tuple[int, int]], canvas: Canvas, *,
+                      probe: SelectionProbe | None = None, patterns: bool = False, batch_size: int = 32,
+                      last_positions: str = "answer") -> dict[str, float]:
+    """On the source runs' patch positions: the share where ``probe`` reads the missing object's cell from the
+    heads (``accuracy``), and with ``patterns`` the heads' mean attention on that object's token
+    (``attention_mass``)."""
+    hits, mass, total, attended = 0.0, 0.0, 0, 0
+    layers = sorted({l for l, _ in heads})
     with evaluating(model):
         for i in range(0, len(pairs), batch_size):
             chunk = pairs[i : i + batch_size]
             batch = interchange_batch(builder, chunk, "counterfactual", last_positions)
-            with interchange.capture(layers):
+            with interchange.capture(layers, patterns=patterns):
                 model(**batch.source.inputs, use_cache=False)
             n = sum(len(p) for p in batch.positions)
-            hits += probe.accuracy(interchange.stored, batch.positions, target_cells(chunk, canvas)) * n
+            cells = target_cells(chunk, canvas)
+            if probe is not None:
+                hits += probe.accuracy(interchange.stored, batch.positions, cells) * n
+            if patterns:
+                tokens = target_tokens(batch.source.inputs["input_ids"], builder.image_token_id, cells)
+                mass += float(attention_on_targets(interchange.patterns, heads, batch.positions, tokens).sum())
+                attended += n * len(heads)
             total += n
-    return hits / total if total else float("nan")
+    out = {}
+    if probe is not None:
+        out["accuracy"] = hits / total if total else float("nan")
+    if patterns:
+        out["attention_mass"] = mass / attended if attended else float("nan")
+    return out
 
 
 def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder, spec: SIITSpec, *, seed: int,
@@ -554,23 +618,31 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     """The step's IIT and strictness losses (tensors in the graph) and what they were computed on.
 
     Returns:
-        ``{"iit": loss, "strict": loss, "selection": loss, "variable": v, "strict_head": "l.h"}`` (a loss is None
-        when its weight is 0; ``selection``, the ID-selection readout's, also on steps of another variable or
-        without a ``selection`` probe).
+        ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "variable": v,
+        "strict_head": "l.h"}`` (a loss is None when its weight is 0; the ID-selection ones also on steps of another
+        variable, and ``selection`` without a ``selection`` probe).
     """
     rng = _step_rng(seed, SIIT_STREAM, step)
     variables = sorted(spec.alignments)
     variable = variables[int(rng.integers(len(variables)))]
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
-    out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None}
+    out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
+                           "selection_attention": None}
     if spec.iit_weight > 0:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
+        attend = variable == "id_selection" and spec.selection_attention_weight > 0
         logits = interchange_logits(model, interchange, batch, spec.heads(variable), batch.positions,
-                                    source_grad=spec.source_grad)
+                                    source_grad=spec.source_grad, patterns=attend)
         out["iit"] = answer_loss(logits, batch.base.labels, loss_norm)
-        if selection is not None and spec.selection_weight > 0 and variable == "id_selection":
-            # interchange.stored still holds the source run's outputs, in the graph (source_grad)
-            out["selection"] = selection.loss(interchange.stored, batch.positions, target_cells(pairs, canvas))
+        # interchange.stored / patterns still hold the source run's, in the graph (source_grad)
+        if variable == "id_selection" and (selection is not None and spec.selection_weight > 0 or attend):
+            cells = target_cells(pairs, canvas)
+            if selection is not None and spec.selection_weight > 0:
+                out["selection"] = selection.loss(interchange.stored, batch.positions, cells)
+            if attend:
+                tokens = target_tokens(batch.source.inputs["input_ids"], builder.image_token_id, cells)
+                out["selection_attention"] = selection_attention_loss(interchange.patterns, spec.heads(variable),
+                                                                      batch.positions, tokens)
     if spec.strict_weight > 0:
         a = interchange.adapter
         free = spec.unaligned(a.n_layers, a.n_heads)

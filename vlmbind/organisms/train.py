@@ -67,7 +67,7 @@ from .siit import (
     interchange_accuracy,
     position_code_accuracy,
     position_code_loss,
-    selection_accuracy,
+    selection_readout,
     siit_losses,
     unpatched_accuracy,
 )
@@ -721,7 +721,8 @@ def train(
                 parts = {"behaviour": behaviour, "variable": extra["variable"],
                          "strict_head": extra["strict_head"]}
                 for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight),
-                                     ("selection", siit.selection_weight)):
+                                     ("selection", siit.selection_weight),
+                                     ("selection_attention", siit.selection_attention_weight)):
                     if extra[name] is not None:
                         loss = loss + weight * extra[name]
                         parts[name] = float(extra[name].detach())
@@ -752,9 +753,10 @@ def train(
                 entry: dict[str, Any] = {"step": done, "tasks": result}
                 if siit_eval:
                     entry["siit"] = _evaluate_siit(model, interchange, builder, siit, siit_eval, config.batch_size)
-                    if selection is not None:
-                        entry["selection_accuracy"] = selection_accuracy(
-                            model, interchange, builder, siit_eval["id_selection"], selection, mixture.canvas,
+                    if selection is not None or siit.selection_attention_weight > 0:
+                        entry["selection"] = selection_readout(
+                            model, interchange, builder, siit_eval["id_selection"], siit.heads("id_selection"),
+                            mixture.canvas, probe=selection, patterns=siit.selection_attention_weight > 0,
                             batch_size=config.batch_size, last_positions=siit.last_positions)
                     if position_layer is not None:
                         entry["position_code_accuracy"] = _evaluate_position(
