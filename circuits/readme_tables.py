@@ -59,7 +59,8 @@ def ablation_table(result: dict) -> list[str]:
     pool = "outside the top-k" if result.get("random_from") == "rest" else "from all heads"
     lines = ["| arm | accuracy | 95% interval | n |", "|---|---|---|---|"]
     for arm in ("clean", "top", "random", "bottom"):
-        label = {"top": f"top-{result['k']}", "bottom": f"bottom-{result['k']}",
+        by = {"abs": "smallest \\|score\\|", "score": "lowest score"}[result.get("bottom_by", "score")]
+        label = {"top": f"top-{result['k']}", "bottom": f"bottom-{result['k']} ({by})",
                  "random": f"random-{result['k']} ({iv['random']['seeds']} seeds {pool}; per seed {seeds})"}.get(arm, arm)
         lines.append(f"| {label} | {iv[arm]['accuracy']:.2f} | [{iv[arm]['low']:.2f}, {iv[arm]['high']:.2f}] "
                      f"| {iv[arm]['n']} |")

@@ -60,7 +60,8 @@ def test_arms_ablate_the_right_heads():
     order = [(1, 2), (3, 0), *others]  # the critical heads score highest
     result = ablation_study(vlm, ds, _scores(order), k=2, mode="zero", seeds=(0, 1, 2))
     arms = {a["arm"]: a for a in result.arms if a["arm"] != "random"}
-    assert arms["top"]["heads"] == ["1.2", "3.0"] and arms["bottom"]["heads"] == [f"{l}.{h}" for l, h in others[-2:]]
+    assert arms["top"]["heads"] == ["1.2", "3.0"]
+    assert sorted(arms["bottom"]["heads"]) == sorted(f"{l}.{h}" for l, h in others[-2:])
     assert result.accuracy("clean") == 1.0
     assert result.accuracy("top") == 0.0
     assert result.accuracy("bottom") == result.accuracy("clean")
@@ -82,14 +83,18 @@ def test_bad_inputs():
 
 
 def test_on_the_organism_top_heads_hurt_more_than_bottom_heads():
+    """Feature-retrieval scores rank organism-p2a's heads by what they do for scene description: the top-5 break it,
+    the 5 smallest |score| barely touch it. (Its id_selection scores separate no head from zero, and ablating the
+    5 smallest of them still costs about 0.4: a bottom arm means something only where the scores do.)"""
     vlm = vb.load("organism-p2a")
     trained = dict(canvas=S.Canvas(image_size=168, grid=6), colours=("red", "green", "blue", "yellow"),
                    shapes=("square", "circle", "triangle", "star"))
-    scores = vb.locate(vlm, S.scene_pairs(8, "id_selection", 0, n_objects=3, **trained))
+    scores = vb.locate(vlm, S.scene_pairs(8, "feature_retrieval", 0, n_objects=3, **trained))
     result = ablation_study(vlm, S.scene_description(64, 1, **trained), scores, k=5, seeds=(0, 1, 2))
     assert result.accuracy("clean") == 1.0
-    assert result.accuracy("top") < result.accuracy("bottom") - 0.3
-    assert np.isfinite(result.accuracy("random"))
+    assert result.bottom_by == "abs"
+    assert result.accuracy("top") < 0.3 and result.accuracy("bottom") > 0.9
+    assert result.accuracy("random") > 0.9
 
 
 def test_ablate_command(tmp_path, capsys):
@@ -113,8 +118,8 @@ def test_ablate_command(tmp_path, capsys):
 
 
 def test_random_arm_from_the_rest_and_bottom_by_magnitude():
-    """``random_from="rest"`` never draws a top-k head; ``bottom_by="abs"`` takes the smallest |score|, not the most
-    negative score."""
+    """``random_from="rest"`` never draws a top-k head; the default ``bottom_by="abs"`` takes the smallest |score|,
+    not the most negative score."""
     ds = S.binding_query(6, 0)
     vlm = HeadSensitiveVLM()
     vlm.answers = {id(e.image): e.answer for e in ds}
@@ -128,15 +133,18 @@ def test_random_arm_from_the_rest_and_bottom_by_magnitude():
         if (row["layer"], row["head"]) in ((2, 2), (2, 3)):
             row["score"] = 0.01
     frame = pd.DataFrame(rows)
-    result = ablation_study(vlm, ds, frame, k=2, mode="zero", seeds=tuple(range(8)), random_from="rest",
-                            bottom_by="abs")
+    result = ablation_study(vlm, ds, frame, k=2, mode="zero", seeds=tuple(range(8)), random_from="rest")
     for arm in (a for a in result.arms if a["arm"] == "random"):
         assert not {tuple(int(x) for x in h.split(".")) for h in arm["heads"]} & CRITICAL
         assert arm["accuracy"] == 1.0
     bottom = next(a for a in result.arms if a["arm"] == "bottom")
     assert bottom["heads"] == ["2.2", "2.3"]
-    signed = ablation_study(vlm, ds, frame, k=2, mode="zero", seeds=(0,))
+    assert result.bottom_by == "abs" and "smallest |score|" in result.text()  # the default, recorded and said
+    signed = ablation_study(vlm, ds, frame, k=2, mode="zero", seeds=(0,), bottom_by="score")
     assert "0.0" in next(a for a in signed.arms if a["arm"] == "bottom")["heads"]
+    assert "lowest score" in signed.text()
+    old = {k: v for k, v in signed.summary().items() if k != "bottom_by"}
+    assert type(result).from_dict(old).bottom_by == "score"  # saved before it was recorded: the lowest scores
     with pytest.raises(vb.InputError, match="random_from"):
         ablation_study(vlm, ds, frame, k=2, mode="zero", random_from="others")
     with pytest.raises(vb.InputError, match="bottom_by"):

@@ -168,6 +168,7 @@ def causal_sections(overview: Any) -> str:
                             for arm in ("clean", "top", "random", "bottom")},
                          "random per seed": " ".join(f"{a['accuracy']:.2f}" for a in r.random_seeds()),
                          "random pool": "outside top-k" if r.random_from == "rest" else "all heads",
+                         "bottom by": r.bottom_label,
                          "n": iv["clean"]["n"]})
         parts += ["<h2>Ablation: top-k located heads vs random-k vs bottom-k</h2>",
                   "<p>Task accuracy with the heads' attention to image tokens zeroed after the softmax (not "

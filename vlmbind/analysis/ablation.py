@@ -36,7 +36,9 @@ class AblationResult(Result):
 
     Attributes:
         model, task, mode, k: what was run; prompt_format: ``raw`` or ``chat``; random_from: the random arm's pool
-            (``rest``: the heads outside the top-k; ``all``: results saved before the pool was recorded).
+            (``rest``: the heads outside the top-k; ``all``: results saved before the pool was recorded);
+            bottom_by: how the bottom arm was chosen (``abs``: the smallest |score|; ``score``: the lowest scores,
+            which results saved before it was recorded used).
         arms: ``[{"arm": "clean"|"top"|"random"|"bottom", "seed": s or None, "heads": ["l.h", ...], "accuracy": a,
             "n": n}, ...]``.
     """
@@ -49,6 +51,7 @@ class AblationResult(Result):
     arms: list[dict[str, Any]] = field(default_factory=list)
     prompt_format: str = "raw"
     random_from: str = "rest"
+    bottom_by: str = "abs"
 
     kind = "ablate"
     marker_keys = ("arms",)
@@ -59,7 +62,7 @@ class AblationResult(Result):
         return cls(model=data["model"], task=data["task"], mode=data["mode"], k=data["k"],
                    renormalize=data["renormalize"], arms=data["arms"],
                    prompt_format=data.get("prompt_format", "raw"),
-                   random_from=data.get("random_from", "all"))
+                   random_from=data.get("random_from", "all"), bottom_by=data.get("bottom_by", "score"))
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> AblationResult:
@@ -72,6 +75,7 @@ class AblationResult(Result):
         """Accuracy per arm (random arms per seed) with Wilson 95% intervals, and the random arms' mean."""
         intervals = [wilson_interval(a["accuracy"], a["n"]) for a in self.arms]
         return ablation_figure({"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
+                                "bottom_by": self.bottom_by,
                                 "renormalize": self.renormalize, "arms": self.arms, "intervals": intervals,
                                 "random": self.intervals()["random"]})
 
@@ -122,7 +126,7 @@ class AblationResult(Result):
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
                 "renormalize": self.renormalize, "prompt_format": self.prompt_format,
-                "random_from": self.random_from,
+                "random_from": self.random_from, "bottom_by": self.bottom_by,
                 "accuracy": {arm: self.accuracy(arm) for arm in ("clean", "top", "random", "bottom")},
                 "intervals": self.intervals(), "arms": self.arms}
 
@@ -134,9 +138,14 @@ class AblationResult(Result):
                          for arm in ("clean", "top"))
         seeds = ", ".join(f"seed {a['seed']} {a['accuracy']:.3f}" for a in self.random_seeds())
         return (f"accuracy (95% interval, n={iv['clean']['n']}): {arms}, random {r['accuracy']:.3f} "
-                f"[{r['low']:.2f}, {r['high']:.2f}] over {r['seeds']} seeds, bottom {iv['bottom']['accuracy']:.3f} "
+                f"[{r['low']:.2f}, {r['high']:.2f}] over {r['seeds']} seeds, bottom ({self.bottom_label}) "
+                f"{iv['bottom']['accuracy']:.3f} "
                 f"[{iv['bottom']['low']:.2f}, {iv['bottom']['high']:.2f}]\n"
                 f"random-k ({'outside the top-k' if self.random_from == 'rest' else 'from all heads'}): {seeds}")
+
+    @property
+    def bottom_label(self) -> str:
+        return BOTTOM_LABELS[self.bottom_by]
 
     def save(self, out: str | os.PathLike) -> Path:
         out = Path(out)
@@ -155,19 +164,21 @@ def ranked_heads(scores: Any) -> list[tuple[int, int]]:
 
 
 RANDOM_POOLS = ("all", "rest")
-BOTTOM_BY = ("score", "abs")
+BOTTOM_BY = ("abs", "score")
+BOTTOM_LABELS = {"abs": "smallest |score|", "score": "lowest score"}
 
 
 def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str = "image_attention",
                    renormalize: bool = False, seeds: tuple[int, ...] = (0, 1, 2), batch_size: int = 32,
-                   random_from: str = "rest", bottom_by: str = "score") -> AblationResult:
+                   random_from: str = "rest", bottom_by: str = "abs") -> AblationResult:
     """Accuracy on ``dataset`` with the top-k, random-k (per seed) and bottom-k heads of ``scores`` ablated.
 
     Args:
         random_from: the random arm's pool: the ``rest`` (every head outside the top-k, the default), or ``all``
             heads.
-        bottom_by: the bottom arm: the k lowest ``score`` s, or the k smallest ``abs`` (|score|: the heads the
-            scores call least involved either way).
+        bottom_by: the bottom arm: the k smallest ``abs`` (|score|: the heads the scores call least involved
+            either way, the default control), or the k lowest ``score`` s (the most negative heads, which can
+            matter as much as the top ones).
 
     Raises:
         InputError: unknown mode, k out of range, no seeds, an empty data set, or scores that do not cover the
@@ -191,7 +202,7 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
         raise InputError(f"k = {k} must be between 1 and half the heads ({n_heads // 2}) so top and bottom differ")
     means = _means(vlm, dataset, ranked) if mode == "mean" else None
     result = AblationResult(vlm.name, dataset[0].task, mode, k, renormalize,
-                            prompt_format=vlm.active_prompt_format, random_from=random_from)
+                            prompt_format=vlm.active_prompt_format, random_from=random_from, bottom_by=bottom_by)
 
     def run(arm: str, heads: list[tuple[int, int]], seed: int | None = None) -> None:
         if heads:

@@ -27,6 +27,9 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--renormalize", action="store_true", help="image_attention: renormalise the remaining attention")
     p.add_argument("--seeds", type=int, default=5,
                    help="random-k draws, each from the heads outside the top-k (default 5)")
+    p.add_argument("--bottom-by", choices=("abs", "score"), default="abs",
+                   help="the bottom arm: the k smallest |score| (default; the heads least involved either way) or "
+                        "the k lowest scores (the most negative heads)")
     p.add_argument("--n", type=int, default=200, help="evaluation examples (default 200)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed")
     p.add_argument("--objects", type=parse_range, help="objects per display: N or LOW-HIGH (default: the task's)")
@@ -57,7 +60,8 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     if args.scores:
         scores = read_scores(args.scores, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
         result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=args.mode,
-                                renormalize=args.renormalize, seeds=tuple(range(args.seeds)))
+                                renormalize=args.renormalize, seeds=tuple(range(args.seeds)),
+                                bottom_by=args.bottom_by)
     else:
         heads = parse_heads(args.heads)
         if not heads:
@@ -70,7 +74,7 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         frame = pd.DataFrame([{"layer": l, "head": h, "score": float(len(ranked) - i)} for i, (l, h) in
                               enumerate(ranked)])
         result = ablation_study(vlm, dataset, frame, k=len(heads), mode=args.mode, renormalize=args.renormalize,
-                                seeds=tuple(range(args.seeds)))
+                                seeds=tuple(range(args.seeds)), bottom_by=args.bottom_by)
     result.save(out)
     summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
                "out": str(out), "command": " ".join(command)}

@@ -305,7 +305,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
                          f"{iv['clean']['accuracy']:.2f}, top {iv['top']['accuracy']:.2f} [{iv['top']['low']:.2f}, "
                          f"{iv['top']['high']:.2f}], random {iv['random']['accuracy']:.2f} (seeds "
                          + " ".join(f"{a['accuracy']:.2f}" for a in study.random_seeds())
-                         + f"), bottom {iv['bottom']['accuracy']:.2f}")
+                         + f"), bottom ({study.bottom_label}) {iv['bottom']['accuracy']:.2f}")
     if representations is not None:
         rsa_lm = representations.summary()["rsa_lm"]
         lines.append("  RSA r by LM layer: compositional " + ", ".join(f"{v:.2f}" for v in rsa_lm["compositional"])

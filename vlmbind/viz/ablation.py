@@ -21,7 +21,9 @@ def ablation_figure(data: dict[str, Any]) -> Any:
     import plotly.graph_objects as go
 
     arms = data["arms"]
-    labels = [a["arm"] if a.get("seed") is None else f"{a['arm']} (seed {a['seed']})" for a in arms]
+    bottom = {"abs": "bottom (smallest |score|)", "score": "bottom (lowest score)"}.get(data.get("bottom_by", "score"))
+    labels = [(bottom if a["arm"] == "bottom" else a["arm"]) if a.get("seed") is None
+              else f"{a['arm']} (seed {a['seed']})" for a in arms]
     colours = {"clean": "#7f7f7f", "top": "#d62728", "random": "#1f77b4", "bottom": "#2ca02c"}
     intervals = data.get("intervals")
     error_y = None
