@@ -238,6 +238,9 @@ CLI_CASES = [
     C("probe-lr-nan", f"probe --model {T} --lr nan {O}", "--lr", "nan"),
     C("probe-n-train-0", f"probe --model {T} --n-train 0 {O}", "train split", "got 0"),
     C("probe-unknown-family", f"probe --model {T} --family linaer {O}", "'linaer'", "linear"),
+    # refused before the capture of the default 58,800 images, not after it
+    C("probe-pairwise-single-token-objects", f"probe --model organism-p2a --family linear,pairwise {O}",
+      "covers at most one image token", "same_object_probes"),
     C("ablate-n-0", f"ablate --model {T} --task scene --heads 0.0 --n 0 {O}", "--n", "got 0"),
     C("ablate-seeds-negative", f"ablate --model {T} --task scene --heads 0.0 --seeds -1 {O}", "--seeds", "-1"),
     C("ablate-top-k-0", f"ablate --model {T} --task scene --scores {{fx}}/scores.csv --top-k 0 {O}", "--top-k",

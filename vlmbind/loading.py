@@ -8,8 +8,10 @@ model and processor; the family is detected from the config's ``model_type`` (vi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +20,7 @@ import torch
 import transformers
 from safetensors import SafetensorError
 from transformers import CONFIG_MAPPING, AutoConfig, AutoProcessor
+from transformers.utils import logging as hf_logging
 
 from . import tiny
 from .adapters.base import adapter_class_for_config, supported_families
@@ -144,13 +147,26 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{name} is not shipped with this installation (no {path}); train it with "
                                  f"python -m vlmbind.organisms.recipes {name} --out DIR and load DIR")
-        vlm = _from_pretrained(str(path), **hf_kwargs)
+        with _quiet_weight_loading():  # a few dozen small tensors: a progress bar would only be noise on stderr
+            vlm = _from_pretrained(str(path), **hf_kwargs)
         vlm.name, vlm.source = name, f"shipped organism ({path.relative_to(path.parents[3])})"
         return vlm
     unknown = unknown_name_error(name, registered_names())  # a misspelt registered name (same check as the CLI's)
     if unknown is not None:
         raise unknown
     return _from_pretrained(name, **hf_kwargs)
+
+
+@contextlib.contextmanager
+def _quiet_weight_loading() -> Iterator[None]:
+    """transformers' progress bars off for the block, as they were after it."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _refuse_unknown_model_type(path: Path) -> None:

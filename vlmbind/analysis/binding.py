@@ -29,6 +29,7 @@ from ..io import json_default, write_json_atomic, write_text_atomic
 from ..probes import binding_information, pairwise_probe
 from ..results import Result, read_csv_columns, read_json_object, register_result
 from ..stimuli.colorshape import FBP, ORGANISM, ColorShapeSplits, ColorShapeWorld, entropies, world_named
+from ..stimuli.core import object_token_positions
 from ..viz import write_html_atomic
 from ..viz.probes import binding_figure
 
@@ -73,6 +74,26 @@ def codes(acts: Any) -> tuple[np.ndarray, np.ndarray]:
     except KeyError:
         raise InputError("the captured examples carry no o_code / f_code: capture BalancedColorShape images") from None
     return o, f
+
+
+PAIRWISE_NEEDS = ("IsSameObject needs objects over several tokens: use vlmbind.analysis.same_object.same_object_probes "
+                  "(its scenes draw objects over 2 x 2 token cells), or drop pairwise from the families")
+
+
+def check_pairwise_world(vlm: Any, examples: Any, world: ColorShapeWorld, n: int = 16) -> None:
+    """Before a long capture: raise when no object of the first ``n`` examples covers two or more of ``vlm``'s image
+    tokens, so the pairwise (IsSameObject) probe would find no same-object token pair.
+
+    Raises:
+        InputError: every object covers at most one token, with what to use instead.
+    """
+    for i in range(min(n, len(examples))):
+        example = examples[i]
+        index = vlm.prepare(example.image, example.prompt).index[0]
+        if any(len(covered) > 1 for covered in object_token_positions(index, example.objects)):
+            return
+    raise InputError(f"pairwise: in world {world.name!r} on {vlm.name} every object of the first {min(n, len(examples))} "
+                     f"images covers at most one image token, so there is no same-object token pair. {PAIRWISE_NEEDS}")
 
 
 def _token_classes(acts: Any, world: ColorShapeWorld) -> tuple[np.ndarray, np.ndarray]:
@@ -208,8 +229,7 @@ def probe_sites(acts: Any, split: np.ndarray, *, sites: list[str] | None = None,
                     if "no token pairs" not in str(exc):
                         raise
                     raise InputError(f"{site}: {exc}. In world {world.name!r} an object may cover a single token; "
-                                     "IsSameObject needs objects over several tokens and repeated classes: use "
-                                     "vlmbind.analysis.same_object.same_object_probes") from None
+                                     f"{PAIRWISE_NEEDS}") from None
                 row = _pairwise_row(res)
             elif family == "attention":
                 z, mask = acts.stacked(site)

@@ -53,7 +53,7 @@ def add_parser(sub: Any, common: Any) -> None:
 def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
     from .. import parallel, sweeps
-    from ..analysis.binding import colorshape_splits, default_sites, default_world, probe_sites
+    from ..analysis.binding import check_pairwise_world, colorshape_splits, default_sites, default_world, probe_sites
     from ..probes import ProbeConfig
     from ..stimuli.colorshape import WORLDS
 
@@ -77,6 +77,8 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     with model_session(args, command, out) as (group, vlm):
         world = default_world(vlm) if args.world == "auto" else WORLDS[args.world]
         examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world, lazy=True)
+        if "pairwise" in families:  # before the capture, which takes minutes at the default size
+            check_pairwise_world(vlm, examples, world)
         sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
         sites = [s.name for s in vlm.sites(sites)]
         acts = sweeps.capture(group, vlm, examples, sites, out / "activations", resume=args.resume,
