@@ -71,6 +71,35 @@ def concrete(args: str) -> list[str]:
     return tokens
 
 
+# a README line that shows its result: `expression   # 1.0` (a number, then at most a parenthesis: its n, interval)
+SHOWN_RESULT = re.compile(r"^(?![\w.,\s]+=[^=])(?P<expr>[^#]+?)\s+#\s+"
+                          r"(?P<value>-?\d+(?:\.(?P<decimals>\d+))?)(?:\s+\(.*\))?\s*$")
+
+
+def checking_shown_results(block: str) -> tuple[str, int]:
+    """``block`` with every line that shows a numeric result turned into an assertion that the expression gives
+    that number to the digits shown (half a unit of the last one), and how many such lines there were."""
+    lines, checked = [], 0
+    for line in block.splitlines():
+        m = SHOWN_RESULT.match(line)
+        if m and not line.startswith((" ", "\t")):
+            tolerance = 0.5 * 10.0 ** -len(m.group("decimals") or "")
+            expr, value = m.group("expr").strip(), m.group("value")
+            line = (f"_shown = ({expr})\nassert abs(_shown - {value}) <= {tolerance} + 1e-12, "
+                    f"f\"README shows {value} for {expr!r}, it gives {{_shown}}\"")
+            checked += 1
+        lines.append(line)
+    return "\n".join(lines) + "\n", checked
+
+
+def test_shown_results_become_assertions():
+    block, n = checking_shown_results("x = 0.98   # 1\nround(x, ndigits=1)   # 1.0 (n=1)\nx   # a comment\n")
+    assert n == 1
+    exec(compile(block, "shown", "exec"), {})
+    with pytest.raises(AssertionError, match="README shows 0.5"):
+        exec(compile(checking_shown_results("x = 0.98\nx   # 0.5\n")[0], "shown", "exec"), {})
+
+
 def test_the_docs_hold_commands_and_python():
     assert len([line for path in DOCS if path.is_file() for line in command_lines(path)]) >= 20
     assert len(python_blocks(ROOT / "README.md")) >= 5
@@ -91,15 +120,18 @@ def test_every_documented_command_parses(path):
 
 
 def test_readme_python_runs_as_written(tmp_path):
-    """Every README Python block, in order, as one script in a scratch folder; a block that loads a hub
-    checkpoint is only compiled (no weights can be downloaded here)."""
+    """Every README Python block, in order, as one script in a scratch folder, where every result the README shows
+    (``expression   # 1.0``) is asserted; a block that loads a hub checkpoint is only compiled (no weights can be
+    downloaded here)."""
     blocks = python_blocks(ROOT / "README.md")
     runnable = [b for b in blocks if not needs_weights(b)]
     for block in blocks:
         compile(block, "README block", "exec")
     assert len(blocks) - len(runnable) <= 1, "only the multi-device example may need a hub checkpoint"
+    checked = [checking_shown_results(b) for b in runnable]
+    assert sum(n for _, n in checked) >= 1
     script = tmp_path / "readme.py"
-    script.write_text("\n".join(runnable))
+    script.write_text("\n".join(b for b, _ in checked))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=900)
@@ -126,3 +158,39 @@ def test_the_tools_the_docs_name_are_installed():
     assert jupyter, f"jupyter is not installed in {bindir}"
     run = subprocess.run([jupyter, "execute", "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_readme_families_table_is_the_generated_one():
+    """The README's families table is `vlmbind models --families` (derived from the adapters' declarations), every
+    cell says yes, n/a because ... or no: ..., and every registered family has a row."""
+    from vlmbind.adapters.base import ADAPTERS
+    from vlmbind.commands.models import families_table
+
+    rows, table = families_table()
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- BEGIN families[^\n]*-->\n(.*?)<!-- END families -->", readme, re.S)
+    assert m, "the README's families table has lost its BEGIN / END markers"
+    assert m.group(1) == table, "README's families table is stale: paste `vlmbind models --families` between the markers"
+    assert {r["family"] for r in rows} == {a.display_name for a in ADAPTERS.values()}
+    for row in rows:
+        for column, cell in row.items():
+            assert cell and "\n" not in cell, (row["family"], column)
+    capability_columns = list(rows[0])[4:]
+    assert all(r[c].startswith(("yes", "n/a because ", "no: ")) for r in rows for c in capability_columns)
+
+
+def test_a_capability_note_must_say_why():
+    from vlmbind.adapters.capabilities import capability_cells
+    from vlmbind.adapters.qwen import Qwen2VLAdapter
+
+    class Unclear(Qwen2VLAdapter):
+        capability_notes = {"ablation": "partly"}
+
+    class Misnamed(Qwen2VLAdapter):
+        capability_notes = {"ablations": "no: never"}
+
+    with pytest.raises(ValueError, match="must start with"):
+        capability_cells(Unclear)
+    with pytest.raises(ValueError, match="not a column"):
+        capability_cells(Misnamed)
+    assert capability_cells(Qwen2VLAdapter)["TransformerLens"].startswith("no: ")

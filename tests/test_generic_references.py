@@ -20,9 +20,13 @@ def test_patterns_and_residuals_equal_hf_outputs(tiny, batch):
     out = tiny.run(batch, sites=["blocks.*.attn.hook_pattern", "blocks.*.hook_resid_pre", "blocks.*.hook_resid_post"])
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
     hidden = ref.hidden_states  # embeddings, then each layer's output (the last after the final norm)
+    # Qwen3-VL's DeepStack adds image features between layers 0..k-1 and 1..k: there the next layer's input is not
+    # HF's hidden state (tests/test_family_qwen3_vl.py checks that the difference is exactly the injection)
+    injected = len(getattr(tiny.adapter, "deepstack_vision_layers", ()))
     for layer in range(tiny.n_layers):
         torch.testing.assert_close(out[f"blocks.{layer}.attn.hook_pattern"], ref.attentions[layer], atol=1e-6, rtol=0)
-        torch.testing.assert_close(out[f"blocks.{layer}.hook_resid_pre"], hidden[layer], atol=1e-6, rtol=0)
+        if not 0 < layer <= injected:
+            torch.testing.assert_close(out[f"blocks.{layer}.hook_resid_pre"], hidden[layer], atol=1e-6, rtol=0)
         if layer < tiny.n_layers - 1:
             torch.testing.assert_close(out[f"blocks.{layer}.hook_resid_post"], hidden[layer + 1], atol=1e-6, rtol=0)
 

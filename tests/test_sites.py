@@ -11,6 +11,19 @@ from vlmbind.sites import LM_HOOKS, Site, all_sites, parse_site, resolve_sites
 def test_parse_round_trip_every_site():
     for site in all_sites(4, 2):
         assert parse_site(site.name, 4, 2) == site
+    for site in all_sites(4, 2, n_deepstack=3):
+        assert parse_site(site.name, 4, 2, n_deepstack=3) == site
+
+
+def test_deepstack_sites_exist_only_where_the_model_has_injections():
+    assert [s.name for s in resolve_sites("deepstack.*.hook_out", 4, 2, n_deepstack=2)] == [
+        "deepstack.0.hook_out", "deepstack.1.hook_out"]
+    assert not [s for s in resolve_sites("*", 4, 2) if s.component == "deepstack"]
+    for pattern in ("deepstack.0.hook_out", "deepstack.*.hook_out", "deepstack.*"):
+        with pytest.raises(SiteError, match="no DeepStack injections"):
+            resolve_sites(pattern, 4, 2)
+    with pytest.raises(SiteError, match="DeepStack injection 2 is out of range"):
+        parse_site("deepstack.2.hook_out", 4, 2, n_deepstack=2)
 
 
 def test_wildcard_expands_in_model_order():

@@ -10,8 +10,8 @@ Reading is lazy: a site's tensor for one example is read from its shard with ``s
 
 What is stored per example and site (``tokens``):
 
-* ``"image"``: language-model and projector sites keep the image-token rows (in sequence order), vision-tower sites
-  every token of the tower's output for that example;
+* ``"image"``: language-model and projector sites (and DeepStack injections, laid out as the projector's) keep the
+  image-token rows (in sequence order), vision-tower sites every token of the tower's output for that example;
 * ``"all"``: every sequence position (vision and projector sites as for ``"image"``);
 * ``"last"``: the last prompt position only (language-model sites).
 
@@ -378,7 +378,7 @@ def capture(
         "prompt_format": getattr(vlm, "active_prompt_format", None),  # None: a vision encoder, no prompt
         # sites whose rows line up with each example's token table (so they can be pooled per object)
         "aligned_sites": [s for s in resolved if encoder or s.startswith("blocks.")
-                          or (s.startswith("projector.") and vlm.adapter.projector_in_sequence_order)],
+                          or (s.startswith(("projector.", "deepstack.")) and vlm.adapter.projector_in_sequence_order)],
     }
     memory: dict[str, torch.Tensor] | None = None
     root = None

@@ -11,7 +11,9 @@ itself against the model and batch, and which hook it needs:
   eager attention computes (tested against ``output_attentions`` and against eager logits) and lets an intervention
   edit the probabilities after the softmax, before they weight the values. The text model switches to it only for
   the duration of a call that needs it, so the user's choice (eager or sdpa) stands otherwise;
-* residual stream, attention and MLP outputs, vision blocks and the projector: forward (pre-)hooks on those modules.
+* residual stream, attention and MLP outputs, vision blocks and the projector: forward (pre-)hooks on those modules;
+* DeepStack injections (``deepstack.{i}.hook_out``): the text model adds them between layers outside any module, so
+  the capture is a forward hook on the merger that computes them (its output is exactly what is added).
 """
 
 from __future__ import annotations
@@ -231,6 +233,9 @@ class HookSession:
             elif site.component == "projector":
                 self._handles.append(a.projector_module().register_forward_hook(
                     self._post_capture(name, a.projector_output)))
+            elif site.component == "deepstack":
+                self._handles.append(a.deepstack_merger_module(site.layer).register_forward_hook(
+                    self._post_capture(name)))
 
     def _z_hook(self, layer: int, edits: list[Intervention], site: Site | None) -> Callable:
         n_heads, index = self.adapter.n_heads, self.index

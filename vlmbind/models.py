@@ -94,7 +94,7 @@ class VLM:
     def sites(self, patterns: str | Sequence[str | Site]) -> list[Site]:
         """Resolve site names and ``*`` patterns against this model."""
         a = self.adapter
-        return resolve_sites(patterns, a.n_layers, a.n_vision_layers)
+        return resolve_sites(patterns, a.n_layers, a.n_vision_layers, n_deepstack=a.n_deepstack)
 
     # ---- inputs ----------------------------------------------------------------------------------------------
     def prepare(

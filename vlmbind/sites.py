@@ -3,6 +3,7 @@
 Names follow TransformerLens so that users and SAE tools recognise them. A site is parsed against a model's shape
 (number of language-model and vision layers) so that a misspelt name or an out-of-range layer is an error with close
 matches, never an empty result. ``*`` matches any run of characters, so ``blocks.*.attn.hook_z`` names every layer.
+DeepStack families (Qwen3-VL) also add image features between text layers; each such injection is a site of its own.
 
 Shapes (``B`` batch, ``P`` positions, ``H`` query heads, ``D`` head dim, ``N`` vision tokens):
 
@@ -15,6 +16,8 @@ Shapes (``B`` batch, ``P`` positions, ``H`` query heads, ``D`` head dim, ``N`` v
 ``blocks.{l}.attn.hook_pattern``              ``B H P P``: attention probabilities after the softmax
 ``vision.blocks.{l}.hook_resid_post``         the vision block's output, as the tower lays it out
 ``projector.hook_out``                        ``N d_model``: image features handed to the language model
+``deepstack.{i}.hook_out``                    ``N d_model``: DeepStack merger i's rows, which the text model adds to
+                                              the image tokens' residual stream after layer i (projector layout)
 ============================================  ===========================================================
 """
 
@@ -29,9 +32,13 @@ from .errors import InputError, SiteError, close_matches
 
 LM_HOOKS = ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out", "attn.hook_z", "attn.hook_pattern")
 VISION_HOOKS = ("hook_resid_post",)
+DEEPSTACK_HOOKS = ("hook_out",)
 
 _LM_RE = re.compile(r"^blocks\.(\d+)\.(" + "|".join(re.escape(h) for h in LM_HOOKS) + r")$")
 _VISION_RE = re.compile(r"^vision\.blocks\.(\d+)\.(" + "|".join(re.escape(h) for h in VISION_HOOKS) + r")$")
+_DEEPSTACK_RE = re.compile(r"^deepstack\.(\d+)\.(" + "|".join(re.escape(h) for h in DEEPSTACK_HOOKS) + r")$")
+# any injection's name: a pattern matching it asks for DeepStack, whatever this model has
+_DEEPSTACK_EXAMPLE = f"deepstack.0.{DEEPSTACK_HOOKS[0]}"
 
 
 @dataclass(frozen=True, order=True)
@@ -39,8 +46,8 @@ class Site:
     """One parsed site.
 
     Attributes:
-        component: ``"lm"``, ``"vision"`` or ``"projector"``.
-        layer: the block index, ``None`` for the projector.
+        component: ``"lm"``, ``"vision"``, ``"projector"`` or ``"deepstack"``.
+        layer: the block index (for ``"deepstack"``: the injection index), ``None`` for the projector.
         hook: the hook name within the block, e.g. ``"attn.hook_z"``.
     """
 
@@ -54,30 +61,43 @@ class Site:
             return f"blocks.{self.layer}.{self.hook}"
         if self.component == "vision":
             return f"vision.blocks.{self.layer}.{self.hook}"
+        if self.component == "deepstack":
+            return f"deepstack.{self.layer}.{self.hook}"
         return f"projector.{self.hook}"
 
     def __str__(self) -> str:
         return self.name
 
 
-def all_sites(n_layers: int, n_vision_layers: int = 0, projector: bool = True) -> list[Site]:
-    """Every site of a model with this many language-model and vision layers."""
+def all_sites(n_layers: int, n_vision_layers: int = 0, projector: bool = True, n_deepstack: int = 0) -> list[Site]:
+    """Every site of a model with this many language-model and vision layers and DeepStack injections."""
     sites = [Site("lm", layer, hook) for layer in range(n_layers) for hook in LM_HOOKS]
     sites += [Site("vision", layer, hook) for layer in range(n_vision_layers) for hook in VISION_HOOKS]
     if projector:
         sites.append(Site("projector", None, "hook_out"))
+    sites += [Site("deepstack", i, hook) for i in range(n_deepstack) for hook in DEEPSTACK_HOOKS]
     return sites
 
 
-def parse_site(name: str, n_layers: int, n_vision_layers: int = 0, projector: bool = True) -> Site:
+def _no_deepstack(name: str, valid: list[str]) -> SiteError:
+    return SiteError(
+        f"site {name!r}: this model's family has no DeepStack injections (image features added to the residual "
+        f"stream between text layers, as Qwen3-VL does).{close_matches(name, valid)}"
+    )
+
+
+def parse_site(
+    name: str, n_layers: int, n_vision_layers: int = 0, projector: bool = True, n_deepstack: int = 0
+) -> Site:
     """Parse one concrete site name (no wildcard) and check it exists on the model.
 
     Raises:
-        SiteError: the name does not parse, or its layer is out of range; the message lists close matches.
+        SiteError: the name does not parse, its layer is out of range, or it names a DeepStack injection of a model
+            without them; the message lists close matches.
     """
     if not isinstance(name, str):
         raise SiteError(f"site names are strings, got {type(name).__name__} {name!r}")
-    valid = [s.name for s in all_sites(n_layers, n_vision_layers, projector)]
+    valid = [s.name for s in all_sites(n_layers, n_vision_layers, projector, n_deepstack)]
     if m := _LM_RE.match(name):
         layer, hook = int(m.group(1)), m.group(2)
         if layer >= n_layers:
@@ -91,6 +111,16 @@ def parse_site(name: str, n_layers: int, n_vision_layers: int = 0, projector: bo
                 f"0..{n_vision_layers - 1}"
             )
         return Site("vision", layer, hook)
+    if m := _DEEPSTACK_RE.match(name):
+        injection, hook = int(m.group(1)), m.group(2)
+        if not n_deepstack:
+            raise _no_deepstack(name, valid)
+        if injection >= n_deepstack:
+            raise SiteError(
+                f"site {name!r}: DeepStack injection {injection} is out of range, the model has injections "
+                f"0..{n_deepstack - 1} (after text layers 0..{n_deepstack - 1})"
+            )
+        return Site("deepstack", injection, hook)
     if name == "projector.hook_out" and projector:
         return Site("projector", None, "hook_out")
     raise SiteError(
@@ -104,32 +134,36 @@ def resolve_sites(
     n_layers: int,
     n_vision_layers: int = 0,
     projector: bool = True,
+    n_deepstack: int = 0,
 ) -> list[Site]:
     """Expand names and ``*`` patterns into concrete sites, in model order, without duplicates.
 
     Raises:
-        SiteError: a pattern matches nothing, or a name does not exist.
+        SiteError: a pattern matches nothing (a DeepStack pattern on a model without injections says so), or a name
+            does not exist.
     """
     if isinstance(patterns, (str, Site)):
         patterns = [patterns]
     if not patterns:
         raise SiteError("no sites given: name at least one, e.g. 'blocks.*.attn.hook_z'")
-    every = all_sites(n_layers, n_vision_layers, projector)
+    every = all_sites(n_layers, n_vision_layers, projector, n_deepstack)
     chosen: list[Site] = []
     for pattern in patterns:
         if isinstance(pattern, Site):
-            chosen.append(parse_site(pattern.name, n_layers, n_vision_layers, projector))
+            chosen.append(parse_site(pattern.name, n_layers, n_vision_layers, projector, n_deepstack))
         elif isinstance(pattern, str) and "*" in pattern:
             hits = [s for s in every if fnmatch.fnmatchcase(s.name, pattern)]
             if not hits:
                 generic = [re.sub(r"\d+", "*", s.name) for s in every]
+                if not n_deepstack and fnmatch.fnmatchcase(_DEEPSTACK_EXAMPLE, pattern):
+                    raise _no_deepstack(pattern, sorted(set(generic)))
                 raise SiteError(
                     f"site pattern {pattern!r} matches no site of this model."
                     f"{close_matches(pattern, sorted(set(generic)))}"
                 )
             chosen.extend(hits)
         else:
-            chosen.append(parse_site(pattern, n_layers, n_vision_layers, projector))
+            chosen.append(parse_site(pattern, n_layers, n_vision_layers, projector, n_deepstack))
     order = {s: i for i, s in enumerate(every)}
     return sorted(set(chosen), key=lambda s: order[s])
 

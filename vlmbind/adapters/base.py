@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ..errors import SiteError, UnsupportedModelError
 from ..tokens import ROLE_DTYPE, ImageGrid
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
@@ -98,6 +98,11 @@ class ModelAdapter:
     # the coordinate frames of the point formats this family's checkpoints write, where the format does not carry
     # its own (format -> frame of vlmbind.stimuli.answers.FRAMES); Qwen2-VL boxes and Molmo tags describe themselves
     point_frames: ClassVar[dict[str, str]] = {}
+    # the families table (README, `vlmbind models --families`): how the image tokens are laid out, in a few words
+    image_layout: ClassVar[str] = ""
+    # capability (a key of vlmbind.adapters.capabilities.CAPABILITIES) -> why it differs from the derived cell, as
+    # "n/a because ..." or "no: ..." (or "yes (...)" to qualify it)
+    capability_notes: ClassVar[dict[str, str]] = {}
 
     def __init__(self, model: nn.Module, processor: Any):
         self.model = model
@@ -136,6 +141,12 @@ class ModelAdapter:
     def n_vision_layers(self) -> int:
         return len(get_module(self.model, self.vision_blocks))
 
+    @property
+    def n_deepstack(self) -> int:
+        """How many DeepStack injections (image features added to the image tokens' residual stream after text
+        layers ``0..n-1``, outside any module) the model makes; 0 for families without DeepStack."""
+        return 0
+
     # ---- modules --------------------------------------------------------------------------------------------
     def layer(self, layer: int) -> nn.Module:
         return get_module(self.model, self.text_layers)[layer]
@@ -164,6 +175,16 @@ class ModelAdapter:
 
     def projector_module(self) -> nn.Module:
         return get_module(self.model, self.projector)
+
+    def deepstack_merger_module(self, injection: int) -> nn.Module:
+        """The module whose output (``N d_model``, laid out as the projector's) is DeepStack injection
+        ``injection``: the ``deepstack.{injection}.hook_out`` site.
+
+        Raises:
+            SiteError: the family has no DeepStack injections (families with them override this).
+        """
+        raise SiteError(f"DeepStack injection {injection} does not exist: {self.display_name} has no DeepStack "
+                        "injections")
 
     def declared_paths(self) -> dict[str, nn.Module]:
         """Every declared module path resolved on this model (the adapter contract tests call this)."""

@@ -32,6 +32,7 @@ class Gemma3Adapter(ModelAdapter):
 
     family = "gemma3"
     display_name = "Gemma-3"
+    image_layout = "pooled fixed grid, bidirectional image block"
     model_types = ("gemma3",)
     model_class_name = "Gemma3ForConditionalGeneration"
     vision_blocks = "model.vision_tower.encoder.layers"

@@ -147,6 +147,7 @@ class LlavaAdapter(_LlavaBase):
 
     family = "llava"
     display_name = "LLaVA-1.5"
+    image_layout = "fixed (crop/patch)^2 grid"
     model_types = ("llava",)
     model_class_name = "LlavaForConditionalGeneration"
 
@@ -228,6 +229,7 @@ class LlavaOnevisionAdapter(_LlavaBase):
 
     family = "llava_onevision"
     display_name = "LLaVA-OneVision"
+    image_layout = "base grid + any-res tiles with newline tokens"
     model_types = ("llava_onevision",)
     model_class_name = "LlavaOnevisionForConditionalGeneration"
     # the projector's rows are per tile; the model unpads and regroups them (and adds newline rows) afterwards
@@ -272,6 +274,12 @@ class LlavaOnevisionAdapter(_LlavaBase):
                            scale_x=scale_x, scale_y=scale_y, image_size=(width, height))
         return ImageGrid("base", k, positions.reshape(side, side), boxes)
 
+    def _max_tiles(self) -> int | None:
+        """Tiles' worth of hi-res features past which the model down-samples the grid, or None if it never does
+        (LLaVA-NeXT, which shares this layout)."""
+        # the model's own parsing of "anyres_max_N" (a character-set strip), kept identical on purpose
+        return int(self.config.vision_aspect_ratio.strip("anyres_max_"))  # noqa: B005
+
     def _tiles_layout(self, width: int, height: int) -> tuple[np.ndarray, int, int]:
         """Boxes of the stitched hi-res grid, as the model lays it out (``pack_image_features``).
 
@@ -299,9 +307,8 @@ class LlavaOnevisionAdapter(_LlavaBase):
         row_lo = row_hi = rows_idx
         col_lo = col_hi = cols_idx
         cur_h, cur_w = len(rows_idx), len(cols_idx)
-        # the model's own parsing of "anyres_max_N" (a character-set strip), kept identical on purpose
-        max_patches = int(self.config.vision_aspect_ratio.strip("anyres_max_"))  # noqa: B005
-        ratio = math.sqrt(cur_h * cur_w / (max_patches * side**2))
+        max_patches = self._max_tiles()
+        ratio = 0.0 if max_patches is None else math.sqrt(cur_h * cur_w / (max_patches * side**2))
         if ratio > 1.1:  # the model's bilinear down-sampling of an over-large hi-res grid
             out_h, out_w = int(cur_h // ratio), int(cur_w // ratio)
             lo, hi = _bilinear_support(cur_h, out_h)

@@ -84,6 +84,7 @@ class Molmo2Adapter(ModelAdapter):
 
     family = "molmo2"
     display_name = "Molmo2"
+    image_layout = "low-res + high-res pooled grids, column separators"
     model_types = ("molmo2",)
     model_class_name = "Molmo2ForConditionalGeneration"
     vision_blocks = "model.vision_tower.layers"

@@ -74,6 +74,7 @@ class _QwenVLAdapter(ModelAdapter):
 class Qwen25VLAdapter(_QwenVLAdapter):
     family = "qwen2_5_vl"
     display_name = "Qwen2.5-VL"
+    image_layout = "merged h/2 x w/2 grid, M-RoPE"
     # grounding answers are JSON with absolute coordinates in the resized image
     point_frames = {"json": "resized"}
     model_types = ("qwen2_5_vl",)
@@ -97,5 +98,6 @@ class Qwen25VLAdapter(_QwenVLAdapter):
 class Qwen2VLAdapter(_QwenVLAdapter):
     family = "qwen2_vl"
     display_name = "Qwen2-VL"
+    image_layout = "merged h/2 x w/2 grid, M-RoPE"
     model_types = ("qwen2_vl",)
     model_class_name = "Qwen2VLForConditionalGeneration"

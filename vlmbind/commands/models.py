@@ -17,7 +17,19 @@ def add_parser(sub: Any, common: Any) -> None:
         description=f"One row per registered model: family, layers x heads, the image-token grid(s) of a "
                     f"{PROBE_SIZE}x{PROBE_SIZE} image, and where the weights come from.",
     )
+    models.add_argument("--families", action="store_true",
+                        help="instead, one row per supported family: what works on it (a markdown table, the "
+                             "README's), derived from the adapters' declarations; loads no model")
     models.set_defaults(func=cmd_models)
+
+
+def families_table() -> tuple[list[dict[str, str]], str]:
+    """The families table's rows and its markdown with the columns' legend (the README's "Supported families")."""
+    from ..adapters.capabilities import family_rows, legend, markdown_table
+    from ..tiny import tiny_names_by_family
+
+    rows = family_rows(tiny_names_by_family())
+    return rows, markdown_table(rows) + "\nWhat a `yes` means in each column (any other cell says why not):\n\n" + legend()
 
 
 def describe_model(name: str) -> dict[str, Any]:
@@ -65,6 +77,11 @@ def cmd_models(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, 
     """
     from .. import loading
 
+    if getattr(args, "families", False):
+        from ..adapters.capabilities import CAPABILITIES
+
+        families, table = families_table()
+        return {"command": "models", "families": families, "capabilities": CAPABILITIES}, table.rstrip("\n"), 0
     rows, failed = [], []
     for name in loading.registered_names():
         try:

@@ -15,9 +15,11 @@ from typing import Any
 
 from ..errors import UnsupportedModelError, close_matches
 from . import gemma3, llava, molmo2, qwen  # noqa: F401  (each registers its builders)
+from . import llava_next  # noqa: F401
+from . import qwen3_vl  # noqa: F401
 from .registry import TINY_BUILDERS, listed_names, register_tiny
 
-__all__ = ["TINY_BUILDERS", "TINY_NAMES", "build", "register_tiny"]
+__all__ = ["TINY_BUILDERS", "TINY_NAMES", "build", "register_tiny", "tiny_family", "tiny_names_by_family"]
 
 # in the order `vlmbind models` lists them (each builder's rank)
 TINY_NAMES = listed_names()
@@ -28,3 +30,17 @@ def build(name: str, seed: int = 0, **kwargs: Any) -> tuple[Any, Any]:
     if name not in TINY_BUILDERS:
         raise UnsupportedModelError(f"unknown tiny model {name!r}.{close_matches(name, TINY_BUILDERS)}")
     return TINY_BUILDERS[name](seed=seed, **kwargs)
+
+
+def tiny_family(name: str) -> str:
+    """The family a tiny model belongs to, by the naming convention ``tiny-<family>`` (``-`` and ``_`` alike); the
+    tests check it against the built models."""
+    return name.removeprefix("tiny-").replace("-", "_")
+
+
+def tiny_names_by_family() -> dict[str, list[str]]:
+    """family -> its tiny models, in listing order."""
+    out: dict[str, list[str]] = {}
+    for name in TINY_NAMES:
+        out.setdefault(tiny_family(name), []).append(name)
+    return out
