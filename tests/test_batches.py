@@ -25,6 +25,10 @@ def test_every_per_token_input_is_declared(tiny):
 def test_appended_ids_run_like_the_prepared_longer_prompt(tiny):
     """Appending the ids of one more word gives the logits of the prompt that already holds it (one row, so no
     padding moves)."""
+    if tiny.adapter.appended_token_values:
+        # PaliGemma: the prompt is the bidirectional prefix and appended tokens are the causal answer, so no longer
+        # prompt runs like them; tests/test_family_paligemma.py checks them against HF's own generation instead
+        pytest.skip(f"{tiny.family}: appended tokens are answer tokens, not prompt tokens")
     tok = tiny.adapter.tokenizer
     word = tok(" red", add_special_tokens=False)["input_ids"]
     short = tiny.prepare(draw_scene(0), PROMPT)

@@ -37,7 +37,7 @@ from vlmbind.interop import bridge_inputs, transformer_lens_architectures, trans
 from vlmbind.tiny import TINY_NAMES
 
 BRIDGED = ("tiny-qwen2_5_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-llava_next", "tiny-qwen3_vl",
-           "tiny-qwen3_vl_moe")
+           "tiny-qwen3_vl_moe", "tiny-idefics3", "tiny-mistral3")
 NOT_BRIDGED = tuple(n for n in TINY_NAMES if n not in BRIDGED)
 # vlmbind sites whose TL namesake must hold the same tensor (brief: exact or <= 1e-5)
 CORE_HOOKS = ("attn.hook_z", "hook_resid_pre", "hook_resid_post", "attn.hook_pattern")

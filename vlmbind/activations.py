@@ -109,10 +109,12 @@ def _split_rows(value: torch.Tensor, batch: Any) -> list[torch.Tensor]:
     if value.shape[0] == b and value.ndim >= 3:
         return [v.reshape(-1, value.shape[-1]) for v in value]
     sizes = {img.size for row in batch.images for img in row}
-    if value.shape[0] % b or len(sizes) != 1:
+    # rows of the whole batch, whether per image (Qwen's N d) or as one packed sequence (Pixtral's 1 N d)
+    flat = value.reshape(-1, value.shape[-1])
+    if flat.shape[0] % b or len(sizes) != 1:
         raise InputError("vision and projector captures split per example only for same-size images; capture "
                          "with batch_size=1 when image sizes differ")
-    return [v.reshape(-1, value.shape[-1]) for v in value.reshape(b, -1, value.shape[-1])]
+    return list(flat.reshape(b, -1, value.shape[-1]))
 
 
 @dataclass

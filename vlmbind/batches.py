@@ -64,8 +64,9 @@ class RunOutput:
 def append_tokens(adapter: ModelAdapter, inputs: dict[str, Any], tokens: torch.Tensor) -> dict[str, Any]:
     """``inputs`` with ``tokens`` (``B`` or ``B T``) appended as text tokens to every per-token input.
 
-    ``input_ids`` get the tokens, ``attention_mask`` ones, the family's ``token_inputs`` (token type ids) zeros;
-    everything else (pixels, grids) is passed on unchanged. The input dict is not modified.
+    ``input_ids`` get the tokens, ``attention_mask`` ones, the family's ``token_inputs`` (token type ids) zeros, or
+    the family's ``appended_token_values``; everything else (pixels, grids) is passed on unchanged. The input dict
+    is not modified.
 
     Raises:
         InputError: a per-token input has another shape than ``input_ids``, or a tensor shaped like ``input_ids``
@@ -95,7 +96,7 @@ def append_tokens(adapter: ModelAdapter, inputs: dict[str, Any], tokens: torch.T
         if key == "input_ids":
             col = tokens.to(value.device, value.dtype)
         else:
-            col = torch.full(tokens.shape, 1 if key == "attention_mask" else 0, dtype=value.dtype,
-                             device=value.device)
+            fill = 1 if key == "attention_mask" else adapter.appended_token_values.get(key, 0)
+            col = torch.full(tokens.shape, fill, dtype=value.dtype, device=value.device)
         out[key] = torch.cat([value, col], 1)
     return out

@@ -117,8 +117,9 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
             the checkpoint's own on an accelerator. Scores are computed in float32 from the logits either way, but
             bfloat16 weights change head scores (see ``benchmarks/RESULTS.md``).
         device_map: accelerate's placement for checkpoints too large for one device (``auto``).
-        attn_implementation: ``sdpa`` (the default for checkpoints), ``eager`` or ``flash_attention_2``; vlmbind
-            switches to its own eager attention for the runs that read or edit attention patterns, whatever this is.
+        attn_implementation: ``sdpa`` (the default for checkpoints, eager for those without it: the adapter's
+            ``default_attn_implementation``), ``eager`` or ``flash_attention_2``; vlmbind switches to its own eager
+            attention for the runs that read or edit attention patterns, whatever this is.
         **hf_kwargs: passed to ``from_pretrained``.
 
     Raises:
@@ -205,7 +206,7 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
         return load_encoder(name, config, **hf_kwargs)
     adapter_cls = adapter_class_for_config(config)
     model_cls = getattr(transformers, adapter_cls.model_class_name)
-    hf_kwargs.setdefault("attn_implementation", "sdpa")
+    hf_kwargs.setdefault("attn_implementation", adapter_cls.default_attn_implementation(config))
     try:
         model = model_cls.from_pretrained(name, **hf_kwargs)
         processor = AutoProcessor.from_pretrained(name, **config_kwargs)

@@ -150,7 +150,7 @@ class VLM:
             )
         finally:
             tok.padding_side = old_side
-        inputs = dict(inputs)
+        inputs = {k: v for k, v in inputs.items() if k not in self.adapter.dropped_inputs}
         index = self.token_index(inputs, rows)
         return Batch(inputs=inputs, index=index, prompts=prompts, images=rows)
 

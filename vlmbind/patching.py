@@ -21,8 +21,9 @@ anything before ``p0`` nor anything below layer l, so:
 Everything runs through the model's own forward, so the family's masks (Gemma-3's sliding windows, bidirectional
 image blocks), GQA and rotary embeddings apply unchanged. Position ids that are not ``0..P-1`` (Qwen's 3-D M-RoPE)
 are computed once for the full sequence and sliced, never left to the model's cached ``rope_deltas``. The prefix
-must end after every image token and every bidirectional block; when a patch position lies at or before one, the
-prefix is empty and the rows run the whole sequence, one at a time.
+must end after every image token and every bidirectional block (``adapter.bidirectional_positions``; for PaliGemma's
+prefix LM, the whole prompt); when a patch position lies at or before one, the prefix is empty and the rows run the
+whole sequence, one at a time.
 """
 
 from __future__ import annotations
@@ -145,14 +146,13 @@ def naive_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> 
 # ----------------------------------------------------------------------------------------------------------------
 def prefix_end(vlm: Any, batch: Any, inputs: dict[str, Any], first_patch: int) -> int:
     """Where the reusable prefix ends: the first patched position if it lies after every image token and every
-    token marked in a ``*token_type_ids`` input (bidirectional blocks), else 0 (nothing reusable)."""
+    position of a bidirectional block (``adapter.bidirectional_positions``: they attend to later positions, so a
+    patch at or before the last of them changes them), else 0 (nothing reusable)."""
     index = batch.index[0]
     barrier = int(index.image_positions.max()) if index.image_positions.size else -1
-    for key, value in inputs.items():
-        if key.endswith("token_type_ids") and isinstance(value, torch.Tensor):
-            marked = torch.nonzero(value[0]).flatten()
-            if marked.numel():
-                barrier = max(barrier, int(marked.max()))
+    marked = vlm.adapter.bidirectional_positions(inputs)
+    if marked.numel():
+        barrier = max(barrier, int(marked.max()))
     return first_patch if first_patch > barrier else 0
 
 
@@ -275,8 +275,13 @@ def _entries(task: PatchTask, chunk_heads: list[tuple[int, int]], block_position
 
 
 def packable(vlm: Any) -> bool:
-    """Whether the text model's attention takes a custom 4-D mask (sdpa and eager variants do)."""
-    return vlm.adapter.text_config._attn_implementation in ("sdpa", "eager", ATTENTION_IMPL)
+    """Whether the text model's attention takes a custom 4-D mask (sdpa and eager variants do), one per layer type
+    when some layers slide (``adapter.mask_per_layer_type``: PaliGemma 2's forward would give its sliding layers
+    the full layers' mask)."""
+    cfg = vlm.adapter.text_config
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+    return (cfg._attn_implementation in ("sdpa", "eager", ATTENTION_IMPL)
+            and (vlm.adapter.mask_per_layer_type or not sliding))
 
 
 def _packed_masks(vlm: Any, cache: Any, start: int, suffix: int, blocks: int, device: Any) -> Any:
@@ -406,6 +411,10 @@ def exact_diffs(
     """
     if layout not in ("auto", "single", "packed", "batched"):
         raise InputError(f"layout must be auto, single, packed or batched, got {layout!r}")
+    if layout == "packed" and not packable(vlm):
+        raise InputError(f"layout 'packed' needs a custom-mask attention and, with sliding windows, a mask per layer "
+                         f"type; {vlm.family} ({vlm.adapter.text_config._attn_implementation} attention) lacks one: "
+                         "use 'batched' or 'auto'")
     if layout == "single" and not single_pass_capable(vlm):
         raise InputError(f"layout 'single' needs a plainly causal text mask and a custom-mask attention; "
                          f"{vlm.family} has a bidirectional image block, sliding windows or another attention: use "

@@ -90,10 +90,17 @@ class ModelAdapter:
     # positions the image features replace (special tokens around / between them are role "special")
     image_token_attr: ClassVar[str] = "image_token_id"
     bidirectional_image: ClassVar[bool] = False
+    # whether the forward takes an attention mask per layer type ({"full_attention": ..., "sliding_attention": ...},
+    # as Gemma-3's does); the exact method's packed layout needs it when some layers slide
+    mask_per_layer_type: ClassVar[bool] = True
     mrope: ClassVar[bool] = False
     # per-token processor outputs besides input_ids and attention_mask (0 on text tokens): they grow with the
     # sequence when tokens are appended (vlmbind.batches.append_tokens)
     token_inputs: ClassVar[tuple[str, ...]] = ()
+    # the value an appended token gets in a token input, where it is not 0 (PaliGemma's answer tokens: 1, causal)
+    appended_token_values: ClassVar[dict[str, int]] = {}
+    # processor outputs that never reach the forward (PaliGemma's training labels); VLM.prepare drops them
+    dropped_inputs: ClassVar[tuple[str, ...]] = ()
     transformer_lens_bridge: ClassVar[bool] = False
     # the coordinate frames of the point formats this family's checkpoints write, where the format does not carry
     # its own (format -> frame of vlmbind.stimuli.answers.FRAMES); Qwen2-VL boxes and Molmo tags describe themselves
@@ -279,11 +286,26 @@ class ModelAdapter:
         """Extra keyword arguments the family's forward needs beyond the processor's outputs."""
         return {}
 
+    def bidirectional_positions(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Positions of row 0 of the forward's ``inputs`` that may attend to later positions (bidirectional
+        blocks): by default those marked nonzero in any ``*token_type_ids`` input (Gemma-3's and Molmo2's image
+        blocks). A family whose mask marks them otherwise (PaliGemma's prefix LM) overrides this; the exact patching
+        method reuses no cached prefix that ends before the last of them."""
+        marked = [torch.nonzero(value[0]).flatten() for key, value in inputs.items()
+                  if key.endswith("token_type_ids") and isinstance(value, torch.Tensor)]
+        return torch.cat(marked) if marked else torch.zeros(0, dtype=torch.long)
+
     def position_ids(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """Full-length position ids of a batch when the family's are not ``0..P-1`` per row (Qwen's 3-D M-RoPE),
         else None (the model derives them from the cache position). Runs a forward on part of a sequence needs
         them sliced from the full sequence, never recomputed from the part."""
         return None
+
+    @classmethod
+    def default_attn_implementation(cls, config: Any) -> str:
+        """The attention a checkpoint with ``config`` loads with when the caller names none: ``sdpa``, unless the
+        family's text model lacks it (PaliGemma 2's Gemma-2: eager)."""
+        return "sdpa"
 
     # ---- description ----------------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -17,6 +17,9 @@ from ..errors import UnsupportedModelError, close_matches
 from . import gemma3, llava, molmo2, qwen  # noqa: F401  (each registers its builders)
 from . import llava_next  # noqa: F401
 from . import qwen3_vl  # noqa: F401
+from . import paligemma  # noqa: F401
+from . import idefics3  # noqa: F401
+from . import mistral3  # noqa: F401
 from .registry import TINY_BUILDERS, listed_names, register_tiny
 
 __all__ = ["TINY_BUILDERS", "TINY_NAMES", "build", "register_tiny", "tiny_family", "tiny_names_by_family"]
