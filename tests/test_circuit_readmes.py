@@ -71,3 +71,29 @@ def test_position_ids_results_back_the_claims():
     assert all(r["flipped"] == 0 for r in summary["last_token_test"])
     edit = json.loads((results / "edit" / "results.json").read_text())
     assert max(r["efficacy"] for r in edit["rows"] if r["arm"] == "edit") <= 0.1
+
+
+def test_the_id_selection_attempt_backs_what_the_docs_say():
+    """docs/ground_truth.md's account of the ID-selection plant, against its saved evaluation record and scores."""
+    results = CIRCUITS / "ground_truth" / "results" / "id_selection_attempt"
+    record = json.loads((results / "evals.json").read_text())
+    final = record["evals"][-1]
+    assert record["step"] == final["step"] == 2000 and record["eval_pairs_per_variable"] == 32
+    ids, fr = final["siit"]["id_selection"], final["siit"]["feature_retrieval"]
+    assert ids["interchange_accuracy"] == 1.0 and ids["counterfactual_unpatched"] == 0.0
+    assert ids["unaligned_changes_max"] == 0.0 and round(fr["unaligned_changes_max"], 2) == 0.38
+    assert round(fr["interchange_accuracy"], 2) == 0.97 and final["selection"]["accuracy"] == 1.0
+    assert round(final["selection"]["attention_mass"], 2) == 1.0
+    by_step = {e["step"]: e["siit"]["id_selection"] for e in record["evals"]}
+    assert (round(by_step[750]["interchange_accuracy"], 2), round(by_step[750]["counterfactual_unpatched"], 2)) == \
+        (0.44, 0.19)
+    readout_only = record["readout_only_run_V3"]  # "left its loss at ln 36"
+    assert abs(readout_only["selection_loss_last_20"] - readout_only["chance_loss_ln_36"]) < 0.05
+    text = (CIRCUITS.parent / "docs" / "ground_truth.md").read_text()
+    for condition, head, score in (("id_selection", (2, 1), "+12.3"), ("feature_retrieval", (4, 2), "+22.9")):
+        scores = pd.read_csv(results / f"locate_{condition}" / "scores.csv")
+        best = scores.sort_values("score", ascending=False).iloc[0]
+        assert (best["layer"], best["head"]) == head and f"{best['score']:+.1f}" == score and score in text
+        if condition == "id_selection":
+            assert scores["significant"].sum() == 1 and bool(best["significant"])
+            assert f"[{best['ci_low']:.2f}, {best['ci_high']:.2f}]" in text
