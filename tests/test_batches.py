@@ -24,14 +24,20 @@ def test_every_per_token_input_is_declared(tiny):
 
 def test_appended_ids_run_like_the_prepared_longer_prompt(tiny):
     """Appending the ids of one more word gives the logits of the prompt that already holds it (one row, so no
-    padding moves)."""
-    if tiny.adapter.appended_token_values:
-        # PaliGemma: the prompt is the bidirectional prefix and appended tokens are the causal answer, so no longer
-        # prompt runs like them; tests/test_family_paligemma.py checks them against HF's own generation instead
-        pytest.skip(f"{tiny.family}: appended tokens are answer tokens, not prompt tokens")
+    padding moves). Where appended tokens are answer tokens (PaliGemma's prefix LM: the prompt attends both ways, the
+    answer causally), no longer prompt runs like them: they carry the declared values instead, the prompt's inputs
+    are untouched, and tests/test_family_paligemma.py checks them against HF's own generation."""
     tok = tiny.adapter.tokenizer
     word = tok(" red", add_special_tokens=False)["input_ids"]
     short = tiny.prepare(draw_scene(0), PROMPT)
+    if tiny.adapter.appended_token_values:
+        inputs = append_tokens(tiny.adapter, short.inputs, torch.tensor([word]))
+        n = short.inputs["input_ids"].shape[1]
+        assert inputs["input_ids"][0, n:].tolist() == word
+        for key, value in tiny.adapter.appended_token_values.items():
+            assert torch.equal(inputs[key][:, :n], short.inputs[key]), key
+            assert inputs[key][0, n:].tolist() == [value] * len(word), key
+        return
     long = tiny.prepare(draw_scene(0), PROMPT + " red")
     assert long.inputs["input_ids"][0, -len(word):].tolist() == word  # the word is its own tokens at the end
     inputs = append_tokens(tiny.adapter, short.inputs, torch.tensor([word]))
