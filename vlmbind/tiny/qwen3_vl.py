@@ -154,7 +154,7 @@ def _tiny(family: str, seed: int, image_size: int = 224, **model_kwargs: Any) ->
                           attn_implementation=model_kwargs.pop("attn_implementation", "eager"))
 
 
-# listed last (after ranks 0-6), dense before MoE
+# dense before MoE in `vlmbind models`
 @register_tiny("tiny-qwen3_vl", rank=7)
 def tiny_qwen3_vl(seed: int = 0, **kwargs):
     return _tiny("qwen3_vl", seed, **kwargs)
