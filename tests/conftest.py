@@ -27,6 +27,14 @@ if os.environ.get("CI"):
 PROMPT = "In this image there is a red square, a blue circle and a"
 
 
+def expected_boxes(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """``rows cols 4`` pixel boxes of a grid from its column edges ``xs`` (cols+1) and row edges ``ys`` (rows+1)."""
+    boxes = np.zeros((len(ys) - 1, len(xs) - 1, 4))
+    boxes[..., 0], boxes[..., 2] = xs[None, :-1], xs[None, 1:]
+    boxes[..., 1], boxes[..., 3] = ys[:-1, None], ys[1:, None]
+    return boxes
+
+
 def draw_scene(seed: int = 0, size: tuple[int, int] = (224, 224)) -> Image.Image:
     """Three coloured shapes on white at seed-dependent places."""
     rng = np.random.default_rng(seed)

@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, get_tiny, silenced_vision_attention
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
 from PIL import ImageDraw
 
 import vlmbind as vb
@@ -50,14 +50,6 @@ def idefics3() -> vb.VLM:
 @pytest.fixture(scope="module")
 def smolvlm() -> vb.VLM:
     return get_tiny("tiny-smolvlm")
-
-
-def _expected_boxes(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """``rows cols 4`` boxes from column edges ``xs`` (cols+1) and row edges ``ys`` (rows+1)."""
-    boxes = np.zeros((len(ys) - 1, len(xs) - 1, 4))
-    boxes[..., 0], boxes[..., 2] = xs[None, :-1], xs[None, 1:]
-    boxes[..., 1], boxes[..., 3] = ys[:-1, None], ys[1:, None]
-    return boxes
 
 
 def _grid_names(rows: int, cols: int) -> list[str]:
@@ -103,8 +95,8 @@ def test_square_image_layout_tokens_and_boxes(vlm):
     for i in range(2):
         for j in range(2):
             np.testing.assert_allclose(ti.grid(f"row_{i + 1}_col_{j + 1}").boxes,
-                                       _expected_boxes(112 * j + edges, 112 * i + edges))
-    np.testing.assert_allclose(ti.grid("global").boxes, _expected_boxes(56.0 * np.arange(5), 56.0 * np.arange(5)))
+                                       expected_boxes(112 * j + edges, 112 * i + edges))
+    np.testing.assert_allclose(ti.grid("global").boxes, expected_boxes(56.0 * np.arange(5), 56.0 * np.arange(5)))
     assert ti.cell(int(ti.grid("row_2_col_1").positions[1, 3])) == ("row_2_col_1", 0, 1, 3)
     # a point lies in one tile token and one global token
     hit = ti.positions_covering((120, 10, 121, 11))
@@ -126,9 +118,9 @@ def test_non_square_tiles_and_global_boxes(vlm, size, cell_w, cell_h, global_w, 
     for i in range(rows):
         for j in range(cols):
             xs, ys = width / cols * j + cell_w * np.arange(5), height / rows * i + cell_h * np.arange(5)
-            np.testing.assert_allclose(ti.grid(f"row_{i + 1}_col_{j + 1}").boxes, _expected_boxes(xs, ys))
+            np.testing.assert_allclose(ti.grid(f"row_{i + 1}_col_{j + 1}").boxes, expected_boxes(xs, ys))
     np.testing.assert_allclose(ti.grid("global").boxes,
-                               _expected_boxes(global_w * np.arange(5), global_h * np.arange(5)))
+                               expected_boxes(global_w * np.arange(5), global_h * np.arange(5)))
     # the tiles cover the image exactly once, and so does the global image
     tiles = np.concatenate([g.boxes.reshape(-1, 4) for g in ti.grids[:-1]])
     for boxes in (tiles, ti.grid("global").boxes.reshape(-1, 4)):
@@ -151,7 +143,7 @@ def test_an_unsplit_image_is_only_the_global_image(idefics3):
     assert [(g.name, g.shape) for g in ti.grids] == [("global", (4, 4))]
     np.testing.assert_array_equal(ti.grid("global").positions, 2 + np.arange(16).reshape(4, 4))
     np.testing.assert_array_equal(ti.positions("special"), [0, 1, 18])
-    np.testing.assert_allclose(ti.grid("global").boxes, _expected_boxes(80.0 * np.arange(5), 56.0 * np.arange(5)))
+    np.testing.assert_allclose(ti.grid("global").boxes, expected_boxes(80.0 * np.arange(5), 56.0 * np.arange(5)))
     out = idefics3.run(batch, sites=["blocks.0.hook_resid_pre", "projector.hook_out"])
     assert out["projector.hook_out"].shape == (1, 16, 128)
     torch.testing.assert_close(out["blocks.0.hook_resid_pre"][0, 2:18], out["projector.hook_out"][0], atol=0, rtol=0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, get_tiny, silenced_vision_attention
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
 from PIL import Image, ImageDraw
 
 import vlmbind as vb
@@ -45,14 +45,6 @@ def _resid_pre(vlm: vb.VLM, batch: vb.Batch) -> torch.Tensor:
     return vlm.capture(batch, "blocks.0.hook_resid_pre")["blocks.0.hook_resid_pre"][0]
 
 
-def _expected_boxes(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """``rows cols 4`` boxes from column edges ``xs`` (cols+1) and row edges ``ys`` (rows+1)."""
-    boxes = np.zeros((len(ys) - 1, len(xs) - 1, 4))
-    boxes[..., 0], boxes[..., 2] = xs[None, :-1], xs[None, 1:]
-    boxes[..., 1], boxes[..., 3] = ys[:-1, None], ys[1:, None]
-    return boxes
-
-
 # ---- LLaVA-1.5 ----------------------------------------------------------------------------------------------------
 def test_llava_square_grid_and_boxes(llava):
     batch = llava.prepare(_image((224, 224)), PROMPT)
@@ -63,7 +55,7 @@ def test_llava_square_grid_and_boxes(llava):
     assert ti.roles[0] == "special"
     np.testing.assert_array_equal(grid.positions, np.arange(1, 257).reshape(16, 16))
     edges = np.arange(17) * 14.0
-    np.testing.assert_allclose(grid.boxes, _expected_boxes(edges, edges))
+    np.testing.assert_allclose(grid.boxes, expected_boxes(edges, edges))
 
 
 def test_llava_non_square_boxes_follow_resize_and_center_crop(llava):
@@ -72,7 +64,7 @@ def test_llava_non_square_boxes_follow_resize_and_center_crop(llava):
     assert grid.shape == (16, 16)
     xs = (55 + 14 * np.arange(17)) * 448 / 334
     ys = 14 * np.arange(17) * 300 / 224
-    np.testing.assert_allclose(grid.boxes, _expected_boxes(xs, ys))
+    np.testing.assert_allclose(grid.boxes, expected_boxes(xs, ys))
     assert grid.boxes[0, 0, 0] == pytest.approx(73.77, abs=0.01)
     # the cropped-away margins are covered by no token
     assert len(batch.index[0].positions_covering((0, 0, 73, 300))) == 0
@@ -139,8 +131,8 @@ def test_onevision_square_layout(onevision):
     assert (ti.roles[hires[:, 16]] == "special").all()
     assert all(ti.cell(int(p)) is None for p in hires[:, 16])
     assert len(ti.image_positions) == 64 + 256
-    np.testing.assert_allclose(base.boxes, _expected_boxes(np.arange(9) * 28.0, np.arange(9) * 28.0))
-    np.testing.assert_allclose(tiles.boxes, _expected_boxes(np.arange(17) * 14.0, np.arange(17) * 14.0))
+    np.testing.assert_allclose(base.boxes, expected_boxes(np.arange(9) * 28.0, np.arange(9) * 28.0))
+    np.testing.assert_allclose(tiles.boxes, expected_boxes(np.arange(17) * 14.0, np.arange(17) * 14.0))
 
 
 @pytest.mark.parametrize(
@@ -155,9 +147,9 @@ def test_onevision_non_square_tiles_are_unpadded_in_original_coordinates(onevisi
     ti = batch.index[0]
     base, tiles = ti.grid("base"), ti.grid("tiles")
     assert tiles.shape == shape
-    np.testing.assert_allclose(tiles.boxes, _expected_boxes(x_edges, y_edges))
+    np.testing.assert_allclose(tiles.boxes, expected_boxes(x_edges, y_edges))
     width, height = size  # the base grid is the whole image stretched to 112x112
-    np.testing.assert_allclose(base.boxes, _expected_boxes(np.arange(9) * width / 8, np.arange(9) * height / 8))
+    np.testing.assert_allclose(base.boxes, expected_boxes(np.arange(9) * width / 8, np.arange(9) * height / 8))
     newlines = np.flatnonzero(ti.roles == "special")
     assert len(newlines) == shape[0]
     assert int((batch.inputs["input_ids"][0] == onevision.adapter.image_token_id).sum()) == 64 + shape[0] * (
@@ -226,7 +218,7 @@ def test_onevision_multi_image_mode_pads_to_square_and_skips_tiles(onevision):
     assert (roles[newlines] == "special").all() and (roles == "special").sum() == 2
     # the 224x112 image sits 56 px down a 224 px square: rows 0-1 and 6-7 cover only padding (empty boxes)
     ys = np.clip(28.0 * np.arange(9) - 56, 0, 112)
-    np.testing.assert_allclose(grids[1].boxes, _expected_boxes(28.0 * np.arange(9), ys))
+    np.testing.assert_allclose(grids[1].boxes, expected_boxes(28.0 * np.arange(9), ys))
     with torch.no_grad():
         out = a.model(**inputs, output_hidden_states=True, use_cache=False)
     newline = a.model.model.image_newline
@@ -290,7 +282,7 @@ def test_llava_pad_to_square_boxes(llava):
     try:
         grid = llava.prepare(_image((448, 300)), PROMPT).index[0].grid("image")
         xs, ys = 28.0 * np.arange(17), np.clip(28.0 * np.arange(17) - 74, 0, 300)
-        np.testing.assert_allclose(grid.boxes, _expected_boxes(xs, ys))
+        np.testing.assert_allclose(grid.boxes, expected_boxes(xs, ys))
         _assert_painting_is_local(llava, _image((448, 300), 3), "image", (6, 7))
     finally:
         ip.do_pad = False

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, get_tiny
-from test_family_llava import _assert_painting_is_local, _expected_boxes
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny
+from test_family_llava import _assert_painting_is_local
 
 import vlmbind as vb
 from vlmbind.adapters.llava_next import LlavaNextAdapter
@@ -82,8 +82,8 @@ def test_square_layout(nxt):
     np.testing.assert_array_equal(ti.grid("tiles").positions, hires[:, :16])
     np.testing.assert_array_equal(_newlines(nxt, batch), hires[:, 16])
     assert all(ti.cell(int(p)) is None for p in hires[:, 16])
-    np.testing.assert_allclose(ti.grid("base").boxes, _expected_boxes(np.arange(9) * 28.0, np.arange(9) * 28.0))
-    np.testing.assert_allclose(ti.grid("tiles").boxes, _expected_boxes(np.arange(17) * 14.0, np.arange(17) * 14.0))
+    np.testing.assert_allclose(ti.grid("base").boxes, expected_boxes(np.arange(9) * 28.0, np.arange(9) * 28.0))
+    np.testing.assert_allclose(ti.grid("tiles").boxes, expected_boxes(np.arange(17) * 14.0, np.arange(17) * 14.0))
 
 
 @pytest.mark.parametrize(
@@ -98,9 +98,9 @@ def test_non_square_tiles_are_unpadded_in_original_coordinates(nxt, size, shape,
     batch = nxt.prepare(draw_scene(0, size), PROMPT)
     ti = batch.index[0]
     assert ti.grid("tiles").shape == shape
-    np.testing.assert_allclose(ti.grid("tiles").boxes, _expected_boxes(x_edges, y_edges))
+    np.testing.assert_allclose(ti.grid("tiles").boxes, expected_boxes(x_edges, y_edges))
     width, height = size
-    np.testing.assert_allclose(ti.grid("base").boxes, _expected_boxes(np.arange(9) * width / 8,
+    np.testing.assert_allclose(ti.grid("base").boxes, expected_boxes(np.arange(9) * width / 8,
                                                                      np.arange(9) * height / 8))
     assert len(_newlines(nxt, batch)) == shape[0]
     assert len(_image_tokens(nxt, batch)) == 64 + shape[0] * (shape[1] + 1)

@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, get_tiny, silenced_vision_attention
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
 from PIL import ImageDraw
 
 import vlmbind as vb
@@ -36,14 +36,6 @@ TWO_PROMPTS = [PROMPT, "the red object is a"]
 @pytest.fixture(scope="module")
 def vlm() -> vb.VLM:
     return get_tiny(NAME)
-
-
-def _expected_boxes(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """``rows cols 4`` boxes from column edges ``xs`` (cols+1) and row edges ``ys`` (rows+1)."""
-    boxes = np.zeros((len(ys) - 1, len(xs) - 1, 4))
-    boxes[..., 0], boxes[..., 2] = xs[None, :-1], xs[None, 1:]
-    boxes[..., 1], boxes[..., 3] = ys[:-1, None], ys[1:, None]
-    return boxes
 
 
 def _token_id(vlm: vb.VLM, token: str) -> int:
@@ -76,7 +68,7 @@ def test_square_grid_with_breaks_and_end(vlm):
     assert all(ti.cell(int(p)) is None and ti.box(int(p)) is None for p in block[:, 8])
     assert ti.roles[0] == "special" and (ti.roles[73:] == "text").all()
     edges = 28.0 * np.arange(9)
-    np.testing.assert_allclose(ti.grid().boxes, _expected_boxes(edges, edges))
+    np.testing.assert_allclose(ti.grid().boxes, expected_boxes(edges, edges))
     assert vlm.adapter.resized_size(batch.inputs, 0) == (224, 224)
 
 
@@ -100,7 +92,7 @@ def test_non_square_images_are_shrunk_and_rounded_up_to_28(vlm, size, resized, c
     assert ti.grid().shape == (rows, cols)
     assert batch.inputs["image_sizes"][0].tolist() == [resized[1], resized[0]]
     assert vlm.adapter.resized_size(batch.inputs, 0) == resized
-    np.testing.assert_allclose(ti.grid().boxes, _expected_boxes(cell_w * np.arange(cols + 1),
+    np.testing.assert_allclose(ti.grid().boxes, expected_boxes(cell_w * np.arange(cols + 1),
                                                                 cell_h * np.arange(rows + 1)))
     assert (ti.roles == "special").sum() == 1 + rows  # <s>, one break per row but the last, [IMG_END]
     assert ti.roles[ti.grid().positions[-1, -1] + 1] == "special"

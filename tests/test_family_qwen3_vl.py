@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, get_tiny, silenced_vision_attention
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
 from PIL import ImageDraw
 
 import vlmbind as vb
@@ -45,14 +45,6 @@ def dense() -> vb.VLM:
 @pytest.fixture(scope="module")
 def moe() -> vb.VLM:
     return get_tiny("tiny-qwen3_vl_moe")
-
-
-def _expected_boxes(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """``rows cols 4`` boxes from column edges ``xs`` (cols+1) and row edges ``ys`` (rows+1)."""
-    boxes = np.zeros((len(ys) - 1, len(xs) - 1, 4))
-    boxes[..., 0], boxes[..., 2] = xs[None, :-1], xs[None, 1:]
-    boxes[..., 1], boxes[..., 3] = ys[:-1, None], ys[1:, None]
-    return boxes
 
 
 class _DeepStackCapture:
@@ -103,7 +95,7 @@ def test_square_grid_boxes_and_token_layout(dense):
     np.testing.assert_array_equal(ti.grid().positions, np.arange(start + 1, end).reshape(7, 7))
     assert ti.roles[start] == "special" and ti.roles[end] == "special"
     edges = 32.0 * np.arange(8)
-    np.testing.assert_allclose(ti.grid().boxes, _expected_boxes(edges, edges))
+    np.testing.assert_allclose(ti.grid().boxes, expected_boxes(edges, edges))
     assert dense.adapter.resized_size(batch.inputs, 0) == (224, 224)
 
 
@@ -113,7 +105,7 @@ def test_non_square_image_is_resized_to_multiples_of_32(dense):
     assert grid.shape == (5, 8)
     assert batch.inputs["image_grid_thw"][0].tolist() == [1, 10, 16]
     assert dense.adapter.resized_size(batch.inputs, 0) == (256, 160)
-    np.testing.assert_allclose(grid.boxes, _expected_boxes(40.0 * np.arange(9), 44.8 * np.arange(6)))
+    np.testing.assert_allclose(grid.boxes, expected_boxes(40.0 * np.arange(9), 44.8 * np.arange(6)))
 
 
 def test_vision_rows_merge_into_the_projector_rows(vlm):
