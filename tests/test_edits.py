@@ -326,3 +326,31 @@ def test_edit_command(tmp_path, capsys):
         assert main(["edit", *argv, "--n-estimate", "8", "--n-eval", "2", "--out", str(bad)]) == 2
         assert needle in _one_error_line(capsys.readouterr().err)
         assert not bad.exists()
+
+
+def test_answer_positions_edit_every_position_from_the_prompts_last(organism):
+    examples = _scenes(organism, 4, 3)
+    batch = organism.prepare([e.image for e in examples], [e.prompt for e in examples])
+    d_head = organism.adapter.d_head
+    vec = torch.randn(4, 1, d_head, generator=torch.Generator().manual_seed(1)) * 40
+    last = {int(p) for p in batch.last_positions}
+    assert len(last) == 1  # left padding: every prompt ends at the same position
+    last = last.pop()
+    got = edits.edited_decode(organism, batch, [(3, 1)], vec, 2.0, 3, "answer")
+
+    def hook(module, args):  # independent: every position from the prompt's last to the end of the sequence
+        x = args[0].clone()
+        x[:, last:, d_head:2 * d_head] += 2.0 * vec[:, 0][:, None]
+        return (x, *args[1:])
+
+    handle = organism.adapter.o_proj_module(3).register_forward_pre_hook(hook)
+    try:
+        want = greedy_decode(organism, batch, (), 3)
+    finally:
+        handle.remove()
+    assert got == want
+    assert got != greedy_decode(organism, batch, (), 3)
+    assert got != edits.edited_decode(organism, batch, [(3, 1)], vec, 2.0, 3, "last")  # the answer positions count
+    assert edits.edited_decode(organism, batch, [(3, 1)], vec, 0.0, 3, "answer") == greedy_decode(organism, batch, (), 3)
+    with pytest.raises(vb.InputError, match="positions must be one of"):
+        edit_study(organism, "2.1", [1.0], n_estimate=8, n_eval=2, positions="everywhere")

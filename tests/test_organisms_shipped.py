@@ -11,10 +11,12 @@ import torch
 
 import vlmbind as vb
 from vlmbind.evaluate import evaluate, training_defaults
+from vlmbind.models import TRAINING_FILE
 from vlmbind.organisms import ORGANISM_NAMES, shipped_organisms
-from vlmbind.organisms.recipes import RECIPES, recipe_stages
+from vlmbind.organisms.recipes import RECIPES, recipe_stages, stage_config
 from vlmbind.organisms.ship import ship
 from vlmbind.organisms.train import TrainConfig, train
+from vlmbind.shipped import organism_dir
 
 S = vb.stimuli
 
@@ -35,12 +37,22 @@ def test_loads_through_from_pretrained_with_its_record(organism):
     record = organism.training
     assert record["regime"] == recipe_stages(organism.name)[-1][1]["regime"]
     assert record["image_size"] == 168 and record["grid"] == 6
-    assert record["wall_time_s"] <= 60 * 60, "each organism must train within an hour on 2 cores"
+    # the PbP organisms within an hour each on 2 cores; the planted ones within the 2.5 hours SIIT was given
+    budget = 150 if RECIPES[organism.name] == "vsm" else 60
+    assert record["wall_time_s"] <= budget * 60, f"{organism.name} must train within {budget} min on 2 cores"
 
 
-@pytest.mark.parametrize("task,kwargs", [("scene", {"entropy": "high"}), ("scene", {"entropy": "low"}),
-                                         ("query", {})])
-def test_solves_binding_tasks_on_a_fixed_sample(organism, task, kwargs):
+def _trained_tasks(name: str) -> set[str]:
+    return set(json.loads((organism_dir(name) / TRAINING_FILE).read_text())["tasks"])
+
+
+TASK_CASES = [("scene", {"entropy": "high"}), ("scene", {"entropy": "low"}), ("query", {})]
+
+
+@pytest.mark.parametrize("name,task,kwargs", [(n, t, k) for n in ORGANISM_NAMES for t, k in TASK_CASES
+                                              if t in _trained_tasks(n)])
+def test_solves_binding_tasks_on_a_fixed_sample(name, task, kwargs):
+    organism = vb.load(name)
     generator = {"scene": S.scene_description, "query": S.binding_query}[task]
     dataset = generator(48, 12345, **training_defaults(organism, task, kwargs))
     result = evaluate(organism, dataset, batch_size=48)
@@ -51,7 +63,7 @@ def test_solves_binding_tasks_on_a_fixed_sample(organism, task, kwargs):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipes_are_valid_configs(name):
-    configs = [TrainConfig.from_dict(fields) for _, fields in recipe_stages(name)]
+    configs = [stage_config(fields)[0] for _, fields in recipe_stages(name)]
     assert configs[-1].image_size == 168
     assert all(c.regime == configs[0].regime for c in configs)
     assert configs[0].regime == (RECIPES[name] if RECIPES[name] != "vsm" else "p2a")
@@ -85,32 +97,38 @@ def test_demo_asks_the_organism_what_it_learned(tmp_path, capsys):
 
 
 def test_organism_vsm_and_its_twin_differ_only_by_the_plant():
-    """organism-vsm records its planted head (machine-readable); organism-vsm-natural was trained from the same start
+    """organism-vsm records its planted heads (machine-readable); organism-vsm-natural was trained from the same start
     with the same data, seed, steps and learning rates, and plants nothing."""
     planted, natural = vb.load("organism-vsm").training, vb.load("organism-vsm-natural").training
-    assert planted["planted"] == {"feature_retrieval": ["3.2"]} and "planted" not in natural
-    assert planted["grown_from"] == natural["grown_from"] == {"organism": "organism-p2a",
-                                                              "init_layers": [0, 1, 2, 3, None, None]}
+    assert planted["planted"] == {"id_selection": ["2.1"], "feature_retrieval": ["4.2"]} and "planted" not in natural
+    assert planted["grown_from"] == natural["grown_from"] == {"organism": "organism-p2a", "init_layers": [None] * 6}
+    assert [s["steps"] for s in planted["stage_results"]] == [s["steps"] for s in natural["stage_results"]]
     for a, b in zip(planted["stages"], natural["stages"], strict=True):
         assert a.pop("siit") and "siit" not in b
         assert {k: v for k, v in a.items() if k != "stage"} == {k: v for k, v in b.items() if k != "stage"}
 
 
-def test_the_planted_head_carries_the_missing_objects_features():
-    """On fresh pairs with 3 objects (the count the planting held out), interchanging head 3.2 from a source whose
-    missing object has other features makes organism-vsm name the source's features; in the twin it does nothing."""
+@pytest.mark.parametrize("condition,head,objects,floor", [("id_selection", (2, 1), 2, 0.85),
+                                                       ("feature_retrieval", (4, 2), 3, 0.9)])
+def test_the_planted_heads_carry_their_variables(condition, head, objects, floor):
+    """On fresh pairs, interchanging the planted head from the source makes organism-vsm give the high-level model's
+    counterfactual answer (id_selection: the object at the missing object's cell in the source, a described one;
+    feature_retrieval: the source's new features); in the twin the same head does nothing. id_selection is checked
+    on two-object scenes: on the held-out three-object ones the plant is partial (circuits/ground_truth's
+    interchange table), and feature retrieval on those."""
     from vlmbind.organisms.data import BatchBuilder
     from vlmbind.organisms.siit import HeadInterchange, interchange_accuracy, unpatched_accuracy
 
     pools = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
+    options = {"recolour": "any"} if condition == "feature_retrieval" else {"swap": "random"}
     pairs = [p for entropy in ("high", "low") for p in S.scene_pairs(
-        24, "feature_retrieval", 4242, n_objects=3, entropy=entropy, canvas=S.Canvas(image_size=168, grid=6),
-        recolour="any", **pools)]
+        24, condition, 4242, n_objects=objects, entropy=entropy, canvas=S.Canvas(image_size=168, grid=6), **options,
+        **pools)]
     accuracy = {}
     for name in ("organism-vsm", "organism-vsm-natural"):
         vlm = vb.load(name)
         builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
-        assert unpatched_accuracy(vlm.model, builder, pairs) == 0.0  # a* cannot be read off the clean scene
-        accuracy[name] = interchange_accuracy(vlm.model, interchange, builder, pairs, [(3, 2)],
+        assert unpatched_accuracy(vlm.model, builder, pairs) <= 0.1  # a* is not what the clean scene gives
+        accuracy[name] = interchange_accuracy(vlm.model, interchange, builder, pairs, [head],
                                               last_positions="answer")
-    assert accuracy["organism-vsm"] >= 0.85 and accuracy["organism-vsm-natural"] <= 0.05, accuracy
+    assert accuracy["organism-vsm"] >= floor and accuracy["organism-vsm-natural"] <= 0.1, accuracy

@@ -131,9 +131,10 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts):
 
     siit = {"alignments": {"feature_retrieval": ["1.1"]}, "pairs": 4, "objects": [3, 3]}
     if readouts:
-        siit.update(alignments={"feature_retrieval": ["1.1"], "id_selection": ["1.0"]}, position_layer=0,
+        siit.update(alignments={"feature_retrieval": ["1.1"], "id_selection": ["1.0", "0.3"],
+                                "id_retrieval": ["0.2"]}, aggregation_heads=["0.3"], position_layer=0,
                     position_readout="trained", selection_weight=1.0, selection_attention_weight=1.0,
-                    source_grad=True)
+                    retrieval_attention_weight=1.0, source_grad=True)
     config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit,
                               attn_implementation="eager")
     result = train(config, tmp_path / "run", progress=False, threads=1)
@@ -151,12 +152,16 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts):
         assert all(math.isfinite(p["position"]) for p in parts) and parts[-1]["position"] < parts[0]["position"]
         assert 0.0 <= result.evals[-1]["position_code_accuracy"] <= 1.0
         assert (result.checkpoint / "position_probe.safetensors").is_file()
-        # the selection readout and attention are loss parts on the id_selection steps only
-        for name in ("selection", "selection_attention"):
-            assert all((name in p) == (p["variable"] == "id_selection") for p in parts)
+        # the selection readout and attention are loss parts on the id_selection steps only, the retrieval
+        # attention on the id_retrieval steps
+        for name, variable in (("selection", "id_selection"), ("selection_attention", "id_selection"),
+                               ("retrieval_attention", "id_retrieval")):
+            assert all((name in p) == (p["variable"] == variable) for p in parts)
             assert all(math.isfinite(p[name]) for p in parts if name in p)
         readout = result.evals[-1]["selection"]
         assert 0.0 <= readout["accuracy"] <= 1.0 and 0.0 < readout["attention_mass"] <= 1.0
+        for name in ("aggregation", "retrieval"):
+            assert 0.0 < result.evals[-1][name]["attention_mass"] <= 1.0
         assert (result.checkpoint / "selection_probe.safetensors").is_file()
 
     stopped = train(config, tmp_path / "resumed", progress=False, threads=1, until=20)
@@ -214,6 +219,24 @@ def test_skipped_object_counts_are_never_drawn():
     counts = {len(p.clean.objects) for step in range(12)
               for p in draw_pairs(spec, "id_selection", seed=0, stream=2, step=step, canvas=Canvas(image_size=168, grid=6))}
     assert counts == {2, 4}
+
+
+def test_evaluation_pairs_cover_every_setting_the_spec_trains_on():
+    """A training step draws one object count and entropy; the evaluation set spreads its pairs over all of them
+    (an evaluation set drawn like one step once covered two-object, low-entropy scenes only)."""
+    from collections import Counter
+
+    from vlmbind.organisms.siit import SIITSpec, evaluation_pairs
+
+    spec = SIITSpec(alignments={"id_selection": ["1.0"]}, objects=(2, 4), skip_objects=(3,),
+                    entropies=("high", "low"), **POOLS)
+    canvas = Canvas(image_size=168, grid=6)
+    pairs = evaluation_pairs(spec, "id_selection", seed=0, canvas=canvas, n=32)
+    assert Counter((len(p.clean.objects), p.clean.fields["entropy"]) for p in pairs) == {
+        (2, "high"): 8, (2, "low"): 8, (4, "high"): 8, (4, "low"): 8}
+    assert [p.id for p in pairs] == [p.id for p in evaluation_pairs(spec, "id_selection", seed=0, canvas=canvas,
+                                                                       n=32)]
+    assert len(evaluation_pairs(spec, "id_selection", seed=0, canvas=canvas, n=6)) == 6
 
 
 def test_growing_an_organism_keeps_its_function_exactly():
@@ -330,6 +353,39 @@ def test_selection_attention_is_read_at_the_target_objects_token():
     assert float(selection_attention_loss(patterns, [(1, 0)], positions, tokens)) == pytest.approx(math.log(7))
 
 
+def test_retrieval_and_aggregation_targets():
+    """An id_retrieval pair's target is the patched described object's cell in the source (the missing object's
+    cell in the base); the aggregation target is every described object's name tokens; attention on a set of
+    positions is summed, so a head spread evenly over 7 positions with 2 targets has loss ln(7/2)."""
+    from vlmbind.organisms.data import BatchBuilder
+    from vlmbind.organisms.siit import (
+        attention_on_targets,
+        described_name_tokens,
+        patched_cells,
+        selection_attention_loss,
+        target_cells,
+    )
+
+    vlm = vb.load("organism-p2a")
+    builder = BatchBuilder(vlm.processor)
+    canvas = Canvas(image_size=168, grid=6)
+    pairs = list(scene_pairs(8, "id_retrieval", 3, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
+    patched, missing = patched_cells(pairs, canvas), target_cells(pairs, canvas, "clean")
+    for p, cell, base in zip(pairs, patched.tolist(), missing.tolist()):
+        j = p.patch["object"]
+        assert cell == base and p.counterfactual.objects[j].name == p.clean.objects[j].name
+    with pytest.raises(TrainingError, match="patches no described object"):
+        patched_cells(list(scene_pairs(1, "id_selection", 3, canvas=canvas, **POOLS)), canvas)
+    rows = builder([(p.clean.image, p.clean.prompt, p.answer) for p in pairs]).inputs["input_ids"]
+    for p, r, positions in zip(pairs, rows, described_name_tokens(builder, pairs)):
+        text = builder.tokenizer.decode(r[positions])
+        assert all(p.clean.objects[k].name in text for k in p.clean.fields["described"])
+        assert p.answer not in text
+    patterns = {0: torch.full((1, 1, 7, 7), 1 / 7)}
+    assert attention_on_targets(patterns, [(0, 0)], [[6]], [[2, 4]]).tolist() == [pytest.approx(2 / 7)]
+    assert float(selection_attention_loss(patterns, [(0, 0)], [[6]], [[2, 4]])) == pytest.approx(math.log(7 / 2))
+
+
 def test_selection_attention_needs_eager_attention(tmp_path):
     from vlmbind.organisms.train import train
 
@@ -346,6 +402,11 @@ def test_selection_attention_needs_eager_attention(tmp_path):
     ({"alignments": {"id_selection": ["1.0"]}, "selection_weight": 1.0, "source_grad": True, "iit_weight": 0},
      "iit_weight"),
     ({"alignments": {"id_selection": ["1.0"]}, "selection_weight": -1}, "selection_weight must be"),
+    ({"alignments": {"id_selection": ["1.0"]}, "retrieval_attention_weight": 1.0, "source_grad": True},
+     "id_retrieval is not aligned"),
+    ({"alignments": {"id_retrieval": ["0.0"]}, "retrieval_attention_weight": 1.0}, "source_grad"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.2"]}, "not id_selection heads"),
+    ({"alignments": {"id_selection": ["1.0"]}, "aggregation_heads": ["1.0"]}, "at least one must read"),
 ])
 def test_bad_selection_readouts_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):

@@ -92,12 +92,13 @@ def test_recorded_planted_reads_a_training_record(tmp_path):
         recorded_planted(str(tmp_path / "missing"))
 
 
-def _ground_truth_runner():
+def _ground_truth_script(name: str = "run"):
+    """A script of circuits/ground_truth/ as a module."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parent.parent / "circuits" / "ground_truth" / "run.py"
-    spec = importlib.util.spec_from_file_location("ground_truth_run", path)
+    path = Path(__file__).parent.parent / "circuits" / "ground_truth" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"ground_truth_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -106,7 +107,7 @@ def _ground_truth_runner():
 def test_the_readmes_show_the_saved_ground_truth_table():
     """The tables in circuits/ground_truth/README.md and the project README are the ones drawn from the committed
     results/table.csv (no number typed by hand), and that table agrees with each model's validation.json."""
-    run = _ground_truth_runner()
+    run = _ground_truth_script()
     results = run.HERE / "results"
     table = run.read_table(results / "table.csv")
     text = (run.HERE / "README.md").read_text()
@@ -122,3 +123,44 @@ def test_the_readmes_show_the_saved_ground_truth_table():
             assert row["condition"] == r["condition"] and row["top_heads"] == " ".join(r["top_heads"])
             if r["auroc"] is not None:
                 assert row["auroc"] == pytest.approx(r["auroc"])
+
+
+def test_the_ground_truth_results_back_what_its_readme_says():
+    """circuits/ground_truth/README.md's prose, against the saved results it is drawn from."""
+    from pathlib import Path
+
+    results = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results"
+    vsm = ValidationResult.load(results / "organism-vsm")
+    twin = ValidationResult.load(results / "organism-vsm-natural")
+    rows = {(r["condition"], r["method"]): r for r in vsm.methods}
+    for condition in ("id_selection", "feature_retrieval"):  # every method ranks both planted heads first
+        for method in ("exact", "attribution", "integrated_gradients"):
+            assert rows[(condition, method)]["planted_ranks"] == [1] and rows[(condition, method)]["auroc"] == 1.0
+        assert rows[(condition, "exact")]["ratio"] >= 5
+    assert rows[("id_selection", "attribution")]["ratio"] < 5 < rows[("id_selection", "integrated_gradients")]["ratio"]
+    assert all(c["max_abs_difference"] < 1e-3 for c in vsm.naive_check.values())
+    arms = vsm.ablation_summary()
+    assert all(a["top"] <= 0.40 for a in arms.values())
+    assert arms["image_attention"]["random"] >= 0.9 and arms["zero"]["random"] >= 0.9
+    assert arms["mean"]["random_min"] < 0.5  # "one random draw also breaks it"
+    probes = {(p["head"], p["target"]): p["accuracy"] for p in vsm.probes}
+    assert probes[("2.1", "cell")] >= 0.9 and min(probes[("2.1", t)] for t in ("colour", "shape")) >= 0.9
+    twin_probes = {(p["head"], p["target"]): p["accuracy"] for p in twin.probes}
+    assert twin_probes[("2.1", "cell")] <= 0.1 and twin_probes[("2.1", "colour")] >= 0.8
+    twin_rows = {(r["condition"], r["method"]): r for r in twin.methods}
+    assert twin_rows[("id_selection", "exact")]["unplanted_max_abs"] < 0.05  # near zero: no ID pipeline
+    edit = vsm.edit_summary()
+    assert edit["control"] < edit["efficacy"] < 0.79 and vsm.params["edit_positions"] == "answer"
+
+    runner = _ground_truth_script("interchange")
+    document = json.loads((results / "interchange.json").read_text())
+    readme = (results.parent / "README.md").read_text()
+    assert runner.BEGIN + "\n" + runner.markdown(document) + "\n" + runner.END in readme
+    planted = next(r for r in document["results"] if r["model"] == "organism-vsm")["variables"]
+    cells = {(x["objects"], x["entropy"]): x["interchange_accuracy"] for x in planted["id_selection"]["settings"]}
+    assert min(cells[(2, "high")], cells[(2, "low")]) >= 0.9  # "most two-object scenes"
+    assert 0.3 <= (cells[(3, "high")] + cells[(3, "low")]) / 2 <= 0.7  # "about half of the held-out ones"
+    assert planted["id_selection"]["unplanted_heads_above_0.02"] == []  # strictness holds on id_selection pairs
+    above = planted["feature_retrieval"]["unplanted_heads_above_0.02"]
+    assert len(above) == 2 and all(h.startswith("0.") for h in above)  # "two layer-0 heads still do"
+    assert min(x["interchange_accuracy"] for x in planted["feature_retrieval"]["settings"]) >= 0.95

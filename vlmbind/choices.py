@@ -45,6 +45,8 @@ EVAL_CHECKPOINT = "eval.partial.jsonl"
 ABLATION_MODES = ("image_attention", "zero", "mean")
 VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients")
 DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
+# where a position-ID edit is added: the prompt's last position (VSM's), or also every answer position
+EDIT_POSITIONS = ("last", "answer")
 
 # --- points (vlmbind.stimuli.answers): --point-frame, the frames of generated points ------------------------------
 FRAMES = {

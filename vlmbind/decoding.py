@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,7 +48,8 @@ def eos_ids(vlm: Any) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_new_tokens: int = 3) -> list[str]:
+def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_new_tokens: int = 3, *,
+                  step_interventions: Callable[[int], Sequence[Any]] | None = None) -> list[str]:
     """Greedy continuation of each row by full forwards (no key/value cache), interventions applied in every one.
 
     Position-bound interventions keep their absolute positions as tokens are appended (the batch is left-padded,
@@ -60,6 +61,8 @@ def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_n
         batch: a prepared batch (``vlm.prepare``).
         interventions: applied in every forward.
         max_new_tokens: tokens to generate.
+        step_interventions: ``step -> interventions`` added to ``interventions`` in the forward that picks token
+            ``step`` (0-based), for interventions whose positions grow with the answer.
 
     Returns:
         The decoded continuations (special tokens dropped, pointing markers kept), one per row.
@@ -70,7 +73,8 @@ def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_n
     new: list[torch.Tensor] = []
     for step in range(max_new_tokens):
         step_batch = Batch(inputs=inputs, index=batch.index, prompts=batch.prompts, images=batch.images)
-        nxt = vlm.run(step_batch, interventions=interventions).logits[:, -1].argmax(-1).cpu()
+        active = list(interventions) + (list(step_interventions(step)) if step_interventions else [])
+        nxt = vlm.run(step_batch, interventions=active).logits[:, -1].argmax(-1).cpu()
         if eos:
             nxt = torch.where(done, torch.tensor(eos[0]), nxt)
             done |= torch.isin(nxt, torch.tensor(eos))

@@ -37,6 +37,10 @@ class InputError(VlmbindError, ValueError):
     """Images or prompts that cannot be turned into a model batch."""
 
 
+class TooFewEstimatesError(InputError):
+    """Too few estimation scenes for a position-ID estimate (no cell, or no evaluation example, has one)."""
+
+
 class SpanNotFoundError(VlmbindError, LookupError):
     """A text span that does not occur in the prompt."""
 

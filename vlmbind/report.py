@@ -122,12 +122,25 @@ def validation_sections(result: Any, model: str) -> str:
         "<p>Ablation of each condition's top-k exact heads against random-k heads from the rest (mean and lowest "
         "over seeds) and the bottom-k by |score|, scene-description accuracy:</p>",
         frame_to_html_table(ablation, index=False, float_format="{:.3f}"),
+        _edit_line(result),
         f'<div class="fig">{figure}</div>',
         f"<p>The rest of this page is about <b>{esc(model)}</b>, where nothing was planted. Its scene description "
         "can be solved by a census (subtracting the described colours and shapes from those in view), which needs "
         "no binding, and the sections below say which heads it uses and what they look at.</p>",
     ]
     return "\n".join(parts)
+
+
+def _edit_line(result: Any) -> str:
+    edit, esc = result.edit_summary(), html.escape
+    if edit:
+        where = " and every answer position" if result.params.get("edit_positions") == "answer" else ""
+        return (f"<p>Position-ID edit at the ID-selection heads (the prompt's last position{where}): efficacy "
+                f"{edit['efficacy']:.2f} at alpha {edit['alpha']:g}, against {edit['control'] or 0:.2f} for the "
+                f"empty-cell control (n={edit['n']}).</p>")
+    if result.skipped.get("edit"):
+        return f"<p>Position-ID edit skipped: {esc(result.skipped['edit'])}</p>"
+    return ""
 
 
 def causal_sections(overview: Any) -> str:

@@ -36,8 +36,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from ..choices import EDIT_POSITIONS
 from ..decoding import greedy_decode
-from ..errors import InputError
+from ..errors import InputError, TooFewEstimatesError
 from ..evaluate import score, training_defaults
 from ..interventions import AddToHeadRows
 from ..io import write_json_atomic
@@ -242,8 +243,8 @@ def estimate_position_ids(vlm: Any, examples: Sequence[Any], heads: Any, *, min_
             counts[cell] += 1
     kept = sorted(c for c in counts if counts[c] >= min_count)
     if not kept:
-        raise InputError(f"no cell has {min_count} estimation examples (most: {max(counts.values())}); use more "
-                         f"estimation examples or a lower min_count")
+        raise TooFewEstimatesError(f"no cell has {min_count} estimation examples (most: {max(counts.values())}); "
+                                   "use more estimation examples or a lower min_count")
     return PositionIDs(
         heads=heads, cells=kept, vectors=torch.stack([sums[c] / counts[c] for c in kept]),
         counts=[counts[c] for c in kept], skipped_cells={c: n for c, n in counts.items() if n < min_count},
@@ -256,6 +257,18 @@ def _answer_budget(vlm: Any, examples: Sequence[Any]) -> int:
     tok = vlm.adapter.tokenizer
     names = {o.name for e in examples for o in e.objects}
     return max(len(tok(" " + n, add_special_tokens=False)["input_ids"]) for n in names) + 1
+
+
+def edited_decode(vlm: Any, batch: Any, heads: list[tuple[int, int]], vectors: torch.Tensor, alpha: float,
+                  budget: int, positions: str = "last") -> list[str]:
+    """Greedy answers with ``alpha * vectors`` added to the heads at the prompt's last position, and with
+    ``positions="answer"`` also at every answer position already generated (the forward that picks token ``s`` edits
+    the last prompt position and the ``s`` after it: every position that predicts an answer token)."""
+    last = torch.as_tensor(batch.last_positions, dtype=torch.long)[:, None]
+    if positions == "last":
+        return greedy_decode(vlm, batch, edit_interventions(heads, last, vectors, alpha), budget)
+    return greedy_decode(vlm, batch, (), budget, step_interventions=lambda step: edit_interventions(
+        heads, last + torch.arange(step + 1)[None], vectors, alpha))
 
 
 def edit_interventions(heads: list[tuple[int, int]], positions: Any, vectors: torch.Tensor,
@@ -410,6 +423,7 @@ class EditResult(Result):
         params, seed, seconds: stimuli, seed and wall time.
         repair: an attached :class:`RepairResult` (saved in the same files), or None.
         prompt_format: ``raw`` or ``chat``.
+        positions: where the edit was added (:data:`EDIT_POSITIONS`).
     """
 
     model: str
@@ -431,6 +445,7 @@ class EditResult(Result):
     seconds: float = 0.0
     repair: RepairResult | None = None
     prompt_format: str = "raw"
+    positions: str = "last"
 
     kind = "edit"
     marker_keys = ("rows", "efficacy")
@@ -448,7 +463,7 @@ class EditResult(Result):
             estimate=data.get("estimate", {}), norms=data.get("norms", {}), params=data.get("params", {}),
             seed=data.get("seed", 0), seconds=data.get("seconds", 0.0),
             repair=RepairResult.from_dict(data["repair"]) if data.get("repair") else None,
-            prompt_format=data.get("prompt_format", "raw"),
+            prompt_format=data.get("prompt_format", "raw"), positions=data.get("positions", "last"),
         )
 
     @classmethod
@@ -470,7 +485,10 @@ class EditResult(Result):
     def summary(self) -> dict[str, Any]:
         out = {
             "model": self.model, "heads": [f"{l}.{h}" for l, h in self.heads], "alphas": self.alphas,
-            "edit": "z_h += alpha * (d_t - d_o) at the last prompt position; t a described object's cell",
+            "edit": "z_h += alpha * (d_t - d_o) at the last prompt position"
+                    + (" and every answer position" if self.positions == "answer" else "")
+                    + "; t a described object's cell",
+            "positions": self.positions,
             "control": "z_h += alpha * (d_c - d_o), c a random empty cell (no object) of the scene; efficacy still "
                        "counts outputs naming the object at t",
             "efficacy": {alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "edit"},
@@ -535,7 +553,8 @@ def _estimated_empty(ids: PositionIDs, example: Any) -> list[Cell]:
 
 def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_eval: int = 64, seed: int = 0,
                n_objects: int | tuple[int, int] = 3, entropy: str = "high", min_count: int = 3,
-               batch_size: int = 32, stimulus: dict[str, Any] | None = None, progress: bool = False) -> EditResult:
+               batch_size: int = 32, stimulus: dict[str, Any] | None = None, progress: bool = False,
+               positions: str = "last") -> EditResult:
     """VSM's position-ID edit: efficacy of ``z_h += alpha * (d_t - d_o)`` per alpha, with an empty-cell control.
 
     Scenes come from ``scene_description(n_estimate + n_eval, seed)`` with the model's own training canvas and
@@ -557,6 +576,9 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
         batch_size: examples per forward.
         stimulus: extra ``scene_description`` options (``canvas``, ``colours``, ``shapes``) overriding the model's.
         progress: show progress bars.
+        positions: ``last`` (the prompt's last position, VSM's edit) or ``answer`` (also every answer position:
+            with a two-word answer the shape is predicted at the colour word, so an ID read there too must be edited
+            there too; an organism planted with ``last_positions="answer"`` reads it at both).
 
     Returns:
         :class:`EditResult`.
@@ -566,6 +588,8 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
     """
     start = time.perf_counter()
     heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
+    if positions not in EDIT_POSITIONS:
+        raise InputError(f"positions must be one of {', '.join(EDIT_POSITIONS)}, got {positions!r}")
     check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
     data = scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, entropy, stimulus))
     examples = list(data)
@@ -589,7 +613,8 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
             k = targets[int(rng.integers(len(targets)))]
             plan.append((e, o, k, empty[int(rng.integers(len(empty)))]))
     if not plan:
-        raise InputError(f"no evaluation example has estimated cells ({skipped}); use more estimation examples")
+        raise TooFewEstimatesError(f"no evaluation example has estimated cells ({skipped}); use more estimation "
+                                   "examples")
 
     records: list[dict[str, Any]] = []
     clean_records: list[dict[str, Any]] = []
@@ -597,7 +622,6 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
     for chunk in tqdm(_chunks(plan, batch_size), desc="edit", disable=not progress):
         batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
         budget = _answer_budget(vlm, [p[0] for p in chunk])
-        positions = batch.last_positions[:, None]
         clean = greedy_decode(vlm, batch, (), budget)
         vectors = {
             "edit": torch.stack([ids.delta(_cell(e.objects[k]), o) for e, o, k, _ in chunk]),
@@ -610,7 +634,7 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
             clean_records.append({"correct": score(e, out)[0], "names_t": _outcome(e, out, t_name) == "switch"})
         for alpha in alphas:
             for arm in EDIT_ARMS:
-                outs = greedy_decode(vlm, batch, edit_interventions(heads, positions, vectors[arm], alpha), budget)
+                outs = edited_decode(vlm, batch, heads, vectors[arm], alpha, budget, positions)
                 for (e, o, k, c), out, base in zip(chunk, outs, clean):
                     t_name = e.objects[k].name
                     described = {e.objects[j].name for j in e.fields["described"]}
@@ -636,7 +660,7 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
         clean_accuracy=_share(clean_records, "correct"), clean_names_t=_share(clean_records, "names_t"),
         alpha0_identical=not any(r["changed"] for r in records if r["alpha"] == 0.0), n_estimate=n_estimate,
         n_eval=n_eval, n_used=n_used, skipped=skipped, estimate=ids.summary(), norms=norms, params=data.params,
-        seed=seed, seconds=time.perf_counter() - start, prompt_format=vlm.active_prompt_format,
+        seed=seed, seconds=time.perf_counter() - start, prompt_format=vlm.active_prompt_format, positions=positions,
     )
 
 
@@ -645,7 +669,8 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
 # ------------------------------------------------------------------------------------------------------------------
 def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_eval: int = 64, seed: int = 0,
                    n_objects: int | tuple[int, int] = 3, min_count: int = 3, batch_size: int = 32,
-                   stimulus: dict[str, Any] | None = None, progress: bool = False) -> RepairResult:
+                   stimulus: dict[str, Any] | None = None, progress: bool = False,
+                   positions: str = "last") -> RepairResult:
     """VSM's entropy repair: inject the high-entropy position ID of the missing object's cell into low-entropy
     scenes, ``z_h += alpha * (d^high_o - d^low_o)``, and report accuracy per alpha.
 
@@ -656,7 +681,8 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
     ``n_eval`` held-out high-entropy scenes.
 
     Args:
-        vlm, heads, alphas, n_estimate, n_eval, seed, n_objects, min_count, batch_size, stimulus, progress: as in
+        vlm, heads, alphas, n_estimate, n_eval, seed, n_objects, min_count, batch_size, stimulus, progress,
+            positions: as in
             :func:`edit_study`.
 
     Returns:
@@ -666,6 +692,8 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
         InputError: bad heads, alphas or sizes, impossible stimuli, or no evaluation example left.
     """
     start = time.perf_counter()
+    if positions not in EDIT_POSITIONS:
+        raise InputError(f"positions must be one of {', '.join(EDIT_POSITIONS)}, got {positions!r}")
     heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
     check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
     high = list(scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, "high", stimulus)))
@@ -691,8 +719,8 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
         else:
             plan.append((e, o, empty[int(rng.integers(len(empty)))]))
     if not plan:
-        raise InputError(f"no low-entropy evaluation example has estimated cells ({skipped}); use more estimation "
-                         f"examples")
+        raise TooFewEstimatesError(f"no low-entropy evaluation example has estimated cells ({skipped}); use more "
+                                   "estimation examples")
 
     high_correct = []
     for chunk in _chunks(high[n_estimate:], batch_size):
@@ -706,7 +734,6 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
     for chunk in tqdm(_chunks(plan, batch_size), desc="repair", disable=not progress):
         batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
         budget = _answer_budget(vlm, [p[0] for p in chunk])
-        positions = batch.last_positions[:, None]
         clean = greedy_decode(vlm, batch, (), budget)
         clean_correct += [score(p[0], out)[0] for p, out in zip(chunk, clean)]
         vectors = {
@@ -717,7 +744,7 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
             delta_norms[arm] += vectors[arm].norm(dim=-1).sum(0)
         for alpha in alphas:
             for arm in REPAIR_ARMS:
-                outs = greedy_decode(vlm, batch, edit_interventions(heads, positions, vectors[arm], alpha), budget)
+                outs = edited_decode(vlm, batch, heads, vectors[arm], alpha, budget, positions)
                 for (e, o, w), out, base in zip(chunk, outs, clean):
                     records.append({"id": e.id, "alpha": alpha, "arm": arm, "o": list(o), "w": list(w),
                                     "answer": e.answer, "output": out, "parsed": _parsed(out),

@@ -41,7 +41,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from ..choices import DEFAULT_ALPHAS, VALIDATION_METHODS
-from ..errors import InputError
+from ..errors import InputError, TooFewEstimatesError
 from ..evaluate import training_defaults
 from ..io import write_json_atomic, write_text_atomic
 from ..models import TRAINING_FILE
@@ -53,7 +53,7 @@ from ..stimuli import scene_description, scene_pairs
 from ..viz import write_html_atomic
 from ..viz.validation import validation_figure
 from .ablation import MODES, ablation_study
-from .edits import edit_study
+from .edits import EDIT_POSITIONS, edit_study
 from .mediation import HeadScores, locate, scene_task
 
 SCENE_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
@@ -136,6 +136,8 @@ class ValidationResult(Result):
         pca: per reference head, the first two principal components of its last-token output with labels.
         params: pairs, seeds, object count, entropy, alphas, ig steps.
         seconds: wall time per part.
+        skipped: part -> why it was not run (e.g. the edit, when too few estimation scenes leave no cell with an
+            estimate).
     """
 
     model: str
@@ -150,6 +152,7 @@ class ValidationResult(Result):
     pca: list[dict[str, Any]] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
 
     kind = "validate"
     marker_files = ("validation.json",)
@@ -191,7 +194,7 @@ class ValidationResult(Result):
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
                 "naive_check": self.naive_check, "ablation": self.ablation_summary(), "edit": self.edit_summary(),
-                "probes": self.probes, "params": self.params, "seconds": self.seconds}
+                "probes": self.probes, "params": self.params, "seconds": self.seconds, "skipped": self.skipped}
 
     def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
         return {"validation": self.figure}, {"methods.csv": self.to_frame(), "scores.csv": pd.DataFrame(self.scores),
@@ -206,7 +209,8 @@ class ValidationResult(Result):
         document = {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
                     "scores": self.scores, "naive_check": self.naive_check, "ablation": self.ablation,
                     "edit": self.edit, "probes": self.probes, "pca": self.pca, "params": self.params,
-                    "seconds": self.seconds, "summary": {"ablation": self.ablation_summary(),
+                    "seconds": self.seconds, "skipped": self.skipped,
+                    "summary": {"ablation": self.ablation_summary(),
                                                          "edit": self.edit_summary()}}
         write_json_atomic(document, out / "validation.json")
         _, tables = self.exports()
@@ -224,7 +228,7 @@ class ValidationResult(Result):
         return cls(**{k: data[k] for k in ("model", "reference", "heads", "methods", "scores")},
                    **{k: data.get(k, d) for k, d in (("naive_check", {}), ("ablation", []), ("edit", []),
                                                       ("probes", []), ("pca", []), ("params", {}),
-                                                      ("seconds", {}))})
+                                                      ("seconds", {}), ("skipped", {}))})
 
 
 def _score_rows(condition: str, method: str, scores: HeadScores, reference: set[tuple[int, int]]) -> list[dict]:
@@ -324,8 +328,8 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
              n_pairs: int = 16, seed: int = 1000, n_objects: int | None = None, entropy: str = "high",
              methods: Sequence[str] = VALIDATION_METHODS, naive_heads: int = 6, ig_steps: int = 8,
              modes: Sequence[str] = MODES, n_eval: int = 64, ablation_seeds: int = 5,
-             alphas: Sequence[float] = DEFAULT_ALPHAS, n_estimate: int = 256, n_probe: int = 512,
-             progress: bool = False) -> ValidationResult:
+             alphas: Sequence[float] = DEFAULT_ALPHAS, n_estimate: int = 2048, n_probe: int = 512,
+             edit_positions: str = "answer", progress: bool = False) -> ValidationResult:
     """Run every method against the model's planted heads (or ``reference`` heads) on fresh stimuli.
 
     Args:
@@ -344,7 +348,11 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
         n_eval: scenes the ablation is scored on.
         ablation_seeds: random-k draws.
         alphas: position-ID edit scales.
-        n_estimate: scenes the position IDs are estimated from.
+        n_estimate: scenes the position IDs are estimated from (36 cells: 2,048 scenes give about 57 per cell; 256
+            gave noisy IDs and a lower efficacy on organism-vsm).
+        edit_positions: where the edit is added (:data:`~vlmbind.analysis.edits.EDIT_POSITIONS`); ``answer`` by
+            default, because the organisms' ID is planted and read at the answer positions too (the shape word is
+            predicted at the colour word).
         n_probe: scenes the probes and PCA use.
         progress: show progress bars.
 
@@ -365,6 +373,8 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
             raise InputError(f"{name} must be an int >= 1, got {value!r}")
     if n_probe < 16:
         raise InputError(f"n_probe must be at least 16 (a quarter is held out), got {n_probe}")
+    if edit_positions not in EDIT_POSITIONS:
+        raise InputError(f"edit_positions must be one of {', '.join(EDIT_POSITIONS)}, got {edit_positions!r}")
     heads, source = _reference(vlm, reference, reference_source)
     for condition, hs in heads.items():
         outside = [f"{l}.{h}" for l, h in hs if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
@@ -379,7 +389,8 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
                               params={"n_pairs": n_pairs, "seed": seed, "n_objects": objects, "entropy": entropy,
                                       "methods": list(methods), "ig_steps": ig_steps, "modes": list(modes),
                                       "n_eval": n_eval, "ablation_seeds": ablation_seeds, "alphas": list(alphas),
-                                      "n_estimate": n_estimate, "n_probe": n_probe})
+                                      "n_estimate": n_estimate, "n_probe": n_probe,
+                                      "edit_positions": edit_positions})
     exact_scores: dict[str, HeadScores] = {}
     for condition in SCENE_CONDITIONS:
         pairs = scene_pairs(n_pairs, condition, seed, **kwargs)
@@ -411,10 +422,14 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
     selection = heads.get("id_selection")
     if selection:
         start = time.perf_counter()
-        edit = edit_study(vlm, selection, list(alphas), n_estimate=n_estimate, n_eval=n_eval, seed=seed,
-                          n_objects=objects, entropy=entropy, progress=progress)
-        result.edit = [{"alpha": r["alpha"], "arm": r["arm"], "efficacy": r["efficacy"], "n": r["n"]}
-                       for r in edit.rows]
+        try:
+            edit = edit_study(vlm, selection, list(alphas), n_estimate=n_estimate, n_eval=n_eval, seed=seed,
+                              n_objects=objects, entropy=entropy, progress=progress, positions=edit_positions)
+        except TooFewEstimatesError as exc:
+            result.skipped["edit"] = f"{n_estimate} estimation scenes: {exc}"
+        else:
+            result.edit = [{"alpha": r["alpha"], "arm": r["arm"], "efficacy": r["efficacy"], "n": r["n"]}
+                           for r in edit.rows]
         result.seconds["edit"] = time.perf_counter() - start
     probe_set = list(dict.fromkeys(h for hs in heads.values() for h in hs))
     if probe_set:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..choices import EDIT_POSITIONS
 from ..errors import InputError
 from .arguments import add_placement, add_prompt_format, check_model, load_model, out_dir, parse_range
 
@@ -22,6 +23,9 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--top-k", type=int, default=3, help="with --scores: edit the k best heads (default 3)")
     p.add_argument("--alpha", default="0,0.5,1,2,4,8", help="comma-separated alphas (0 is always added)")
     p.add_argument("--n-estimate", type=int, default=512, help="estimation examples (default 512)")
+    p.add_argument("--positions", choices=EDIT_POSITIONS, default="last",
+                   help="where the edit is added: the prompt's last position (default, VSM's) or also every answer "
+                        "position (a second answer word is predicted at the first)")
     p.add_argument("--n-eval", type=int, default=64, help="evaluation examples (default 64)")
     p.add_argument("--seed", type=int, default=0, help="stimulus seed")
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
@@ -56,7 +60,7 @@ def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     vlm = load_model(args)
     heads = _heads_from_scores(args.scores, args.top_k, vlm) if args.scores else check_heads(vlm, args.heads)
     options = dict(n_estimate=args.n_estimate, n_eval=args.n_eval, seed=args.seed, n_objects=args.objects or 3,
-                   progress=not args.json)
+                   progress=not args.json, positions=args.positions)
     result = edit_study(vlm, heads, alphas, **options)
     if args.repair:
         result.repair = entropy_repair(vlm, heads, alphas, **options)

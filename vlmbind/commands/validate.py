@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..choices import ABLATION_MODES as MODES
-from ..choices import DEFAULT_ALPHAS, IG_STEPS, VALIDATION_METHODS
+from ..choices import DEFAULT_ALPHAS, EDIT_POSITIONS, IG_STEPS, VALIDATION_METHODS
 from ..errors import InputError
 from .arguments import add_placement, add_prompt_format, check_model, int_at_least, load_model, out_dir
 
@@ -44,8 +44,11 @@ def add_parser(sub: Any, common: Any) -> None:
                    help="random-k draws from the heads outside the top-k (default 5)")
     p.add_argument("--alpha", default=",".join(str(a) for a in DEFAULT_ALPHAS),
                    help="position-ID edit scales (default " + ",".join(str(a) for a in DEFAULT_ALPHAS) + ")")
-    p.add_argument("--n-estimate", type=int_at_least(1, "256"), default=256,
-                   help="scenes the position IDs are estimated from (default 256)")
+    p.add_argument("--n-estimate", type=int_at_least(1, "2048"), default=2048,
+                   help="scenes the position IDs are estimated from (default 2048)")
+    p.add_argument("--edit-positions", choices=EDIT_POSITIONS, default="answer",
+                   help="where the position-ID edit is added: the prompt's last position, or also every answer "
+                        "position (default: answer; the planted ID is read at both)")
     p.add_argument("--n-probe", type=int_at_least(16, "512"), default=512,
                    help="scenes for the probes and PCA, a quarter held out (default 512)")
     p.add_argument("--out", default=None, help="output directory (default runs/validate/<model>)")
@@ -88,7 +91,8 @@ def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, in
     result = validate(vlm, reference=reference, reference_source=source, n_pairs=args.n_pairs, seed=args.seed,
                       n_objects=args.objects, entropy=args.entropy, methods=methods, naive_heads=args.naive_heads,
                       ig_steps=args.ig_steps, modes=modes, n_eval=args.n_eval, ablation_seeds=args.ablation_seeds,
-                      alphas=alphas, n_estimate=args.n_estimate, n_probe=args.n_probe, progress=not args.json)
+                      alphas=alphas, n_estimate=args.n_estimate, n_probe=args.n_probe,
+                      edit_positions=args.edit_positions, progress=not args.json)
     result.save(out)
     summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
                "out": str(out), "command": " ".join(command)}

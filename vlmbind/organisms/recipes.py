@@ -56,33 +56,45 @@ def stages(regime: str, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-# organism-vsm: organism-p2a grown to 6 layers x 4 heads (24 heads; the two new top layers start as the identity),
-# trained on organism-p2a's mixture with a mechanism planted by SIIT; organism-vsm-natural: the same stages, behaviour
-# loss only. Planted so far: feature retrieval (the ID variables did not take, see docs/ground_truth.md).
-VSM_PLANT = {"feature_retrieval": ["3.2"]}
-VSM_SIIT = {"alignments": VSM_PLANT, "pairs": 8, "objects": [2, 4], "skip_objects": [3],
-            "entropies": ["high", "low"]}
+# organism-vsm: organism-p2a's vision tower, projector and embeddings under a fresh 6 x 4 language model (24 heads),
+# trained on scene description with VSM's ID-selection and feature-retrieval steps planted by SIIT from the first step;
+# organism-vsm-natural: the same stages, data, seed and steps, behaviour loss only. See docs/ground_truth.md.
+VSM_PLANT = {"id_selection": ["2.1"], "feature_retrieval": ["4.2"]}
+VSM_SIIT = {"alignments": VSM_PLANT, "iit_weight": 1.0, "strict_weight": 0.4, "pairs": 8, "objects": [2, 4],
+            "skip_objects": [3], "entropies": ["high", "low"], "colours": list(COLOURS), "shapes": list(SHAPES),
+            "strict_positions": "all", "swap": "random", "recolour": "any", "position_layer": 0,
+            "position_weight": 1.0, "position_readout": "trained", "last_positions": "answer"}
 
 
 def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
     """The stages of organism-vsm (``planted``) or organism-vsm-natural: same start, data, seed and steps.
 
-    Stage 1 grows organism-p2a and plants at InterpBench's weights (behaviour 1, IIT 1, strictness 0.4); stage 2
-    doubles the IIT weight and raises strictness to 1, because after stage 1 the interchange accuracy was about 0.5
-    and single unplanted heads (organism-p2a's census heads in layer 0) still moved up to half of the answers.
+    1. SIIT from step one on the fresh language model, no gradients through the source run; the schedule is
+       3,000 steps and the stage stops at 1,250 (``until``), where feature retrieval had started to take.
+    2. Gradients through the source run: feature retrieval is planted, ID selection is not (its interchange
+       accuracy stays at the unpatched rate).
+    3. Two losses on the ID-selection head in the source run (a readout of the missing object's cell from its output
+       and a cross-entropy on its attention landing on that object's image token; eager attention): ID selection
+       takes.
     """
-    common = {"regime": "p2a", "seed": seed, "batch_size": 16, "checkpoint_every": 250, "eval_every": 250,
-              "eval_size": 32, "weight_decay": 0.01, "image_size": 168, "tasks": dict(_MIX),
-              "task_options": _options((1, 12)), "final_lr_ratio": 0.1,
-              "model": {"layers": 6, "hidden": 128, "heads": 4, "kv_heads": 2}}
-    first = {**common, "steps": 600, "lr": 3e-4, "warmup": 50, "init_from": str(organism_dir("organism-p2a")),
-             "init_layers": [0, 1, 2, 3, None, None]}
-    second = {**common, "steps": 1500, "lr": 2e-4, "warmup": 20}
+    common = {"regime": "p2a", "seed": seed, "batch_size": 16, "image_size": 168, "tasks": {"scene": 1.0},
+              "task_options": {"scene": {"objects": [2, 4], **_POOLS}}, "final_lr_ratio": 0.1,
+              "weight_decay": 0.01, "grad_clip": 1.0, "loss_norm": "example",
+              "model": {"layers": 6, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": None,
+                        "vision_depth": 2, "vision_hidden": 64, "vision_heads": 4},
+              "checkpoint_every": 250, "keep_checkpoints": 2, "eval_every": 250, "eval_size": 32}
+    first = {**common, "steps": 3000, "until": 1250, "lr": 1e-3, "warmup": 150, "attn_implementation": "sdpa",
+             "init_from": str(organism_dir("organism-p2a")), "init_layers": [None] * 6}
+    second = {**common, "steps": 2500, "lr": 7e-4, "warmup": 50, "attn_implementation": "sdpa"}
+    third = {**common, "steps": 2000, "lr": 7e-4, "warmup": 50, "attn_implementation": "eager"}
     if planted:
-        first["siit"] = dict(VSM_SIIT)
-        second["siit"] = {**VSM_SIIT, "iit_weight": 2.0, "strict_weight": 1.0}
+        first["siit"] = {**VSM_SIIT, "source_grad": False}
+        second["siit"] = {**VSM_SIIT, "source_grad": True}
+        third["siit"] = {**VSM_SIIT, "source_grad": True, "selection_weight": 1.0,
+                         "selection_attention_weight": 1.0}
     suffix = "siit" if planted else "natural"
-    return [(f"1-grow-{suffix}", first), (f"2-strict-{suffix}", second)]
+    return [(f"1-fresh-lm-{suffix}", first), (f"2-source-grad-{suffix}", second),
+            (f"3-selection-{suffix}", third)]
 
 
 RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct", "organism-vsm": "vsm", "organism-vsm-natural": "vsm"}
@@ -101,6 +113,15 @@ def recipe_stages(name: str, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
     return stages(RECIPES[name], seed)
 
 
+def stage_config(fields: dict[str, Any], init_from: str | None = None) -> tuple[TrainConfig, int | None]:
+    """A stage's :class:`TrainConfig` and where it stops (``until``: a stage may end before its schedule does)."""
+    fields = dict(fields)
+    until = fields.pop("until", None)
+    if init_from is not None:
+        fields["init_from"] = init_from
+    return TrainConfig.from_dict(fields), until
+
+
 def _finished(stage_dir: Path, steps: int) -> Path | None:
     ckpt = stage_dir / f"{CHECKPOINT_PREFIX}{steps:06d}"
     return ckpt if ckpt.is_dir() else None
@@ -117,20 +138,19 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
     recipe = recipe_stages(name, seed)
     summary: dict[str, Any] = {"organism": name, "regime": recipe[0][1]["regime"], "seed": seed, "stages": []}
     for stage, fields in recipe:
-        start_from = str(previous) if previous else fields.get("init_from")
-        config = TrainConfig.from_dict({**fields, "init_from": start_from})
+        config, until = stage_config(fields, str(previous) if previous else fields.get("init_from"))
         stage_dir = out / stage
-        done = _finished(stage_dir, config.steps)
+        done = _finished(stage_dir, until or config.steps)
         start = time.time()
         if done is None:
             resume = stage_dir.is_dir() and any(stage_dir.glob(f"{CHECKPOINT_PREFIX}*"))
-            result = train(config, stage_dir, resume=resume, progress=progress, threads=threads)
+            result = train(config, stage_dir, resume=resume, progress=progress, threads=threads, until=until)
             done = result.checkpoint
             info = {"wall_time_s": result.wall_time_s, "last_eval": result.evals[-1] if result.evals else None}
         else:
             state = json.loads((done / "trainer_state.json").read_text())
             info = {"wall_time_s": state.get("wall_time_s"), "last_eval": (state.get("evals") or [None])[-1]}
-        summary["stages"].append({"stage": stage, "checkpoint": str(done), "steps": config.steps,
+        summary["stages"].append({"stage": stage, "checkpoint": str(done), "steps": until or config.steps,
                                   "session_s": round(time.time() - start, 1), **info})
         previous = done
     summary["final_checkpoint"] = str(previous)

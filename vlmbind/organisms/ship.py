@@ -152,9 +152,9 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
             "table below says which) were trained into chosen heads by strict interchange-intervention training "
             "(SIIT). It exists to check interpretability methods against a known answer. That a method finds these "
             "heads shows the method can find such a mechanism when it is there; it is not evidence that pretrained "
-            "VLMs work this way, and the rest of the model may still solve the task in other ways too (organism-p2a's "
-            "census heads, which it started from, were not fully switched off). Variables not in the table were not "
-            "planted: the methods should find nothing there.",
+            "VLMs work this way, and the rest of the model may still solve the task in other ways too (SIIT's "
+            "strictness loss asks every other head to be inert, and the validation below says how far it got). "
+            "Variables not in the table were not planted: the methods should find nothing there.",
             "", "## Planted heads", "", "| condition that should find it | heads | the variable |", "|---|---|---|"]
         meaning = {"id_retrieval": "each described object's position (grid cell), at its prompt tokens",
                    "id_selection": "the missing object's position, at the last prompt token and the answer positions",
@@ -169,9 +169,18 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
                   f"pairs exchange the target with a random described object, feature sources give it a new "
                   f"colour-shape conjunction."]
         if siit.get("position_layer") is not None:
+            readout = ("a linear readout trained beside the organism" if siit.get("position_readout") == "trained"
+                       else "a fixed random linear readout")
             lines += ["", f"A position code was trained in too: after decoder layer {siit['position_layer']} every "
-                      f"image token's cell is read from its residual stream by a fixed random linear readout (weight "
-                      f"{siit.get('position_weight')})."]
+                      f"image token's grid cell must be read from its residual stream by {readout} (weight "
+                      f"{siit.get('position_weight')}). A head can only copy a position the image tokens carry."]
+        if siit.get("selection_weight") or siit.get("selection_attention_weight"):
+            lines += ["", "The ID-selection heads were told how to get the position (last stage): in the source run "
+                      "of the ID-selection pairs, a linear readout trained beside the organism must read the missing "
+                      f"object's cell from their output (weight {siit.get('selection_weight', 0)}), and their "
+                      "attention must fall on that object's image token (cross-entropy, weight "
+                      f"{siit.get('selection_attention_weight', 0)}). The IIT loss alone had left their interchange "
+                      "accuracy at the rate of the unpatched model."]
     else:
         lines += [
             "The negative control of organism-vsm: the same architecture, start, data, seed and steps, trained on "
@@ -182,13 +191,12 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
         f"- `Qwen2_5_VLForConditionalGeneration`, {params:,} parameters; text: {text.get('num_hidden_layers')} layers, "
         f"hidden {text.get('hidden_size')}, {text.get('num_attention_heads')} heads "
         f"({text.get('num_key_value_heads')} KV heads)",
-        f"- grown from organism-p2a: decoder layers {record.get('grown_from', {}).get('init_layers')} (None: a new "
-        "layer that started as the identity)",
-        f"- {record['image_size']} px images, a {record['grid']}x{record['grid']} grid of image tokens; the same "
-        "stimulus domain and task mixture as organism-p2a",
-        *[f"- stage {stage['stage']}: {stage['steps']} steps, batch {stage['batch_size']}, lr {stage['lr']}"
-          + (f", SIIT weights IIT {stage['siit'].get('iit_weight', 1.0)} / strictness "
-             f"{stage['siit'].get('strict_weight', 0.4)}" if stage.get("siit") else ", behaviour loss only")
+        _start_line(record.get("grown_from", {}).get("init_layers")),
+        f"- {record['image_size']} px images, a {record['grid']}x{record['grid']} grid of image tokens, organism-p2a's "
+        f"stimulus domain; tasks: {', '.join(f'{t} (share {w})' for t, w in record['tasks'].items())}",
+        *[f"- stage {stage['stage']}: {_stage_steps(stage)}, batch {stage['batch_size']}, lr {stage['lr']}, "
+          f"{stage.get('attn_implementation', 'sdpa')} attention"
+          + (_stage_siit(stage["siit"]) if stage.get("siit") else ", behaviour loss only")
           + f"; wall time {(results.get(stage['stage'], {}).get('wall_time_s') or 0) / 60:.1f} min on one CPU thread"
           for stage in record["stages"]],
         f"- seed {record['seed']}; total wall time {record['wall_time_s'] / 60:.1f} min",
@@ -204,6 +212,30 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
         if validation_command:
             lines += ["", f"Measured with `{validation_command}`."]
     return "\n".join(lines) + "\n"
+
+
+def _start_line(init_layers: list[int | None] | None) -> str:
+    if init_layers is not None and all(layer is None for layer in init_layers):
+        return ("- started from organism-p2a's vision tower, projector and token embeddings under a new language "
+                "model: every decoder layer new, starting as the identity (attention output and MLP down-projection "
+                "zero)")
+    return (f"- grown from organism-p2a: decoder layers {init_layers} (None: a new layer that started as the "
+            "identity)")
+
+
+def _stage_steps(stage: dict[str, Any]) -> str:
+    if stage.get("until") and stage["until"] != stage["steps"]:
+        return f"{stage['until']} steps of a {stage['steps']}-step schedule"
+    return f"{stage['steps']} steps"
+
+
+def _stage_siit(siit: dict[str, Any]) -> str:
+    out = f", SIIT weights IIT {siit.get('iit_weight', 1.0)} / strictness {siit.get('strict_weight', 0.4)}"
+    out += ", gradients through the source run" if siit.get("source_grad") else ", no gradient through the source run"
+    if siit.get("selection_weight") or siit.get("selection_attention_weight"):
+        out += (f", ID-selection readout {siit.get('selection_weight', 0)} / attention "
+                f"{siit.get('selection_attention_weight', 0)}")
+    return out
 
 
 def validation_lines(validation: dict[str, Any]) -> list[str]:

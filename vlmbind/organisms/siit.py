@@ -90,6 +90,14 @@ class SIITSpec:
             needs ``source_grad`` and the organism built with eager attention, whose patterns carry gradients). With
             the readout, this says how the head gets the position: by attending to the object and copying its
             position code.
+        retrieval_attention_weight: when > 0, the ``id_retrieval`` heads' attention at their patch positions (the
+            described object's name) in the source run must fall on that object's image token (cross-entropy, this
+            weight; needs ``source_grad`` and eager attention). The head is told where its position comes from.
+        aggregation_heads: ``id_selection`` heads that gather the described objects' positions at the last token
+            rather than read the missing object: their attention target (with ``selection_attention_weight``) is the
+            described objects' name tokens, where ``id_retrieval`` heads wrote their positions; the other
+            ``id_selection`` heads keep the missing object's image token. A head can only read what an earlier
+            layer wrote, so a selection that uses the retrieved positions needs a layer that gathers them first.
         last_positions: where a last-token variable (``id_selection``, ``feature_retrieval``) is interchanged:
             ``answer`` (the last prompt token and every answer position that predicts a token; the answer's second
             word, the shape, is predicted at the colour word's position, which is where CMA patches and scores when
@@ -115,6 +123,8 @@ class SIITSpec:
     position_readout: str = "trained"
     selection_weight: float = 0.0
     selection_attention_weight: float = 0.0
+    retrieval_attention_weight: float = 0.0
+    aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
 
     def __post_init__(self) -> None:
@@ -177,6 +187,27 @@ class SIITSpec:
             if value > 0 and not self.source_grad:
                 raise TrainingError(f"siit.{name} > 0 trains the id_selection heads through the source run; set "
                                     "source_grad to true")
+        value = self.retrieval_attention_weight
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise TrainingError(f"siit.retrieval_attention_weight must be a number >= 0, got {value!r}")
+        if value > 0 and "id_retrieval" not in aligned:
+            raise TrainingError("siit.retrieval_attention_weight > 0 trains the id_retrieval heads' attention, but "
+                                "id_retrieval is not aligned; align it or set the weight to 0")
+        if value > 0 and not (self.iit_weight > 0 and self.source_grad):
+            raise TrainingError("siit.retrieval_attention_weight > 0 trains the id_retrieval heads through the IIT "
+                                "loss's source run; set iit_weight above 0 and source_grad to true")
+        try:
+            aggregation = tuple(f"{l}.{h}" for l, h in parse_heads(list(self.aggregation_heads)))
+        except Exception as exc:  # noqa: BLE001 - re-raised as a named training error
+            raise TrainingError(f"siit.aggregation_heads: {exc}") from None
+        stray = [h for h in aggregation if h not in aligned.get("id_selection", ())]
+        if stray:
+            raise TrainingError(f"siit.aggregation_heads {stray} are not id_selection heads "
+                                f"({list(aligned.get('id_selection', ()))}); list id_selection heads only")
+        if aggregation and len(aggregation) == len(aligned["id_selection"]):
+            raise TrainingError("siit.aggregation_heads lists every id_selection head; at least one must read the "
+                                "missing object")
+        object.__setattr__(self, "aggregation_heads", aggregation)
         if self.position_readout not in POSITION_READOUTS:
             raise TrainingError(f"siit.position_readout must be one of {POSITION_READOUTS}, got "
                                 f"{self.position_readout!r}")
@@ -198,6 +229,11 @@ class SIITSpec:
 
     def heads(self, variable: str) -> list[tuple[int, int]]:
         return parse_heads(list(self.alignments[variable]))
+
+    def selecting_heads(self) -> list[tuple[int, int]]:
+        """The ``id_selection`` heads that read the missing object (all but the aggregation heads)."""
+        gather = set(parse_heads(list(self.aggregation_heads)))
+        return [h for h in self.heads("id_selection") if h not in gather]
 
     def unaligned(self, n_layers: int, n_heads: int) -> list[tuple[int, int]]:
         """Every head of the model that no variable is aligned to."""
@@ -228,7 +264,10 @@ class SIITSpec:
                 "position_readout": self.position_readout, "last_positions": self.last_positions,
                 **({"selection_weight": self.selection_weight} if self.selection_weight else {}),
                 **({"selection_attention_weight": self.selection_attention_weight}
-                   if self.selection_attention_weight else {})}
+                   if self.selection_attention_weight else {}),
+                **({"retrieval_attention_weight": self.retrieval_attention_weight}
+                   if self.retrieval_attention_weight else {}),
+                **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
 
     @classmethod
     def from_value(cls, value: SIITSpec | Mapping[str, Any] | None) -> SIITSpec | None:
@@ -241,7 +280,7 @@ class SIITSpec:
         if unknown:
             raise TrainingError(f"unknown siit fields {unknown}; fields: {', '.join(sorted(known))}")
         data = dict(value)
-        for key in ("objects", "skip_objects"):
+        for key in ("objects", "skip_objects", "aggregation_heads"):
             if key in data:
                 data[key] = tuple(data[key])
         return cls(**data)
@@ -275,23 +314,37 @@ def patch_positions(builder: BatchBuilder, pair: CounterfactualPair) -> list[int
         TrainingError: the span's text does not occur in the prompt, or no token covers it.
     """
     prompt = pair.clean.prompt
-    offset = len(builder.prefix)
     if pair.patch["kind"] == "last":
-        return [offset + len(builder._encode(prompt)) - 1]
-    text, occurrence = pair.patch["text"], int(pair.patch.get("occurrence", -1))
+        return [len(builder.prefix) + len(builder._encode(prompt)) - 1]
+    return _span_tokens(builder, pair.id, prompt, pair.patch["text"], int(pair.patch.get("occurrence", -1)))
+
+
+def _span_tokens(builder: BatchBuilder, pair_id: str, prompt: str, text: str, occurrence: int) -> list[int]:
+    """Row positions of the tokens covering ``text`` at ``occurrence`` (negative: from the end) in ``prompt``."""
+    offset = len(builder.prefix)
     starts = [i for i in range(len(prompt)) if prompt.startswith(text, i)]
     if not starts or not -len(starts) <= occurrence < len(starts):
-        raise TrainingError(f"pair {pair.id!r}: {text!r} does not occur in the prompt {prompt!r} (occurrence "
+        raise TrainingError(f"pair {pair_id!r}: {text!r} does not occur in the prompt {prompt!r} (occurrence "
                             f"{occurrence})")
     start = starts[occurrence]
     end = start + len(text)
     enc = builder.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
     if list(enc["input_ids"]) != list(builder._encode(prompt)):
-        raise TrainingError(f"pair {pair.id!r}: the tokenizer's offsets belong to another tokenisation")
+        raise TrainingError(f"pair {pair_id!r}: the tokenizer's offsets belong to another tokenisation")
     covered = [offset + k for k, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start]
     if not covered:
-        raise TrainingError(f"pair {pair.id!r}: no token covers {text!r}")
+        raise TrainingError(f"pair {pair_id!r}: no token covers {text!r}")
     return covered
+
+
+def described_name_tokens(builder: BatchBuilder, pairs: Sequence[CounterfactualPair]) -> list[list[int]]:
+    """Per pair, the row positions of every described object's name in the prompt (each named once: the
+    conjunctions of a scene are distinct), where ``id_retrieval`` heads write the described objects' positions."""
+    out = []
+    for p in pairs:
+        names = [p.clean.objects[k].name for k in p.clean.fields["described"]]
+        out.append(sorted({q for name in names for q in _span_tokens(builder, p.id, p.clean.prompt, name, -1)}))
+    return out
 
 
 def interchange_batch(builder: BatchBuilder, pairs: Sequence[CounterfactualPair], answer: str,
@@ -442,6 +495,22 @@ def draw_pairs(spec: SIITSpec, variable: str, *, seed: int, stream: int, step: i
                             recolour=spec.recolour))
 
 
+def evaluation_pairs(spec: SIITSpec, variable: str, *, seed: int, canvas: Canvas, n: int,
+                     stream: int = SIIT_EVAL_STREAM) -> list[CounterfactualPair]:
+    """``n`` pairs of ``variable``'s condition spread evenly over every object count and entropy the spec trains on
+    (a training step draws one setting; an evaluation set drawn like one step covers one setting only)."""
+    settings = [(k, e) for k in spec.object_counts for e in spec.entropies]
+    out: list[CounterfactualPair] = []
+    for i, (objects, entropy) in enumerate(settings):
+        share = n // len(settings) + (1 if i < n % len(settings) else 0)
+        if share:
+            rng = _step_rng(seed, stream, 10_000 * (VARIABLES.index(variable) + 1) + i)
+            out += list(scene_pairs(share, variable, int(rng.integers(2**62)), n_objects=objects, entropy=entropy,
+                                    canvas=canvas, colours=spec.colours, shapes=spec.shapes, swap=spec.swap,
+                                    recolour=spec.recolour))
+    return out
+
+
 POSITION_READOUT_SEED = 7
 # cosine logits times this: bounded, so the loss cannot blow the residual stream up (raw residuals of norm ~25
 # gave a cross-entropy of 6 and wrecked the behaviour of a trained organism in its first steps)
@@ -520,6 +589,18 @@ def target_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas, side: str 
     return torch.tensor(cells, dtype=torch.long)
 
 
+def patched_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas) -> torch.Tensor:
+    """Per ``id_retrieval`` pair, the grid cell of the patched described object (``patch["object"]``) in the source
+    scene: the ``id_retrieval`` variable's value at that object's name tokens there."""
+    cells = []
+    for p in pairs:
+        if p.patch.get("kind") != "span" or "object" not in p.patch:
+            raise TrainingError(f"pair {p.id!r} patches no described object's span; id_retrieval pairs do")
+        o = p.counterfactual.objects[int(p.patch["object"])]
+        cells.append(o.row * canvas.shape[1] + o.col)
+    return torch.tensor(cells, dtype=torch.long)
+
+
 class SelectionProbe(torch.nn.Module):
     """A linear readout of the missing object's grid cell from the ``id_selection`` heads' outputs (their ``o_proj``
     input slices, concatenated), trained beside the organism (never part of it)."""
@@ -568,27 +649,43 @@ def target_tokens(input_ids: torch.Tensor, image_token_id: int, cells: torch.Ten
 
 
 def attention_on_targets(patterns: Mapping[int, torch.Tensor], heads: Sequence[tuple[int, int]],
-                         positions: Sequence[Sequence[int]], targets: torch.Tensor) -> torch.Tensor:
-    """The heads' attention on each row's target token, at each of the row's positions (heads, then rows)."""
-    return torch.cat([patterns[layer][r, head, list(pos), int(targets[r])]
+                         positions: Sequence[Sequence[int]],
+                         targets: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+    """The heads' attention on each row's target token (``targets``: one position per row) or summed over the row's
+    target positions (a list per row), at each of the row's positions (heads, then rows)."""
+    if isinstance(targets, torch.Tensor):
+        return torch.cat([patterns[layer][r, head, list(pos), int(targets[r])]
+                          for layer, head in heads for r, pos in enumerate(positions)])
+    return torch.cat([patterns[layer][r, head][list(pos)][:, list(targets[r])].sum(-1)
                       for layer, head in heads for r, pos in enumerate(positions)])
 
 
 def selection_attention_loss(patterns: Mapping[int, torch.Tensor], heads: Sequence[tuple[int, int]],
-                             positions: Sequence[Sequence[int]], targets: torch.Tensor) -> torch.Tensor:
-    """Mean over heads, rows and the rows' positions of ``-log`` the attention on the row's target token."""
+                             positions: Sequence[Sequence[int]],
+                             targets: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+    """Mean over heads, rows and the rows' positions of ``-log`` the attention on the row's target(s)."""
     return -torch.log(attention_on_targets(patterns, heads, positions, targets).clamp_min(1e-9)).mean()
+
+
+READOUT_TARGETS = ("missing", "patched", "described")
 
 
 def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                       pairs: Sequence[CounterfactualPair], heads: Sequence[tuple[int, int]], canvas: Canvas, *,
                       probe: SelectionProbe | None = None, patterns: bool = False, batch_size: int = 32,
-                      last_positions: str = "answer") -> dict[str, float]:
-    """On the source runs' patch positions: the share where ``probe`` reads the missing object's cell from the
-    heads (``accuracy``), and with ``patterns`` the heads' mean attention on that object's token
-    (``attention_mass``)."""
+                      last_positions: str = "answer", target: str = "missing") -> dict[str, float]:
+    """On the source runs' patch positions: the share where ``probe`` reads the target cell from its heads
+    (``accuracy``), and with ``patterns`` the heads' mean attention on the target (``attention_mass``).
+
+    ``target``: ``missing`` (the missing object's cell and image token: ``id_selection`` pairs), ``patched`` (the
+    patched described object's: ``id_retrieval`` pairs) or ``described`` (attention summed over the described
+    objects' names: aggregation heads; no probe)."""
+    if target not in READOUT_TARGETS:
+        raise TrainingError(f"target must be one of {READOUT_TARGETS}, got {target!r}")
+    if target == "described" and probe is not None:
+        raise TrainingError("the described objects' names are attention targets only; pass no probe")
     hits, mass, total, attended = 0.0, 0.0, 0, 0
-    layers = sorted({l for l, _ in heads})
+    layers = sorted({l for l, _ in heads} | ({l for l, _ in probe.heads} if probe is not None else set()))
     with evaluating(model):
         for i in range(0, len(pairs), batch_size):
             chunk = pairs[i : i + batch_size]
@@ -596,12 +693,14 @@ def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBu
             with interchange.capture(layers, patterns=patterns):
                 model(**batch.source.inputs, use_cache=False)
             n = sum(len(p) for p in batch.positions)
-            cells = target_cells(chunk, canvas)
+            cells = None if target == "described" else (
+                target_cells(chunk, canvas) if target == "missing" else patched_cells(chunk, canvas))
             if probe is not None:
                 hits += probe.accuracy(interchange.stored, batch.positions, cells) * n
             if patterns:
-                tokens = target_tokens(batch.source.inputs["input_ids"], builder.image_token_id, cells)
-                mass += float(attention_on_targets(interchange.patterns, heads, batch.positions, tokens).sum())
+                goal = described_name_tokens(builder, chunk) if cells is None else \
+                    target_tokens(batch.source.inputs["input_ids"], builder.image_token_id, cells)
+                mass += float(attention_on_targets(interchange.patterns, heads, batch.positions, goal).sum())
                 attended += n * len(heads)
             total += n
     out = {}
@@ -618,31 +717,38 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     """The step's IIT and strictness losses (tensors in the graph) and what they were computed on.
 
     Returns:
-        ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "variable": v,
-        "strict_head": "l.h"}`` (a loss is None when its weight is 0; the ID-selection ones also on steps of another
-        variable, and ``selection`` without a ``selection`` probe).
+        ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
+        "variable": v, "strict_head": "l.h"}`` (a loss is None when its weight is 0; the ID-selection and ID-retrieval
+        ones also on steps of another variable, and ``selection`` without a ``selection`` probe).
     """
     rng = _step_rng(seed, SIIT_STREAM, step)
     variables = sorted(spec.alignments)
     variable = variables[int(rng.integers(len(variables)))]
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
-                           "selection_attention": None}
+                           "selection_attention": None, "retrieval_attention": None}
     if spec.iit_weight > 0:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
-        attend = variable == "id_selection" and spec.selection_attention_weight > 0
+        attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
+            (variable == "id_retrieval" and spec.retrieval_attention_weight > 0)
         logits = interchange_logits(model, interchange, batch, spec.heads(variable), batch.positions,
                                     source_grad=spec.source_grad, patterns=attend)
         out["iit"] = answer_loss(logits, batch.base.labels, loss_norm)
         # interchange.stored / patterns still hold the source run's, in the graph (source_grad)
+        source_ids = batch.source.inputs["input_ids"]
         if variable == "id_selection" and (selection is not None and spec.selection_weight > 0 or attend):
             cells = target_cells(pairs, canvas)
             if selection is not None and spec.selection_weight > 0:
                 out["selection"] = selection.loss(interchange.stored, batch.positions, cells)
             if attend:
-                tokens = target_tokens(batch.source.inputs["input_ids"], builder.image_token_id, cells)
-                out["selection_attention"] = selection_attention_loss(interchange.patterns, spec.heads(variable),
-                                                                      batch.positions, tokens)
+                out["selection_attention"] = _selection_attention(spec, interchange.patterns, batch.positions,
+                                                                  target_tokens(source_ids, builder.image_token_id,
+                                                                                cells),
+                                                                  described_name_tokens(builder, pairs))
+        if variable == "id_retrieval" and attend:
+            tokens = target_tokens(source_ids, builder.image_token_id, patched_cells(pairs, canvas))
+            out["retrieval_attention"] = selection_attention_loss(interchange.patterns, spec.heads(variable),
+                                                                  batch.positions, tokens)
     if spec.strict_weight > 0:
         a = interchange.adapter
         free = spec.unaligned(a.n_layers, a.n_heads)
@@ -653,6 +759,17 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
         out["strict"] = answer_loss(logits, batch.base.labels, loss_norm)
         out["strict_head"] = f"{head[0]}.{head[1]}"
     return out
+
+
+def _selection_attention(spec: SIITSpec, patterns: Mapping[int, torch.Tensor], positions: Sequence[Sequence[int]],
+                         missing: torch.Tensor, described: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The ID-selection attention loss: the selecting heads on the missing object's image token, the aggregation
+    heads on the described objects' names (one mean over every head, row and position)."""
+    gather = parse_heads(list(spec.aggregation_heads))
+    parts = [attention_on_targets(patterns, spec.selecting_heads(), positions, missing)]
+    if gather:
+        parts.append(attention_on_targets(patterns, gather, positions, described))
+    return -torch.log(torch.cat(parts).clamp_min(1e-9)).mean()
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from ..errors import TrainingError, VlmbindError, close_matches
+from ..sites import parse_heads
 from ..stimuli.core import StimulusError
 from .data import (
     REGIMES,
@@ -64,6 +65,7 @@ from .siit import (
     answer_changes,
     draw_pairs,
     evaluating,
+    evaluation_pairs,
     interchange_accuracy,
     position_code_accuracy,
     position_code_loss,
@@ -674,8 +676,8 @@ def train(
             for module, opt, name in readouts:
                 _save_probe(directory, module, opt, name)
     siit_eval = {} if siit is None or not config.eval_every else {
-        v: draw_pairs(siit, v, seed=config.seed, stream=SIIT_EVAL_STREAM, step=k, canvas=mixture.canvas,
-                      n=config.eval_size) for k, v in enumerate(sorted(siit.alignments))}
+        v: evaluation_pairs(siit, v, seed=config.seed, canvas=mixture.canvas, n=config.eval_size)
+        for v in sorted(siit.alignments)}
 
     start = int(state["step"])
     stop = config.steps if until is None else min(until, config.steps)
@@ -722,7 +724,8 @@ def train(
                          "strict_head": extra["strict_head"]}
                 for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight),
                                      ("selection", siit.selection_weight),
-                                     ("selection_attention", siit.selection_attention_weight)):
+                                     ("selection_attention", siit.selection_attention_weight),
+                                     ("retrieval_attention", siit.retrieval_attention_weight)):
                     if extra[name] is not None:
                         loss = loss + weight * extra[name]
                         parts[name] = float(extra[name].detach())
@@ -753,11 +756,8 @@ def train(
                 entry: dict[str, Any] = {"step": done, "tasks": result}
                 if siit_eval:
                     entry["siit"] = _evaluate_siit(model, interchange, builder, siit, siit_eval, config.batch_size)
-                    if selection is not None or siit.selection_attention_weight > 0:
-                        entry["selection"] = selection_readout(
-                            model, interchange, builder, siit_eval["id_selection"], siit.heads("id_selection"),
-                            mixture.canvas, probe=selection, patterns=siit.selection_attention_weight > 0,
-                            batch_size=config.batch_size, last_positions=siit.last_positions)
+                    entry.update(_evaluate_readouts(model, interchange, builder, siit, siit_eval, mixture.canvas,
+                                                    selection, config.batch_size))
                     if position_layer is not None:
                         entry["position_code_accuracy"] = _evaluate_position(
                             model, eval_batches, position_layer, builder.image_token_id, cells, probe)
@@ -785,6 +785,30 @@ def train(
     return TrainResult(out_dir=out, checkpoint=checkpoint, step=done, losses=losses, evals=evals,
                        wall_time_s=previous_time + elapsed, steps_per_s=(done - start) / elapsed if done > start
                        else 0.0)
+
+
+def _evaluate_readouts(model: Any, interchange: HeadInterchange, builder: BatchBuilder, siit: SIITSpec,
+                       pairs: dict[str, list[Any]], canvas: Any, selection: SelectionProbe | None,
+                       batch_size: int) -> dict[str, Any]:
+    """What the ID heads read in the evaluation pairs' source runs: ``selection`` (the readout's accuracy and the
+    selecting heads' attention on the missing object), ``aggregation`` (the aggregation heads' attention on the
+    described names) and ``retrieval`` (the id_retrieval heads' attention on their object), each where trained."""
+    out: dict[str, Any] = {}
+    common = {"batch_size": batch_size, "last_positions": siit.last_positions}
+    attend = siit.selection_attention_weight > 0
+    if selection is not None or attend:
+        out["selection"] = selection_readout(model, interchange, builder, pairs["id_selection"],
+                                             siit.selecting_heads(), canvas, probe=selection, patterns=attend,
+                                             **common)
+        if attend and siit.aggregation_heads:
+            out["aggregation"] = selection_readout(model, interchange, builder, pairs["id_selection"],
+                                                   parse_heads(list(siit.aggregation_heads)), canvas, patterns=True,
+                                                   target="described", **common)
+    if siit.retrieval_attention_weight > 0:
+        out["retrieval"] = selection_readout(model, interchange, builder, pairs["id_retrieval"],
+                                             siit.heads("id_retrieval"), canvas, patterns=True, target="patched",
+                                             **common)
+    return out
 
 
 def _transformers_version() -> str:
