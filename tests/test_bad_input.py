@@ -205,7 +205,7 @@ def C(id: str, argv: str, *needles: str) -> CliCase:
 T, O = TINY, "--out {out}"
 CLI_CASES = [
     # unknown models and families, missing and corrupt weights
-    C("unknown-tiny-name", f"demo --model tiny-qwen25 {O}", "'tiny-qwen25'", "Did you mean 'tiny-qwen2_5_vl'"),
+    C("unknown-tiny-name", f"demo --model tiny-qwen25 {O}", "'tiny-qwen25'", "Did you mean 'tiny-qwen3_5', 'tiny-qwen2_5_vl'"),
     C("unknown-organism", f"eval --model organism-p2x --task scene {O}", "'organism-p2x'", "'organism-p2a'"),
     C("unsupported-family", f"locate --model {{fx}}/gpt2 --condition id_retrieval {O}", "'gpt2'", "Supported families"),
     C("unknown-model-type", f"ablate --model {{fx}}/frobnet --task scene --heads 0.0 {O}", "'frobnet'",

@@ -38,9 +38,15 @@ def test_hook_shapes(tiny, scene):
                                  "blocks.*.hook_resid_post", "blocks.*.hook_attn_out", "blocks.*.hook_mlp_out",
                                  "vision.*", "projector.hook_out"])
     assert out.logits.shape[:2] == (b, p)
+    # hybrid models declare the layers with per-head outputs and softmax patterns (Qwen3.5: not its DeltaNet ones)
+    assert [k for k in out.cache if k.endswith("hook_pattern")] == [f"blocks.{l}.attn.hook_pattern"
+                                                                     for l in a.pattern_layers()]
+    assert [k for k in out.cache if k.endswith("hook_z")] == [f"blocks.{l}.attn.hook_z" for l in a.head_layers()]
     for layer in range(a.n_layers):
-        assert out[f"blocks.{layer}.attn.hook_z"].shape == (b, p, a.n_heads, a.d_head)
-        assert out[f"blocks.{layer}.attn.hook_pattern"].shape == (b, a.n_heads, p, p)
+        if layer in a.head_layers():
+            assert out[f"blocks.{layer}.attn.hook_z"].shape == (b, p, a.n_heads, a.d_head)
+        if layer in a.pattern_layers():
+            assert out[f"blocks.{layer}.attn.hook_pattern"].shape == (b, a.n_heads, p, p)
         for hook in ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out"):
             assert out[f"blocks.{layer}.{hook}"].shape == (b, p, a.d_model)
     n_image = sum(len(ti.image_positions) for ti in batch.index)
@@ -50,7 +56,8 @@ def test_hook_shapes(tiny, scene):
 
 def test_patterns_are_probabilities(tiny, scene):
     batch = tiny.prepare(scene, PROMPT)
-    pattern = tiny.capture(batch, "blocks.0.attn.hook_pattern")["blocks.0.attn.hook_pattern"]
+    site = f"blocks.{tiny.adapter.pattern_layers()[0]}.attn.hook_pattern"
+    pattern = tiny.capture(batch, site)[site]
     torch.testing.assert_close(pattern.sum(-1), torch.ones(pattern.shape[:-1]), atol=1e-5, rtol=0)
 
 

@@ -23,8 +23,12 @@ def test_patterns_and_residuals_equal_hf_outputs(tiny, batch):
     # Qwen3-VL's DeepStack adds image features between layers 0..k-1 and 1..k: there the next layer's input is not
     # HF's hidden state (tests/test_family_qwen3_vl.py checks that the difference is exactly the injection)
     injected = len(getattr(tiny.adapter, "deepstack_vision_layers", ()))
+    # HF records one pattern per softmax layer: the declared pattern layers, in order (every layer but Qwen3.5's DeltaNet)
+    patterns = tiny.adapter.pattern_layers()
+    assert len(ref.attentions) == len(patterns)
+    for layer, reference in zip(patterns, ref.attentions):
+        torch.testing.assert_close(out[f"blocks.{layer}.attn.hook_pattern"], reference, atol=1e-6, rtol=0)
     for layer in range(tiny.n_layers):
-        torch.testing.assert_close(out[f"blocks.{layer}.attn.hook_pattern"], ref.attentions[layer], atol=1e-6, rtol=0)
         if not 0 < layer <= injected:
             torch.testing.assert_close(out[f"blocks.{layer}.hook_resid_pre"], hidden[layer], atol=1e-6, rtol=0)
         if layer < tiny.n_layers - 1:
@@ -33,20 +37,23 @@ def test_patterns_and_residuals_equal_hf_outputs(tiny, batch):
 
 def test_vlmbind_eager_equals_hf_eager_and_sdpa_patterns_work(tiny, batch):
     """Pattern capture switches the text model to vlmbind's eager function; logits must not move."""
+    patterns = tiny.adapter.pattern_layers()
+    first, second = patterns[0], patterns[1 % len(patterns)]
     eager = tiny.logits(batch)
-    with_pattern = tiny.run(batch, sites="blocks.0.attn.hook_pattern")
+    with_pattern = tiny.run(batch, sites=f"blocks.{first}.attn.hook_pattern")
     torch.testing.assert_close(with_pattern.logits, eager, atol=1e-6, rtol=0)
     cfg = tiny.adapter.text_config
     before = cfg._attn_implementation
     cfg._attn_implementation = "sdpa"
     try:
-        sdpa = tiny.run(batch, sites="blocks.1.attn.hook_pattern")
+        sdpa = tiny.run(batch, sites=f"blocks.{second}.attn.hook_pattern")
         assert cfg._attn_implementation == "sdpa"
     finally:
         cfg._attn_implementation = before
     assert cfg._attn_implementation != ATTENTION_IMPL
     ref = tiny.model(**batch.inputs, output_attentions=True, use_cache=False)
-    torch.testing.assert_close(sdpa["blocks.1.attn.hook_pattern"], ref.attentions[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sdpa[f"blocks.{second}.attn.hook_pattern"], ref.attentions[patterns.index(second)],
+                               atol=1e-6, rtol=0)
 
 
 def test_z_equals_nnsight_o_proj_input(tiny, batch):

@@ -68,9 +68,11 @@ def test_hooks_removed_when_forward_raises(tiny, batch):
 
 def test_context_managers_clean_up_on_error(tiny, batch):
     clean = tiny.logits(batch)
-    for mode in ("image_attention", "zero"):
+    # image_attention needs softmax layers (hybrid models declare which: adapter.pattern_layers)
+    softmax = tiny.adapter.pattern_layers()
+    for mode, heads in (("image_attention", [(softmax[0], 0), (softmax[-1], 1)]), ("zero", [(0, 0), (1, 1)])):
         with pytest.raises(ValueError, match="inside"):
-            with tiny.ablate([(0, 0), (1, 1)], mode=mode):
+            with tiny.ablate(heads, mode=mode):
                 assert (tiny.logits(batch) - clean).abs().max() > 0
                 raise ValueError("inside the block")
         _clean_state(tiny)
@@ -136,8 +138,9 @@ def test_bad_interventions_raise_named_errors(tiny, batch):
 
 def test_generate_applies_interventions_and_cleans_up(tiny):
     batch = tiny.prepare(draw_scene(0), PROMPT)
-    texts, caps = tiny.generate(batch, max_new_tokens=3, sites="blocks.0.attn.hook_pattern")
-    assert len(texts) == 1 and len(caps["blocks.0.attn.hook_pattern"]) == 3
+    site = f"blocks.{tiny.adapter.pattern_layers()[0]}.attn.hook_pattern"
+    texts, caps = tiny.generate(batch, max_new_tokens=3, sites=site)
+    assert len(texts) == 1 and len(caps[site]) == 3
     _clean_state(tiny)
 
 

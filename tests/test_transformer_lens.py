@@ -37,7 +37,8 @@ from vlmbind.interop import bridge_inputs, transformer_lens_architectures, trans
 from vlmbind.tiny import TINY_NAMES
 
 BRIDGED = ("tiny-qwen2_5_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-llava_next", "tiny-qwen3_vl",
-           "tiny-qwen3_vl_moe", "tiny-idefics3", "tiny-mistral3")
+           "tiny-qwen3_vl_moe", "tiny-qwen3_5", "tiny-qwen3_5_moe",
+           "tiny-idefics3", "tiny-mistral3")
 NOT_BRIDGED = tuple(n for n in TINY_NAMES if n not in BRIDGED)
 # vlmbind sites whose TL namesake must hold the same tensor (brief: exact or <= 1e-5)
 CORE_HOOKS = ("attn.hook_z", "hook_resid_pre", "hook_resid_post", "attn.hook_pattern")
@@ -129,7 +130,11 @@ def family(request) -> dict[str, Any]:
 
 
 def _names(vlm: vb.VLM, hooks: tuple[str, ...]) -> list[str]:
-    return [f"blocks.{layer}.{hook}" for layer in range(vlm.n_layers) for hook in hooks]
+    # TL has attn.* and hook_attn_out on softmax layers only (Qwen3.5's DeltaNet layers: blocks.{l}.linear_attn.*,
+    # which tests/test_family_qwen3_5.py compares)
+    softmax = vlm.adapter.pattern_layers()
+    return [f"blocks.{layer}.{hook}" for layer in range(vlm.n_layers) for hook in hooks
+            if layer in softmax or not hook.startswith(("attn.", "hook_attn_out"))]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -380,7 +385,8 @@ _CHILD = textwrap.dedent(
     for name in TINY_NAMES:
         vlm = vb.load(name)
         batch = vlm.prepare([img, img], ["what colour is the square ?", "the red object is a"])
-        out = vlm.run(batch, sites=["blocks.0.attn.hook_z", "blocks.1.hook_resid_post", "blocks.0.attn.hook_pattern"])
+        pattern = f"blocks.{vlm.adapter.pattern_layers()[0]}.attn.hook_pattern"  # a softmax layer (hybrid models)
+        out = vlm.run(batch, sites=["blocks.0.attn.hook_z", "blocks.1.hook_resid_post", pattern])
         cap = vlm.capture(batch, "blocks.*.hook_resid_pre")
         shapes[name] = [list(out.logits.shape), list(out.cache["blocks.0.attn.hook_z"].shape), len(cap)]
     seen.update(audit=list(audit), patched=list(patched), shapes=shapes)

@@ -19,7 +19,8 @@ from .shipped import ORGANISM_NAMES, shipped_organisms
 # --- models (vlmbind.loading, vlmbind.models) ---------------------------------------------------------------------
 # the random-weight tiny models, in the order `vlmbind models` lists them (vlmbind.tiny.TINY_NAMES, from its builders)
 TINY_NAMES = ("tiny-qwen2_5_vl", "tiny-qwen2_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-molmo2",
-              "tiny-llava_next", "tiny-qwen3_vl", "tiny-qwen3_vl_moe", "tiny-idefics3", "tiny-smolvlm",
+              "tiny-llava_next", "tiny-qwen3_vl", "tiny-qwen3_vl_moe", "tiny-qwen3_5",
+              "tiny-qwen3_5_moe", "tiny-idefics3", "tiny-smolvlm",
               "tiny-mistral3", "tiny-paligemma", "tiny-internvl")
 # the tiny standalone vision encoders (vlmbind.encoders)
 ENCODER_NAMES = ("tiny-clip", "tiny-siglip", "tiny-dinov2")

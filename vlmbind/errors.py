@@ -33,6 +33,17 @@ class InterventionError(VlmbindError, ValueError):
     """An intervention whose heads, layers, positions or values do not fit the model or the batch."""
 
 
+class NoAttentionPatternError(SiteError, InterventionError):
+    """A softmax attention pattern (``attn.hook_pattern``, the ``image_attention`` ablation) asked of a layer whose
+    token mixer has none (a linear-attention layer of a hybrid model); the message lists the layers that have one."""
+
+
+class HeadLayoutError(SiteError, InterventionError):
+    """Per-head outputs (``attn.hook_z``, head interventions) asked of a layer whose heads are not the model's
+    ``n_heads x d_head`` (a linear-attention layer with its own head count); the message lists the layers that have
+    them."""
+
+
 class InputError(VlmbindError, ValueError):
     """Images or prompts that cannot be turned into a model batch."""
 

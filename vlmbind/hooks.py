@@ -11,6 +11,8 @@ itself against the model and batch, and which hook it needs:
   eager attention computes (tested against ``output_attentions`` and against eager logits) and lets an intervention
   edit the probabilities after the softmax, before they weight the values. The text model switches to it only for
   the duration of a call that needs it, so the user's choice (eager or sdpa) stands otherwise;
+* hybrid models (Qwen3.5's linear-attention layers) lack some sites on some layers
+  (``adapter.absent_sites``): a session asking for one raises its named error before any hook is registered;
 * residual stream, attention and MLP outputs, vision blocks and the projector: forward (pre-)hooks on those modules;
 * DeepStack injections (``deepstack.{i}.hook_out``): the text model adds them between layers outside any module, so
   the capture is a forward hook on the merger that computes them (its output is exactly what is added).
@@ -155,6 +157,10 @@ class HookSession:
     def __enter__(self) -> HookSession:
         for intervention in self.interventions:
             intervention.check(self.adapter)
+        absent = self.adapter.absent_sites()
+        for site in self.sites:
+            if site.name in absent:
+                raise type(absent[site.name])(f"site {site.name!r}: {absent[site.name]}")
         self._stack = contextlib.ExitStack()
         try:
             if self.needs_pattern():

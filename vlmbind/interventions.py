@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .errors import InterventionError
+from .errors import HeadLayoutError, InterventionError, NoAttentionPatternError
 
 if TYPE_CHECKING:
     from .adapters.base import ModelAdapter
@@ -77,6 +77,13 @@ class Intervention:
             raise InterventionError(
                 f"{name}: heads {bad} are out of range, layer {self.layer} has heads 0..{adapter.n_heads - 1}"
             )
+        # hybrid models: probabilities exist on softmax layers only, per-head z where the heads are the model's
+        if self.needs_pattern() and self.layer not in adapter.pattern_layers():
+            raise NoAttentionPatternError(
+                f"{name}: {adapter.layer_error(self.layer, 'softmax attention patterns', adapter.pattern_layers())}")
+        if not self.needs_pattern() and self.layer not in adapter.head_layers():
+            heads = f"{adapter.n_heads} heads of {adapter.d_head}"
+            raise HeadLayoutError(f"{name}: {adapter.layer_error(self.layer, heads, adapter.head_layers())}")
 
     def needs_pattern(self) -> bool:
         return False

@@ -94,7 +94,8 @@ class VLM:
     def sites(self, patterns: str | Sequence[str | Site]) -> list[Site]:
         """Resolve site names and ``*`` patterns against this model."""
         a = self.adapter
-        return resolve_sites(patterns, a.n_layers, a.n_vision_layers, n_deepstack=a.n_deepstack)
+        return resolve_sites(patterns, a.n_layers, a.n_vision_layers, n_deepstack=a.n_deepstack,
+                             absent=a.absent_sites())
 
     # ---- inputs ----------------------------------------------------------------------------------------------
     def prepare(

@@ -23,7 +23,8 @@ image blocks), GQA and rotary embeddings apply unchanged. Position ids that are 
 are computed once for the full sequence and sliced, never left to the model's cached ``rope_deltas``. The prefix
 must end after every image token and every bidirectional block (``adapter.bidirectional_positions``; for PaliGemma's
 prefix LM, the whole prompt); when a patch position lies at or before one, the prefix is empty and the rows run the
-whole sequence, one at a time.
+whole sequence, one at a time. So do models with recurrent layers (Qwen3.5's Gated DeltaNet,
+``adapter.recurrent_layers``): their cached state cannot be cut back to a prefix, nor shared by packed copies.
 """
 
 from __future__ import annotations
@@ -147,7 +148,11 @@ def naive_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> 
 def prefix_end(vlm: Any, batch: Any, inputs: dict[str, Any], first_patch: int) -> int:
     """Where the reusable prefix ends: the first patched position if it lies after every image token and every
     position of a bidirectional block (``adapter.bidirectional_positions``: they attend to later positions, so a
-    patch at or before the last of them changes them), else 0 (nothing reusable)."""
+    patch at or before the last of them changes them), else 0 (nothing reusable). Also 0 on a model with recurrent
+    layers (``adapter.recurrent_layers``: the cache holds their state after the whole prompt, not after the
+    prefix)."""
+    if vlm.adapter.recurrent_layers():
+        return 0
     index = batch.index[0]
     barrier = int(index.image_positions.max()) if index.image_positions.size else -1
     marked = vlm.adapter.bidirectional_positions(inputs)
@@ -277,11 +282,11 @@ def _entries(task: PatchTask, chunk_heads: list[tuple[int, int]], block_position
 def packable(vlm: Any) -> bool:
     """Whether the text model's attention takes a custom 4-D mask (sdpa and eager variants do), one per layer type
     when some layers slide (``adapter.mask_per_layer_type``: PaliGemma 2's forward would give its sliding layers
-    the full layers' mask)."""
+    the full layers' mask); never with recurrent layers, which no mask keeps the copies apart in."""
     cfg = vlm.adapter.text_config
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
     return (cfg._attn_implementation in ("sdpa", "eager", ATTENTION_IMPL)
-            and (vlm.adapter.mask_per_layer_type or not sliding))
+            and (vlm.adapter.mask_per_layer_type or not sliding) and not vlm.adapter.recurrent_layers())
 
 
 def _packed_masks(vlm: Any, cache: Any, start: int, suffix: int, blocks: int, device: Any) -> Any:

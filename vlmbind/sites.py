@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import InputError, SiteError, close_matches
@@ -69,9 +70,13 @@ class Site:
         return self.name
 
 
-def all_sites(n_layers: int, n_vision_layers: int = 0, projector: bool = True, n_deepstack: int = 0) -> list[Site]:
-    """Every site of a model with this many language-model and vision layers and DeepStack injections."""
-    sites = [Site("lm", layer, hook) for layer in range(n_layers) for hook in LM_HOOKS]
+def all_sites(n_layers: int, n_vision_layers: int = 0, projector: bool = True, n_deepstack: int = 0,
+              absent: Mapping[str, SiteError] | None = None) -> list[Site]:
+    """Every site of a model with this many language-model and vision layers and DeepStack injections, less the
+    ``absent`` ones (a hybrid model's per-layer gaps: :meth:`~vlmbind.adapters.base.ModelAdapter.absent_sites`)."""
+    absent = absent or {}
+    sites = [Site("lm", layer, hook) for layer in range(n_layers) for hook in LM_HOOKS
+             if f"blocks.{layer}.{hook}" not in absent]
     sites += [Site("vision", layer, hook) for layer in range(n_vision_layers) for hook in VISION_HOOKS]
     if projector:
         sites.append(Site("projector", None, "hook_out"))
@@ -87,21 +92,24 @@ def _no_deepstack(name: str, valid: list[str]) -> SiteError:
 
 
 def parse_site(
-    name: str, n_layers: int, n_vision_layers: int = 0, projector: bool = True, n_deepstack: int = 0
+    name: str, n_layers: int, n_vision_layers: int = 0, projector: bool = True, n_deepstack: int = 0,
+    absent: Mapping[str, SiteError] | None = None,
 ) -> Site:
     """Parse one concrete site name (no wildcard) and check it exists on the model.
 
     Raises:
         SiteError: the name does not parse, its layer is out of range, or it names a DeepStack injection of a model
-            without them; the message lists close matches.
+            without them; the message lists close matches. An ``absent`` site raises its own error (a subclass).
     """
     if not isinstance(name, str):
         raise SiteError(f"site names are strings, got {type(name).__name__} {name!r}")
-    valid = [s.name for s in all_sites(n_layers, n_vision_layers, projector, n_deepstack)]
+    valid = [s.name for s in all_sites(n_layers, n_vision_layers, projector, n_deepstack, absent)]
     if m := _LM_RE.match(name):
         layer, hook = int(m.group(1)), m.group(2)
         if layer >= n_layers:
             raise SiteError(f"site {name!r}: layer {layer} is out of range, the model has layers 0..{n_layers - 1}")
+        if absent and name in absent:
+            raise type(absent[name])(f"site {name!r}: {absent[name]}")
         return Site("lm", layer, hook)
     if m := _VISION_RE.match(name):
         layer, hook = int(m.group(1)), m.group(2)
@@ -135,6 +143,7 @@ def resolve_sites(
     n_vision_layers: int = 0,
     projector: bool = True,
     n_deepstack: int = 0,
+    absent: Mapping[str, SiteError] | None = None,
 ) -> list[Site]:
     """Expand names and ``*`` patterns into concrete sites, in model order, without duplicates.
 
@@ -146,11 +155,11 @@ def resolve_sites(
         patterns = [patterns]
     if not patterns:
         raise SiteError("no sites given: name at least one, e.g. 'blocks.*.attn.hook_z'")
-    every = all_sites(n_layers, n_vision_layers, projector, n_deepstack)
+    every = all_sites(n_layers, n_vision_layers, projector, n_deepstack, absent)
     chosen: list[Site] = []
     for pattern in patterns:
         if isinstance(pattern, Site):
-            chosen.append(parse_site(pattern.name, n_layers, n_vision_layers, projector, n_deepstack))
+            chosen.append(parse_site(pattern.name, n_layers, n_vision_layers, projector, n_deepstack, absent))
         elif isinstance(pattern, str) and "*" in pattern:
             hits = [s for s in every if fnmatch.fnmatchcase(s.name, pattern)]
             if not hits:
@@ -163,7 +172,7 @@ def resolve_sites(
                 )
             chosen.extend(hits)
         else:
-            chosen.append(parse_site(pattern, n_layers, n_vision_layers, projector, n_deepstack))
+            chosen.append(parse_site(pattern, n_layers, n_vision_layers, projector, n_deepstack, absent))
     order = {s: i for i, s in enumerate(every)}
     return sorted(set(chosen), key=lambda s: order[s])
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import SiteError, UnsupportedModelError
+from ..errors import HeadLayoutError, NoAttentionPatternError, SiteError, UnsupportedModelError
 from ..tokens import ROLE_DTYPE, ImageGrid
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
@@ -153,6 +153,45 @@ class ModelAdapter:
         """How many DeepStack injections (image features added to the image tokens' residual stream after text
         layers ``0..n-1``, outside any module) the model makes; 0 for families without DeepStack."""
         return 0
+
+    # ---- per-layer facts (hybrid families override these) ---------------------------------------------------
+    def pattern_layers(self) -> list[int]:
+        """Layers whose token mixer is softmax attention: the only ones with ``attn.hook_pattern``, vlmbind's eager
+        attention and the ``image_attention`` ablation. Every layer by default (Qwen3.5: its full-attention layers,
+        not the linear-attention ones)."""
+        return list(range(self.n_layers))
+
+    def head_layers(self) -> list[int]:
+        """Layers whose ``o_proj`` input is ``n_heads x d_head``, head by head: the only ones with ``attn.hook_z``
+        and head interventions. Every layer by default."""
+        return list(range(self.n_layers))
+
+    def recurrent_layers(self) -> list[int]:
+        """Layers that carry a recurrent state in the cache (a linear-attention layer's state after every cached
+        position, which no slice of it rewinds): the exact method reuses no prefix cache when there are any. None
+        by default."""
+        return []
+
+    def absent_sites(self) -> dict[str, SiteError]:
+        """Site name -> the error asking for it raises, for the per-layer sites this model lacks (wildcards skip
+        them); empty for every family whose layers are all alike."""
+        out: dict[str, SiteError] = {}
+        for hook, present, error, what in (
+                ("attn.hook_pattern", self.pattern_layers(), NoAttentionPatternError, "softmax attention patterns"),
+                ("attn.hook_z", self.head_layers(), HeadLayoutError, f"{self.n_heads} heads of {self.d_head}")):
+            for layer in sorted(set(range(self.n_layers)) - set(present)):
+                out[f"blocks.{layer}.{hook}"] = error(self.layer_error(layer, what, present))
+        return out
+
+    def layer_error(self, layer: int, what: str, present: list[int]) -> str:
+        """The message of a per-layer capability that layer ``layer`` lacks: its kind and the layers that have it."""
+        return (f"layer {layer} of this {self.display_name} model ({self.layer_kind(layer)}) has no {what}; layers "
+                f"{present} have them")
+
+    def layer_kind(self, layer: int) -> str:
+        """What mixes tokens in layer ``layer``: ``config.layer_types`` where the text config has it."""
+        types = getattr(self.text_config, "layer_types", None)
+        return str(types[layer]) if types else "full_attention"
 
     # ---- modules --------------------------------------------------------------------------------------------
     def layer(self, layer: int) -> nn.Module:
