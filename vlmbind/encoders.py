@@ -114,6 +114,10 @@ class _EncoderAdapter:
     def vision_block(self, layer: int) -> Any:
         return self._layers[layer]
 
+    def absent_sites(self) -> dict[str, Any]:
+        """No language-model layers, so no per-layer site is missing (the hook layer asks every adapter)."""
+        return {}
+
 
 class VisionEncoder:
     """A loaded standalone vision encoder: ``prepare`` images, ``run`` with vision sites, ``capture`` like a VLM."""
