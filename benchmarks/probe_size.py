@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         stages.append({"stage": f"fit {family}", "seconds": round(time.perf_counter() - t0, 1),
                        "steps": int(row["steps"]), "epochs": int(row["epochs"]), "converged": bool(row["converged"]),
                        "B_O": round(float(row["B_O"]), 3), "margin_O": round(float(row["margin_O"]), 3),
-                       "margin_O_se": round(float(row["margin_O_se"]), 3)})
+                       "margin_O_se": round(float(row["margin_O_se"]), 3),
+                       **({"start": row["start"]} if isinstance(row.get("start"), str) else {})})
         print(json.dumps(stages[-1]), flush=True)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     summary = {"model": vlm.name, "site": args.site, "world": world.name, "threads": args.threads,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -184,8 +185,10 @@ def test_attention_probe_routes_to_the_informative_token():
     z[:, -1] = 50.0  # a masked token that would dominate any unmasked softmax and mean
     mask = np.ones((N, t), bool)
     mask[:, -1] = False
+    # the cold start alone: its query finds the object token (the mean start keeps a broader attention; both
+    # starts pass the bound checks below, and which one validation keeps is close to a coin flip here)
     res = binding_information(z.astype(np.float32), o, None, SPLIT, entropies={"H_O": k}, family="attention",
-                              mask=mask, config=FAST)
+                              mask=mask, config=replace(FAST, attention_starts=("cold",)))
     pooled = binding_information(z[:, :-1].mean(1), o, None, SPLIT, entropies={"H_O": k}, family="quadratic",
                                  config=FAST)
     true = k * (1 - h2(p))  # 3.43 bits
@@ -197,6 +200,54 @@ def test_attention_probe_routes_to_the_informative_token():
     assert np.all(att[:, :, -1] == 0)  # a masked token gets no attention
     on_target = att[np.arange(N_TEST), :, pos[te]]  # [n_test, K]
     assert on_target.mean(0).min() > 0.6, on_target.mean(0)
+    both = binding_information(z.astype(np.float32), o, None, SPLIT, entropies={"H_O": k}, family="attention",
+                               mask=mask, config=FAST)
+    assert both.start_O in ("cold", "mean") and set(both.start_val_losses_O) == {"cold", "mean"}
+    assert both.val_loss_O == pytest.approx(min(both.start_val_losses_O.values()))
+    assert both.B_O > 0.6 * true and both.B_O > pooled.B_O + 1.0, (both.B_O, pooled.B_O)
+
+
+def test_attention_probe_at_its_start_is_the_linear_probe_on_the_tokens_mean():
+    # Query and quadratic readout at zero: uniform attention over the valid tokens, so the logits on the tokens
+    # equal those on their masked mean: the nesting the "mean" start relies on.
+    g = torch.Generator().manual_seed(0)
+    k, t, d = 5, 7, 12
+    probe = build_probe("attention", k, d)
+    with torch.no_grad():
+        probe.w_s.copy_(torch.randn(k, d, generator=g))
+        probe.bias.copy_(torch.randn(k, generator=g))
+    z = torch.randn(9, t, d, generator=g)
+    mask = torch.rand(9, t, generator=g) > 0.4
+    mask[:, 0] = True
+    z[~mask] = 1e4  # masked tokens must not count
+    o = torch.randint(0, 2, (9, k), generator=g).float()
+    mean = (z * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    on_tokens, att = probe(z, o, mask)
+    on_mean, _ = probe(mean, o)
+    assert torch.allclose(on_tokens, on_mean, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(att.sum(-1), torch.ones(9, k)) and torch.all(att[~mask[:, None, :].expand_as(att)] == 0)
+
+
+def test_attention_probe_keeps_the_mean_start_where_a_cold_start_overfits():
+    # Every token carries the code weakly (the mean pools it) and few training images: a cold start's quadratic
+    # readout memorises the training codes before its linear part learns, and lands far below the linear probe on
+    # the mean; the default starts keep the mean start and do not.
+    rng = np.random.default_rng(0)
+    k, t, d = 6, 9, 48
+    split = np.array(["train"] * 256 + ["val"] * 128 + ["test"] * 256)
+    o = rng.integers(0, 2, (len(split), k))
+    signal = ((2 * o - 1) @ rng.normal(size=(k, d))) * 0.8 / 3
+    z = (rng.normal(size=(len(split), t, d)) + signal[:, None, :]).astype(np.float32)
+    cfg = ProbeConfig(lr=1e-2, max_epochs=300, device="cpu")
+    linear = binding_information(z.mean(1), o, None, split, entropies={"H_O": k}, family="linear", config=cfg)
+    cold = binding_information(z, o, None, split, entropies={"H_O": k}, family="attention",
+                               config=replace(cfg, attention_starts=("cold",)))
+    default = binding_information(z, o, None, split, entropies={"H_O": k}, family="attention", config=cfg)
+    assert cold.B_O < linear.B_O - 1.0, (cold.B_O, linear.B_O)
+    assert default.start_O == "mean", default.start_val_losses_O
+    assert default.B_O > linear.B_O - 0.15, (default.B_O, linear.B_O)
+    assert default.start_val_losses_O["cold"] > default.start_val_losses_O["mean"]
+    assert default.steps_O > cold.steps_O  # both starts were trained, and counted
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -350,6 +401,9 @@ def test_bad_inputs_raise_named_errors():
                             mask=np.zeros((10, 2), bool))
     with pytest.raises(TrainingError):
         ProbeConfig(epochs=0)
+    for starts in ((), ("warm",), ("cold", "cold"), ["cold"]):
+        with pytest.raises(TrainingError, match="attention_starts"):
+            ProbeConfig(attention_starts=starts)
     with pytest.raises(TrainingError, match="diag_quadratic"):
         pairwise_probe(np.zeros((10, 4, 3)), np.zeros((10, 4), int), split, family="diag_quad")
 

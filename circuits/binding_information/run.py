@@ -17,6 +17,7 @@ checkpointed, so a killed run resumes. ``tables.py`` renders the README's tables
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -72,6 +73,21 @@ def pixel_baseline(examples: Any, split: np.ndarray, world: Any, patch: int, con
     return pd.DataFrame(rows)
 
 
+def merge_saved_ladder(probes: Any, where: Path, families: tuple[str, ...]) -> bool:
+    """Refit some families only: keep the saved table's rows of the other families (same sites, same images) and
+    put the new rows in their places. Returns whether saved rows were kept."""
+    saved = where / "probe.json"
+    if set(families) >= set(LADDER) or not saved.is_file():
+        return False
+    rows = json.loads(saved.read_text())["rows"]
+    if not {r["site"] for r in rows} >= set(probes.frame["site"]):
+        raise SystemExit(f"{saved} lacks some of the refitted sites; run every family there instead")
+    new = {(r["site"], r["family"]): r for r in probes.frame.to_dict(orient="records")}
+    merged = [new.pop((r["site"], r["family"]), r) if r["family"] in families else r for r in rows]
+    probes.frame = pd.DataFrame(merged + list(new.values()))
+    return True
+
+
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     vlm = vb.load(name)
     out = Path(args.out) / name
@@ -88,13 +104,21 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world)
         acts = vb.capture(vlm, examples, sites)
         where = out / f"ladder-{world.name}"
-        probes = probe_sites(acts, split, sites=sites, families=tuple(args.families.split(",")), config=config,
+        families = tuple(args.families.split(","))
+        probes = probe_sites(acts, split, sites=sites, families=families, config=config,
                              checkpoint=where / "probe.partial.json", world=world)
+        kept = merge_saved_ladder(probes, where, families)
         probes.save(where)
         (where / "probe.partial.json").unlink(missing_ok=True)
+        previous = json.loads((out / "runs.json").read_text()).get(f"ladder-{world.name}", {}) \
+            if kept and (out / "runs.json").is_file() else {}
+        refits = previous.get("refits", []) + ([{"families": list(families), "date": time.strftime("%Y-%m-%d"),
+                                                 "config": dataclasses.asdict(config)}] if kept else [])
         summary[f"ladder-{world.name}"] = {"dir": str(where.relative_to(args.out)), "world": world.name,
                                            "n": [args.n_train, args.n_val, args.n_test],
-                                           "seconds": round(time.perf_counter() - t0, 1)}
+                                           "seconds": round(time.perf_counter() - t0, 1)
+                                           + (previous.get("seconds", 0.0) if kept else 0.0),
+                                           **({"refits": refits} if refits else {})}
     if "pixels" in args.parts:
         t0 = time.perf_counter()
         examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world)

@@ -253,7 +253,7 @@ def _information_row(res: Any) -> dict[str, Any]:
             "margin_O": res.margin_O, "margin_O_se": res.margin_O_se, "finding": res.finding,
             "n_train": res.n_train, "n_val": res.n_val, "n_test": res.n_test, "epochs": res.epochs_O,
             "steps": res.steps_O, "converged": res.converged_O, "val_loss_O": res.val_loss_O,
-            "CE_O_train": res.CE_O_train}
+            "CE_O_train": res.CE_O_train, "start": res.start_O}
 
 
 def _pairwise_row(res: Any) -> dict[str, Any]:

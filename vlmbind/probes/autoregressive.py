@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -477,6 +477,48 @@ class TrainedProbe:
                 torch.cat(examples) if examples else torch.zeros(0, dtype=torch.float64))
 
 
+def _masked_means(rows: _Rows, mask: torch.Tensor | None, n: int, batch: int) -> torch.Tensor:
+    """``[n, d]``: each example's mean over its valid standardised tokens, what uniform attention pools."""
+    out = []
+    for start in range(0, n, batch):
+        idx = torch.arange(start, min(n, start + batch))
+        x = rows(idx)
+        if mask is None:
+            out.append(x.mean(1))
+        else:
+            m = mask[idx].to(x.device, x.dtype)[..., None]
+            out.append((x * m).sum(1) / m.sum(1).clamp_min(1.0))
+    return torch.cat(out)
+
+
+def _fit_mean_readout(module: AttentionProbe, train_rows: _Rows, val_rows: _Rows, mask_train: torch.Tensor | None,
+                      mask_val: torch.Tensor | None, o_train: torch.Tensor, o_val: torch.Tensor, config: ProbeConfig,
+                      generator: torch.Generator) -> FitInfo:
+    """The first phase of the attention probe's fit: its query and quadratic readout held at their start (uniform
+    attention, zero quadratic term), so it is the linear probe on the tokens' mean; trained on the mean itself."""
+    n_train, n_val = o_train.shape[0], o_val.shape[0]
+    pooled_train = _masked_means(train_rows, mask_train, n_train, config.batch_size)
+    pooled_val = _masked_means(val_rows, mask_val, n_val, config.batch_size)
+    held = [module.query, module.q_c, module.q_proj, module.u, module.scale]
+    for p in held:  # frozen, not merely zero-gradient: Adam's weight decay would still move them
+        p.requires_grad_(False)
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        idx_d = idx.to(pooled_train.device)
+        logits, _ = module(pooled_train[idx_d], o_train[idx_d])
+        return nnf.binary_cross_entropy_with_logits(logits, o_train[idx_d], reduction="sum") / (len(idx) * LN2)
+
+    def val_loss() -> float:
+        logits, _ = module(pooled_val, o_val)
+        return float(nnf.binary_cross_entropy_with_logits(logits, o_val, reduction="sum")) / (n_val * LN2)
+
+    try:
+        return fit(module, batch_loss, val_loss, n_train, config, generator)
+    finally:
+        for p in held:
+            p.requires_grad_(True)
+
+
 def prior_log_odds(p: torch.Tensor, n: int) -> torch.Tensor:
     """The log-odds of each bit's training frequency ``p`` over ``n`` examples, kept finite by add-half smoothing
     (a bit that is always 1 gets ``log((n + 0.5) / 0.5)``, not infinity)."""
@@ -555,6 +597,28 @@ def fit_autoregressive(family: str, z_train: ArrayLike, o_train: ArrayLike, z_va
             total += float(nnf.binary_cross_entropy_with_logits(logits, ov_d[idx], reduction="sum"))
         return total / (zv.shape[0] * LN2)
 
-    info = fit(module, batch_loss, val_loss, zt.shape[0], config, torch.Generator().manual_seed(config.seed + 1))
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    if family != "attention":
+        info = fit(module, batch_loss, val_loss, zt.shape[0], config, generator)
+    else:
+        initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        tried: dict[str, tuple[FitInfo, dict[str, torch.Tensor]]] = {}
+        for start in config.attention_starts:
+            module.load_state_dict(initial)
+            readout = (_fit_mean_readout(module, train_rows, val_rows, mt, mv, ot_d, ov_d, config, generator)
+                       if start == "mean" else None)
+            run = fit(module, batch_loss, val_loss, zt.shape[0], config, generator)
+            if readout is not None:
+                run = replace(run, epochs_run=readout.epochs_run + run.epochs_run, steps=readout.steps + run.steps,
+                              best_epoch=readout.epochs_run + run.best_epoch if run.best_epoch else readout.best_epoch,
+                              seconds=readout.seconds + run.seconds)
+            tried[start] = (run, {k: v.detach().clone() for k, v in module.state_dict().items()})
+        kept = min(tried, key=lambda k: tried[k][0].best_val_loss)  # ties keep the first start listed
+        best, state = tried[kept]
+        module.load_state_dict(state)
+        info = replace(best, start=kept, start_val_losses={k: v[0].best_val_loss for k, v in tried.items()},
+                       epochs_run=sum(v[0].epochs_run for v in tried.values()),
+                       steps=sum(v[0].steps for v in tried.values()),
+                       seconds=sum(v[0].seconds for v in tried.values()))
     return TrainedProbe(family=family, module=module, mean=mean, std=std, config=config, fit_info=info,
                         spatial=zt.dim() == 3)

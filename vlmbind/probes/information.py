@@ -131,6 +131,8 @@ class ProbeResult:
         attention: for the attention family, ``[n_test, K, T]`` attention weights of the object probe on the test
             split (teacher-forced); ``test_index`` maps its rows back to the input rows.
         config: the recipe as a dict.
+        start_O, start_val_losses_O: for the attention family, the object probe's start that was kept and the
+            validation loss (bits) of every start tried (``ProbeConfig.attention_starts``); ``None`` otherwise.
     """
 
     family: str
@@ -168,6 +170,8 @@ class ProbeResult:
     margin_O_se: float = float("nan")
     finding: str = ""
     CE_O_train: float = float("nan")
+    start_O: str | None = None
+    start_val_losses_O: dict[str, float] | None = None
 
     def to_dict(self, include_attention: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (the attention tensor, large, only when asked; its shape always)."""
@@ -316,7 +320,8 @@ def binding_information(Z: ArrayLike, O: ArrayLike, F: ArrayLike | None, split: 
         converged_O=probes["O"].fit_info.converged,
         converged_F=probes["F"].fit_info.converged if "F" in probes else None,
         CE_O_prior=float(prior_bits.mean()), B_O_prior=h.H_O - float(prior_bits.mean()), margin_O=margin,
-        margin_O_se=margin_se, finding=finding(est["B_O"], margin, margin_se), CE_O_train=ce["O_train"])
+        margin_O_se=margin_se, finding=finding(est["B_O"], margin, margin_se), CE_O_train=ce["O_train"],
+        start_O=probes["O"].fit_info.start, start_val_losses_O=probes["O"].fit_info.start_val_losses)
     return (result, probes) if return_probes else result
 
 

@@ -29,6 +29,7 @@ import torch
 from ..errors import TrainingError
 
 LN2 = math.log(2.0)
+ATTENTION_STARTS = ("cold", "mean")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,14 @@ class ProbeConfig:
         query_rank: rank of the map from the conditioning code o_<k to the attention probe's query.
         standardize: z-score every representation dimension with training-split statistics (an invertible affine
             map, so it changes no information; it only makes one learning rate fit every site's scale).
+        attention_starts: where the attention probe's fit starts; with more than one, each is trained and the one
+            with the lower validation loss is kept. ``cold``: its initialisation (query and quadratic readout at
+            zero). ``mean``: first only its readout of the tokens' mean (uniform attention, no quadratic term: the
+            linear probe on the mean pool, which the family nests), then every parameter from there. Each wins
+            somewhere: on a few thousand images a cold start's quadratic readout memorises the training codes
+            within a few dozen epochs, before the linear part has learnt, and its bound falls far below the pooled
+            linear probe's; where one token holds the answer, the cold start's query finds it and the mean start's
+            readout, fitted to the diluted mean, keeps the attention broad.
         device: ``"cpu"``, ``"cuda"``, ... or ``None`` for CUDA when available, else CPU.
     """
 
@@ -74,6 +83,7 @@ class ProbeConfig:
     dnn_layers: int = 4
     query_rank: int = 16
     standardize: bool = True
+    attention_starts: tuple[str, ...] = ("cold", "mean")
     device: str | None = None
 
     def __post_init__(self) -> None:
@@ -98,6 +108,11 @@ class ProbeConfig:
         if any(not 0 < m < 1 for m in self.lr_milestones):
             raise TrainingError(f"ProbeConfig.lr_milestones are fractions of the run in (0, 1), got "
                                 f"{self.lr_milestones!r}")
+        if (not isinstance(self.attention_starts, tuple) or not self.attention_starts
+                or any(x not in ATTENTION_STARTS for x in self.attention_starts)
+                or len(set(self.attention_starts)) != len(self.attention_starts)):
+            raise TrainingError(f"ProbeConfig.attention_starts must be a tuple of distinct starts from "
+                                f"{ATTENTION_STARTS}, got {self.attention_starts!r}")
         if not isinstance(self.seed, int):
             raise TrainingError(f"ProbeConfig.seed must be an int, got {self.seed!r}")
 
@@ -123,6 +138,10 @@ class FitInfo:
         steps: optimiser steps taken.
         converged: training stopped because the validation loss stopped improving (not at the epoch limit).
         final_lr: the learning rate at the end.
+        start: the attention probe's start that was kept (``ProbeConfig.attention_starts``); ``None`` for the
+            other families.
+        start_val_losses: the best validation loss of every start tried (attention probe only). With more than one
+            start, ``epochs_run``, ``steps`` and ``seconds`` count all of them; ``best_epoch`` is the kept one's.
     """
 
     epochs_run: int
@@ -132,6 +151,8 @@ class FitInfo:
     steps: int = 0
     converged: bool = False
     final_lr: float = 0.0
+    start: str | None = None
+    start_val_losses: dict[str, float] | None = None
 
 
 def fit(module: torch.nn.Module, batch_loss: Callable[[torch.Tensor], torch.Tensor], val_loss: Callable[[], float],
