@@ -26,7 +26,14 @@ import vlmbind as vb
 from vlmbind.adapters import adapter_class_for_config
 from vlmbind.analysis.mediation import scene_task
 from vlmbind.errors import HeadLayoutError, InputError, InterventionError, NoAttentionPatternError, SiteError
-from vlmbind.patching import exact_diffs, naive_diffs, packable, prefix_end
+from vlmbind.patching import (
+    attribution_diffs,
+    exact_diffs,
+    integrated_gradients_diffs,
+    naive_diffs,
+    packable,
+    prefix_end,
+)
 from vlmbind.sites import resolve_sites
 from vlmbind.tiny.qwen3_5 import build_qwen3_5
 
@@ -181,6 +188,15 @@ def test_deltanet_heads_unlike_the_attention_heads_are_refused_by_name():
         vb.AblateHeads(layer=2, heads=[0]).check(a)
     hits = resolve_sites("blocks.*.attn.hook_z", a.n_layers, a.n_vision_layers, absent=absent)
     assert [s.layer for s in hits] == list(FULL)
+    # every locate method, gradient ones included, refuses those layers' heads even given values of the right shape
+    odd = vb.VLM(model, processor, "odd-deltanet", "test")
+    pair = vb.stimuli.scene_pairs(1, "id_selection", 0, n_objects=3)[0]
+    task = scene_task(odd, pair, list(FULL))
+    task = replace(task, values={**task.values, 0: torch.zeros_like(task.values[FULL[0]])})
+    for method in (naive_diffs, exact_diffs, attribution_diffs, integrated_gradients_diffs):
+        with pytest.raises(HeadLayoutError, match=r"cannot patch heads of layer 0: .*layers \[1, 3\]"):
+            method(odd, task, [(0, 1), (1, 0)])
+    assert np.isfinite(attribution_diffs(odd, task, [(1, 0)])[1]).all()
 
 
 def test_the_moe_variant_runs_the_same_declarations():

@@ -90,12 +90,20 @@ class PatchTask:
 
 def check_task(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> None:
     """Raise :class:`InputError` unless ``task`` and ``heads`` fit ``vlm``: heads in range, positions inside the
-    prompt, a score position inside it, and ``n H D`` values for every patched layer."""
+    prompt, a score position inside it, and ``n H D`` values for every patched layer. A head of a layer whose
+    ``o_proj`` input is not laid out head by head (:meth:`~vlmbind.adapters.base.ModelAdapter.head_layers`) raises
+    that layer's :class:`~vlmbind.errors.HeadLayoutError`, whichever method runs: the gradient methods hook
+    ``o_proj`` directly, so without this check hand-made values of the right shape would pass."""
     seq = task.batch.seq_len
     n_heads, d_head = vlm.n_heads, vlm.adapter.d_head
     bad = [(l, h) for l, h in heads if not (0 <= l < vlm.n_layers and 0 <= h < n_heads)]
     if bad:
         raise InputError(f"heads {bad[:5]} are outside the model's {vlm.n_layers} layers x {n_heads} heads")
+    absent = vlm.adapter.absent_sites()
+    for layer in sorted({l for l, _ in heads}):
+        error = absent.get(f"blocks.{layer}.attn.hook_z")
+        if error is not None:
+            raise type(error)(f"cannot patch heads of layer {layer}: {error}")
     if task.positions.min() < 0 or task.positions.max() >= seq or not 0 <= task.score_position < seq:
         raise InputError(f"patch positions {task.positions.tolist()} and score position {task.score_position} must "
                          f"lie inside the prompt of {seq} tokens")
