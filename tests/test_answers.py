@@ -116,3 +116,35 @@ def test_generated_text_keeps_qwen_pointing_markers():
     assert decode_generated(tok, ids) == text
     assert tok.decode(ids, skip_special_tokens=True) != text  # the plain decode loses the box: the test is not vacuous
 
+
+
+def test_internvl_grounding_boxes_are_read_as_their_centres():
+    # InternVL answers a grounding request with <ref>label</ref><box>[[x0, y0, x1, y1], ...]</box>, per-mille
+    text = ("There are two: <ref>red circle</ref><box>[[100, 200, 300, 400]]</box> and "
+            "<ref>blue star</ref><box>[[500, 500, 700, 900], [0,0,10,20]]</box>.")
+    spans = pointing_spans(text)
+    assert [s.format for s in spans] == ["internvl", "internvl"]
+    assert [s.points for s in spans] == [[(200, 300)], [(600, 700), (5, 10)]]
+    for span in spans:  # each box's own characters, for tracking a point's generation step
+        assert [text[a:b] for a, b in span.parts] == [t for t in
+                                                     ("[100, 200, 300, 400]", "[500, 500, 700, 900]", "[0,0,10,20]")
+                                                     if t in text[span.start:span.end]]
+    assert read_scene(text) == "red circle" and read_count(text) == 2
+    assert "<ref>" not in strip_points(text) and "[[" not in strip_points(text)
+    # its frame is part of the format: per-mille of the image, on every family
+    canvas = Canvas(image_size=200, grid=4)
+    got = to_canvas(pointing_spans("<box>[[600, 350, 650, 400]]</box>"), frames_for({}), canvas)
+    np.testing.assert_allclose(got, [(2.0, 1.0)], atol=1e-9)
+    # incomplete boxes are skipped, never raised on
+    assert pointing_spans("<box>[[1, 2, 3]]</box>")[0].points == []
+    assert pointing_spans("<box>[[1, 2, 3, 4]]") == [] and pointing_spans("<box>" * 2000 + "[[") == []
+
+
+def test_generated_text_keeps_internvl_grounding_markers():
+    from vlmbind.tiny.common import build_tokenizer
+
+    tok = build_tokenizer(["<|im_end|>", "<ref>", "</ref>", "<box>", "</box>"], eos_token="<|im_end|>")
+    text = "<ref>red circle</ref><box>[[100, 200, 300, 400]]</box>"
+    ids = tok(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert decode_generated(tok, ids) == text
+    assert "<box>" not in tok.decode(ids, skip_special_tokens=True)  # the plain decode loses them: not vacuous

@@ -194,3 +194,17 @@ def test_a_capability_note_must_say_why():
     with pytest.raises(ValueError, match="not a column"):
         capability_cells(Misnamed)
     assert capability_cells(Qwen2VLAdapter)["TransformerLens"].startswith("no: ")
+
+
+def test_documented_chat_templates_are_what_the_tiny_models_render():
+    """docs/real_checkpoints.md shows, under a `<!-- template: NAME -->` marker, the chat prompt each tiny family
+    renders; rendered again here, so a template change cannot leave the page behind."""
+    from conftest import get_tiny
+
+    text = (ROOT / "docs" / "real_checkpoints.md").read_text()
+    shown = re.findall(r"<!-- template: (\S+) -->\n```\n(.*?)\n```", text, re.S)
+    assert len(shown) >= 6, "the page has lost its template markers"
+    prompt = "in this image there is a red square , a blue circle and a"
+    for name, block in shown:
+        rendered = get_tiny(name).prompt_text(prompt, 1, chat=True)
+        assert block == rendered.rstrip("\n"), name

@@ -151,9 +151,10 @@ class TokenIndex:
         return np.flatnonzero(hit)
 
 
-# special tokens that belong to an answer's text: Qwen's grounding markers (a box means nothing without them)
+# special tokens that belong to an answer's text: Qwen's and InternVL's grounding markers (a box means nothing
+# without them)
 POINTING_TOKENS = ("<|box_start|>", "<|box_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|quad_start|>",
-                   "<|quad_end|>")
+                   "<|quad_end|>", "<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>")
 
 
 def hidden_ids(tokenizer) -> frozenset[int]:

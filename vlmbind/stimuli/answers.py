@@ -7,7 +7,7 @@ such text apart with fixed, documented rules (never raising):
 * words are compared lower-cased, with punctuation, markdown emphasis and the articles *a*, *an*, *the* dropped,
   ``grey`` read as ``gray`` and a plural shape (``circles``, ``crosses``) as its singular;
 * every point-bearing span (:func:`~vlmbind.stimuli.points.pointing_spans`: tuples, Qwen2.5-VL JSON, Qwen2-VL boxes,
-  Molmo and Molmo2 tags) is cut out before a count or a yes / no is read, so a coordinate or a label such as
+  Molmo and Molmo2 tags, InternVL boxes) is cut out before a count or a yes / no is read, so a coordinate or a label such as
   ``"circle 2"`` is never taken for the answer;
 * :func:`read_scene`: the first colour word directly followed by a shape word;
 * :func:`read_query`: the first word of the expected answer's kind (a colour, a shape or a letter);
@@ -17,10 +17,10 @@ such text apart with fixed, documented rules (never raising):
 * :func:`read_yes_no`: the first standalone *yes* or *no*.
 
 Points are converted from their format's frame into stimulus canvas cells (x = column, y = row, cell centres at
-integers) through the original image's pixels (see :data:`FRAMES`). Three formats say their frame themselves
-(Qwen2-VL boxes and Molmo2 tags are per-mille of the image, Molmo tags percent); plain ``(x, y)`` tuples are canvas
-cells only for a model trained on vlmbind's Point-to-Answer format, and JSON points are in the pixels of the image the
-processor resized (Qwen2.5-VL); a model family declares the frames it writes, and a frame nobody declared is
+integers) through the original image's pixels (see :data:`FRAMES`). Four formats say their frame themselves
+(Qwen2-VL boxes, Molmo2 tags and InternVL boxes are per-mille of the image, Molmo tags percent); plain ``(x, y)``
+tuples are canvas cells only for a model trained on vlmbind's Point-to-Answer format, and JSON points are in the
+pixels of the image the processor resized (Qwen2.5-VL); a model family declares the frames it writes, and a frame nobody declared is
 ``None``: :func:`to_canvas` then refuses with :class:`UnknownFrameError` instead of returning a number.
 """
 
@@ -49,7 +49,7 @@ NUMBER_WORDS.update({"none": 0, "single": 1})
 SPELLINGS = {"grey": "gray"}
 
 # formats whose frame is part of the format, whatever model wrote them
-SELF_DESCRIBING = {"box": "permille", "molmo": "percent", "molmo2": "permille"}
+SELF_DESCRIBING = {"box": "permille", "molmo": "percent", "molmo2": "permille", "internvl": "permille"}
 
 _WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?")
 _TOTAL = re.compile(
@@ -90,7 +90,7 @@ def strip_points(text: str) -> str:
         cursor = span.end
     pieces.append(text[cursor:])
     out = " ".join(pieces)
-    out = re.sub(r"<\|object_ref_(?:start|end)\|>|```(?:json)?", " ", out)
+    out = re.sub(r"<\|object_ref_(?:start|end)\|>|</?ref>|```(?:json)?", " ", out)
     return out
 
 
