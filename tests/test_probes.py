@@ -247,6 +247,8 @@ def test_attention_probe_keeps_the_mean_start_where_a_cold_start_overfits():
     assert default.start_O == "mean", default.start_val_losses_O
     assert default.B_O > linear.B_O - 0.15, (default.B_O, linear.B_O)
     assert default.start_val_losses_O["cold"] > default.start_val_losses_O["mean"]
+    # the mean start trains as well as the pooled linear probe does
+    assert default.start_val_losses_O["mean"] < linear.val_loss_O + 0.05
     assert default.steps_O > cold.steps_O  # both starts were trained, and counted
 
 

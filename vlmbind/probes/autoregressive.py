@@ -495,10 +495,19 @@ def _fit_mean_readout(module: AttentionProbe, train_rows: _Rows, val_rows: _Rows
                       mask_val: torch.Tensor | None, o_train: torch.Tensor, o_val: torch.Tensor, config: ProbeConfig,
                       generator: torch.Generator) -> FitInfo:
     """The first phase of the attention probe's fit: its query and quadratic readout held at their start (uniform
-    attention, zero quadratic term), so it is the linear probe on the tokens' mean; trained on the mean itself."""
+    attention, zero quadratic term), so it is the linear probe on the tokens' mean; trained on the mean itself.
+
+    The mean is standardised with its own training statistics while it trains, as the linear probe's input is (the
+    mean of token-standardised tokens has a far smaller spread, which at one learning rate would take many times
+    the steps), and the readout is then rewritten exactly into the token-standardised units phase two uses.
+    """
     n_train, n_val = o_train.shape[0], o_val.shape[0]
     pooled_train = _masked_means(train_rows, mask_train, n_train, config.batch_size)
     pooled_val = _masked_means(val_rows, mask_val, n_val, config.batch_size)
+    centre = pooled_train.mean(0)
+    spread = pooled_train.std(0, unbiased=False)
+    spread = torch.where(spread > 1e-8 * (1.0 + centre.abs()), spread, torch.ones_like(spread))
+    pooled_train, pooled_val = (pooled_train - centre) / spread, (pooled_val - centre) / spread
     held = [module.query, module.q_c, module.q_proj, module.u, module.scale]
     for p in held:  # frozen, not merely zero-gradient: Adam's weight decay would still move them
         p.requires_grad_(False)
@@ -513,10 +522,14 @@ def _fit_mean_readout(module: AttentionProbe, train_rows: _Rows, val_rows: _Rows
         return float(nnf.binary_cross_entropy_with_logits(logits, o_val, reduction="sum")) / (n_val * LN2)
 
     try:
-        return fit(module, batch_loss, val_loss, n_train, config, generator)
+        info = fit(module, batch_loss, val_loss, n_train, config, generator)
     finally:
         for p in held:
             p.requires_grad_(True)
+    with torch.no_grad():  # w . (m - c) / s + b  ==  (w / s) . m + (b - w . c / s)
+        module.bias -= (module.w_s * centre / spread).sum(-1)
+        module.w_s /= spread
+    return info
 
 
 def prior_log_odds(p: torch.Tensor, n: int) -> torch.Tensor:
