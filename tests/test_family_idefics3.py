@@ -18,20 +18,21 @@ before the text.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
-from PIL import ImageDraw
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny
+from family_checks import (
+    check_chat_grids,
+    check_exact_equals_naive,
+    check_tokens_per_frame_must_agree,
+    painted_cell_changes,
+)
 
 import vlmbind as vb
 from vlmbind.adapters import adapter_class_for_config
 from vlmbind.adapters.idefics3 import Idefics3Adapter, SmolVLMAdapter
-from vlmbind.analysis.mediation import scene_task
 from vlmbind.errors import UnsupportedModelError
-from vlmbind.patching import exact_diffs, naive_diffs
 
 NAMES = ("tiny-idefics3", "tiny-smolvlm")
 TILES = {(224, 224): (2, 2), (448, 224): (1, 2), (224, 448): (2, 1), (320, 224): (2, 2)}
@@ -150,23 +151,11 @@ def test_an_unsplit_image_is_only_the_global_image(idefics3):
 
 
 def test_chat_prompt_has_the_same_grids(vlm):
-    plain = vlm.prepare(draw_scene(0), PROMPT).index[0]
-    chat = vlm.prepare(draw_scene(0), PROMPT, chat=True).index[0]
-    assert [(g.name, g.shape) for g in chat.grids] == [(g.name, g.shape) for g in plain.grids]
-    text = vlm.adapter.tokenizer.decode(chat.input_ids)
-    assert text.startswith("<|im_start|>User:<fake_token_around_image>") and text.endswith("Assistant:")
-    offset = int(chat.grid("global").positions[0, 0] - plain.grid("global").positions[0, 0])
-    np.testing.assert_array_equal(chat.image_positions, plain.image_positions + offset)
+    check_chat_grids(vlm, "global", "<|im_start|>User:<fake_token_around_image>", "Assistant:")
 
 
 def test_processor_and_model_must_agree_on_tokens_per_frame(idefics3):
-    before = idefics3.processor.image_seq_len
-    idefics3.processor.image_seq_len = 9
-    try:
-        with pytest.raises(UnsupportedModelError, match="image_seq_len"):
-            idefics3.prepare(draw_scene(0), PROMPT)
-    finally:
-        idefics3.processor.image_seq_len = before
+    check_tokens_per_frame_must_agree(idefics3, "image_seq_len")
 
 
 # ---- what the language model receives -----------------------------------------------------------------------------
@@ -228,26 +217,11 @@ def test_painting_a_cell_changes_only_the_tokens_covering_it(name, size, grid, c
     """With the tower's attention silenced each token's features see only its own ``s x s`` patches, so painting the
     middle of a cell's box (30% margins: the Lanczos resizes reach a few pixels past a box edge) changes exactly the
     positions ``positions_covering`` returns: the tile tokens under the paint and the global token above them."""
-    vlm = get_tiny(name)
-    image = draw_scene(3, size)
-    clean = vlm.prepare(image, PROMPT)
-    ti = clean.index[0]
-    x0, y0, x1, y1 = ti.grid(grid).boxes[cell]
-    mx, my = 0.3 * (x1 - x0), 0.3 * (y1 - y0)
-    box = (x0 + mx, y0 + my, x1 - mx, y1 - my)
-    painted = image.copy()
-    ImageDraw.Draw(painted).rectangle(
-        [int(np.ceil(box[0])), int(np.ceil(box[1])), int(np.floor(box[2])) - 1, int(np.floor(box[3])) - 1],
-        fill=(255, 0, 255),
-    )
-    with silenced_vision_attention(vlm):
-        before, after = (vlm.capture(b, "blocks.0.hook_resid_pre")["blocks.0.hook_resid_pre"][0]
-                         for b in (clean, vlm.prepare(painted, PROMPT)))
-    changed = np.flatnonzero((before - after).abs().amax(-1).numpy() > 1e-6)
-    expected = ti.positions_covering(box)
-    assert {ti.cell(int(p))[0] == "global" for p in expected} == {True, False}  # tile and global tokens alike
+    p = painted_cell_changes(get_tiny(name), draw_scene(3, size), grid, cell)
+    ti, expected = p.index, p.expected
+    assert {ti.cell(int(q))[0] == "global" for q in expected} == {True, False}  # tile and global tokens alike
     assert int(ti.grid(grid).positions[cell]) in expected
-    np.testing.assert_array_equal(changed, expected)
+    np.testing.assert_array_equal(p.changed, expected)
 
 
 # ---- interventions ------------------------------------------------------------------------------------------------
@@ -264,34 +238,17 @@ def test_identity_interventions_at_image_and_separator_tokens_are_exact(idefics3
     torch.testing.assert_close(idefics3.logits(batch, [patch, zero_alpha]), clean, atol=0, rtol=0)
 
 
-def _pushed(task, seed: int = 0):
-    """The task with its counterfactual z pushed far from the clean one, so head effects are well above float error."""
-    gen = torch.Generator().manual_seed(seed)
-    return replace(task, values={l: v + 30.0 * v.std() * torch.randn(v.shape, generator=gen)
-                                 for l, v in task.values.items()})
-
-
 @pytest.mark.parametrize(("name", "condition"), [
     ("tiny-idefics3", "id_selection"),  # the last token
     ("tiny-smolvlm", "id_retrieval"),  # a mid-prompt span: an earlier object's name
 ])
 def test_exact_equals_naive_across_layouts(name, condition):
-    vlm = get_tiny(name)
-    pair = vb.stimuli.scene_pairs(1, condition, 0, n_objects=3)[0]
-    task = _pushed(scene_task(vlm, pair, range(vlm.n_layers)))
+    task = check_exact_equals_naive(get_tiny(name), condition)
     if condition == "id_selection":
         assert task.positions.tolist() == [task.score_position]
     else:
         assert task.positions.max() < task.score_position - 1
     assert task.positions.min() > task.batch.index[0].image_positions.max()
-    heads = [(0, 1), (1, 2), (2, 0), (3, 3)]
-    clean, naive = naive_diffs(vlm, task, heads)
-    effects = naive - clean
-    assert np.abs(effects).max() > 2e-3, "effects too small for the comparison to mean anything"
-    for kwargs in ({}, {"layout": "packed", "max_tokens": 5}, {"layout": "batched", "max_rows": 3}):
-        c, exact = exact_diffs(vlm, task, heads, **kwargs)
-        assert c == pytest.approx(clean, abs=1e-5)
-        np.testing.assert_allclose(exact - c, effects, atol=1e-4 * np.ptp(effects) + 1e-6, err_msg=str(kwargs))
 
 
 # ---- nnsight and TransformerLens ----------------------------------------------------------------------------------

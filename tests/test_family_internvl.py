@@ -26,21 +26,23 @@ the prompt's text (no BOS): ``<img>`` at 0, frame ``f`` at ``1 + 16 f``, ``</img
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
-from PIL import ImageDraw
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny
+from family_checks import (
+    check_chat_grids,
+    check_exact_equals_naive,
+    check_prepare_refused,
+    check_tokens_per_frame_must_agree,
+    painted_cell_changes,
+)
 
 import vlmbind as vb
 from vlmbind.adapters import adapter_class_for_config
 from vlmbind.adapters.base import ModelAdapter
 from vlmbind.adapters.internvl import InternVLAdapter
-from vlmbind.analysis.mediation import scene_task
 from vlmbind.errors import UnsupportedModelError
-from vlmbind.patching import exact_diffs, naive_diffs
 
 NAME = "tiny-internvl"
 # (W, H) -> (cols, rows) of tiles
@@ -151,24 +153,12 @@ def test_an_image_of_one_tile_is_only_the_thumbnail(vlm):
 
 
 def test_chat_prompt_has_the_same_grids(vlm):
-    plain = vlm.prepare(draw_scene(0), PROMPT).index[0]
-    chat = vlm.prepare(draw_scene(0), PROMPT, chat=True).index[0]
-    assert [(g.name, g.shape) for g in chat.grids] == [(g.name, g.shape) for g in plain.grids]
-    text = vlm.adapter.tokenizer.decode(chat.input_ids)
-    assert text.startswith("<|im_start|>user\n<img><IMG_CONTEXT>") and text.endswith("<|im_start|>assistant\n")
-    offset = int(chat.grid("thumbnail").positions[0, 0] - plain.grid("thumbnail").positions[0, 0])
-    np.testing.assert_array_equal(chat.image_positions, plain.image_positions + offset)
+    check_chat_grids(vlm, "thumbnail", "<|im_start|>user\n<img><IMG_CONTEXT>", "<|im_start|>assistant\n")
 
 
 # ---- refusals -----------------------------------------------------------------------------------------------------
 def test_processor_and_model_must_agree_on_tokens_per_frame(vlm):
-    before = vlm.processor.image_seq_length
-    vlm.processor.image_seq_length = 9
-    try:
-        with pytest.raises(UnsupportedModelError, match="image_seq_length"):
-            vlm.prepare(draw_scene(0), PROMPT)
-    finally:
-        vlm.processor.image_seq_length = before
+    check_tokens_per_frame_must_agree(vlm, "image_seq_length")
 
 
 def test_tiles_the_image_processor_would_not_cut_are_refused(vlm):
@@ -183,13 +173,9 @@ def test_tiles_the_image_processor_would_not_cut_are_refused(vlm):
 
 
 def test_a_strategy_that_keeps_the_cls_feature_is_refused(vlm):
-    cfg = vlm.model.config
-    cfg.vision_feature_select_strategy = "full"
-    try:
-        with pytest.raises(UnsupportedModelError, match="vision_feature_select_strategy='full'"):
-            vlm.prepare(draw_scene(0), PROMPT)
-    finally:
-        cfg.vision_feature_select_strategy = "default"
+    assert vlm.model.config.vision_feature_select_strategy == "default"
+    check_prepare_refused(vlm, vlm.model.config, "vision_feature_select_strategy", "full",
+                          "vision_feature_select_strategy='full'")
 
 
 # ---- what the language model receives -----------------------------------------------------------------------------
@@ -238,25 +224,11 @@ def test_painting_a_cell_changes_only_the_tokens_covering_it(vlm, size, grid, ce
     """With the tower's attention silenced each token's features see only its own 2x2 patches, so painting the middle
     of a cell's box (30% margins: the bicubic resizes reach a few pixels past a box edge) changes exactly the
     positions ``positions_covering`` returns: the tile tokens under the paint and the thumbnail token above them."""
-    image = draw_scene(3, size)
-    clean = vlm.prepare(image, PROMPT)
-    ti = clean.index[0]
-    x0, y0, x1, y1 = ti.grid(grid).boxes[cell]
-    mx, my = 0.3 * (x1 - x0), 0.3 * (y1 - y0)
-    box = (x0 + mx, y0 + my, x1 - mx, y1 - my)
-    painted = image.copy()
-    ImageDraw.Draw(painted).rectangle(
-        [int(np.ceil(box[0])), int(np.ceil(box[1])), int(np.floor(box[2])) - 1, int(np.floor(box[3])) - 1],
-        fill=(255, 0, 255),
-    )
-    with silenced_vision_attention(vlm):
-        before, after = (vlm.capture(b, "blocks.0.hook_resid_pre")["blocks.0.hook_resid_pre"][0]
-                         for b in (clean, vlm.prepare(painted, PROMPT)))
-    changed = np.flatnonzero((before - after).abs().amax(-1).numpy() > 1e-6)
-    expected = ti.positions_covering(box)
-    assert {ti.cell(int(p))[0] == "thumbnail" for p in expected} == {True, False}  # tile and thumbnail tokens alike
+    p = painted_cell_changes(vlm, draw_scene(3, size), grid, cell)
+    ti, expected = p.index, p.expected
+    assert {ti.cell(int(q))[0] == "thumbnail" for q in expected} == {True, False}  # tile and thumbnail tokens alike
     assert int(ti.grid(grid).positions[cell]) in expected
-    np.testing.assert_array_equal(changed, expected)
+    np.testing.assert_array_equal(p.changed, expected)
 
 
 # ---- interventions ------------------------------------------------------------------------------------------------
@@ -273,34 +245,18 @@ def test_identity_interventions_at_image_and_block_tokens_are_exact(vlm):
     torch.testing.assert_close(vlm.logits(batch, [patch, zero_alpha]), clean, atol=0, rtol=0)
 
 
-def _pushed(task, seed: int = 0):
-    """The task with its counterfactual z pushed far from the clean one, so head effects are well above float error."""
-    gen = torch.Generator().manual_seed(seed)
-    return replace(task, values={l: v + 30.0 * v.std() * torch.randn(v.shape, generator=gen)
-                                 for l, v in task.values.items()})
-
-
 @pytest.mark.parametrize("condition", [
     "id_selection",  # the last token
     "id_retrieval",  # a mid-prompt span: an earlier object's name
 ])
 def test_exact_equals_naive_on_the_tiled_layout(vlm, condition):
-    pair = vb.stimuli.scene_pairs(1, condition, 0, n_objects=3)[0]
-    task = _pushed(scene_task(vlm, pair, range(vlm.n_layers)))
+    task = check_exact_equals_naive(vlm, condition)
     if condition == "id_selection":
         assert task.positions.tolist() == [task.score_position]
     else:
         assert task.positions.max() < task.score_position - 1
     ti = task.batch.index[0]
     assert len(ti.grids) > 2 and task.positions.min() > ti.image_positions.max()  # tiles and a thumbnail before
-    heads = [(0, 1), (1, 2), (2, 0), (3, 3)]
-    clean, naive = naive_diffs(vlm, task, heads)
-    effects = naive - clean
-    assert np.abs(effects).max() > 2e-3, "effects too small for the comparison to mean anything"
-    for kwargs in ({}, {"layout": "packed", "max_tokens": 5}, {"layout": "batched", "max_rows": 3}):
-        c, exact = exact_diffs(vlm, task, heads, **kwargs)
-        assert c == pytest.approx(clean, abs=1e-5)
-        np.testing.assert_allclose(exact - c, effects, atol=1e-4 * np.ptp(effects) + 1e-6, err_msg=str(kwargs))
 
 
 # ---- nnsight ------------------------------------------------------------------------------------------------------

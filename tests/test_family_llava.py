@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny
+from family_checks import assert_painting_is_local, check_prepare_refused
 from PIL import Image, ImageDraw
 
 import vlmbind as vb
@@ -39,10 +40,6 @@ def onevision() -> vb.VLM:
 
 def _image(size: tuple[int, int], seed: int = 0) -> Image.Image:
     return draw_scene(seed, size)
-
-
-def _resid_pre(vlm: vb.VLM, batch: vb.Batch) -> torch.Tensor:
-    return vlm.capture(batch, "blocks.0.hook_resid_pre")["blocks.0.hook_resid_pre"][0]
 
 
 # ---- LLaVA-1.5 ----------------------------------------------------------------------------------------------------
@@ -226,14 +223,8 @@ def test_onevision_multi_image_mode_pads_to_square_and_skips_tiles(onevision):
 
 
 def test_onevision_processor_and_config_pinpoints_must_agree(onevision):
-    ip = onevision.processor.image_processor
-    before = ip.image_grid_pinpoints
-    ip.image_grid_pinpoints = [[112, 112], [224, 224]]
-    try:
-        with pytest.raises(vb.UnsupportedModelError, match="image_grid_pinpoints"):
-            onevision.prepare(_image((224, 224)), PROMPT)
-    finally:
-        ip.image_grid_pinpoints = before
+    check_prepare_refused(onevision, onevision.processor.image_processor, "image_grid_pinpoints",
+                          [[112, 112], [224, 224]], "image_grid_pinpoints", image=_image((224, 224)))
 
 
 # ---- both: a painted cell changes exactly the tokens whose boxes cover it -----------------------------------------
@@ -252,26 +243,7 @@ def test_painting_a_cell_changes_only_the_tokens_covering_it(name, size, grid, c
     """With the tower's attention silenced each feature sees only its own patch, so painting the middle of a cell's
     box (30% margins: resampling kernels reach a few pixels past a box edge) must change exactly the positions
     ``positions_covering`` returns, in every grid of the image."""
-    _assert_painting_is_local(get_tiny(name), _image(size, 3), grid, cell)
-
-
-def _assert_painting_is_local(vlm: vb.VLM, image: Image.Image, grid: str, cell: tuple[int, int]) -> None:
-    clean = vlm.prepare(image, PROMPT)
-    ti = clean.index[0]
-    x0, y0, x1, y1 = ti.grid(grid).boxes[cell]
-    mx, my = 0.3 * (x1 - x0), 0.3 * (y1 - y0)
-    box = (x0 + mx, y0 + my, x1 - mx, y1 - my)
-    painted = image.copy()
-    ImageDraw.Draw(painted).rectangle(
-        [int(np.ceil(box[0])), int(np.ceil(box[1])), int(np.floor(box[2])) - 1, int(np.floor(box[3])) - 1],
-        fill=(255, 0, 255),
-    )
-    with silenced_vision_attention(vlm):
-        before, after = _resid_pre(vlm, clean), _resid_pre(vlm, vlm.prepare(painted, PROMPT))
-    changed = np.flatnonzero((before - after).abs().amax(-1).numpy() > 1e-6)
-    expected = ti.positions_covering(box)
-    assert len(expected) >= 1 and ti.cell(int(ti.grid(grid).positions[cell]))[:2] == (grid, 0)
-    np.testing.assert_array_equal(changed, expected)
+    assert_painting_is_local(get_tiny(name), _image(size, 3), grid, cell)
 
 
 def test_llava_pad_to_square_boxes(llava):
@@ -283,6 +255,6 @@ def test_llava_pad_to_square_boxes(llava):
         grid = llava.prepare(_image((448, 300)), PROMPT).index[0].grid("image")
         xs, ys = 28.0 * np.arange(17), np.clip(28.0 * np.arange(17) - 74, 0, 300)
         np.testing.assert_allclose(grid.boxes, expected_boxes(xs, ys))
-        _assert_painting_is_local(llava, _image((448, 300), 3), "image", (6, 7))
+        assert_painting_is_local(llava, _image((448, 300), 3), "image", (6, 7))
     finally:
         ip.do_pad = False

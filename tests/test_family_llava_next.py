@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROMPT, draw_scene, expected_boxes, get_tiny
-from test_family_llava import _assert_painting_is_local
+from family_checks import assert_exact_equals_naive, assert_painting_is_local, check_prepare_refused, pushed
 
 import vlmbind as vb
 from vlmbind.adapters.llava_next import LlavaNextAdapter
 from vlmbind.interventions import PatchHeadEntries
-from vlmbind.patching import PatchTask, exact_diffs, naive_diffs
+from vlmbind.patching import PatchTask
 
 NAME = "tiny-llava_next"
 
@@ -156,40 +156,24 @@ def test_painting_a_cell_changes_only_the_tokens_covering_it(nxt, size, grid, ce
     """With the tower's attention silenced, painting the middle of a cell changes exactly the positions whose boxes
     cover the paint, in both grids: unpadded tiles, and tiles that are a shrunk copy of the image (448x300); the
     square layout is painted by ``tests/test_generic_tokens.py``."""
-    _assert_painting_is_local(nxt, draw_scene(3, size), grid, cell)
+    assert_painting_is_local(nxt, draw_scene(3, size), grid, cell)
 
 
 # ---- refusals -----------------------------------------------------------------------------------------------------
 def test_a_strategy_that_keeps_a_cls_feature_is_refused(nxt):
-    cfg = nxt.model.config
-    cfg.vision_feature_select_strategy = "full"
-    try:
-        with pytest.raises(vb.UnsupportedModelError, match="vision_feature_select_strategy='full'"):
-            nxt.prepare(draw_scene(0), PROMPT)
-    finally:
-        cfg.vision_feature_select_strategy = "default"
+    assert nxt.model.config.vision_feature_select_strategy == "default"
+    check_prepare_refused(nxt, nxt.model.config, "vision_feature_select_strategy", "full",
+                          "vision_feature_select_strategy='full'")
 
 
 def test_tiles_resized_after_cutting_are_refused(nxt):
-    ip = nxt.processor.image_processor
-    before = ip.size
-    ip.size = {"shortest_edge": 224}  # every tile zoomed 2x and center-cropped back to 112: the model still runs
-    try:
-        with pytest.raises(vb.UnsupportedModelError, match="reach the tower as cut"):
-            nxt.prepare(draw_scene(0), PROMPT)
-    finally:
-        ip.size = before
+    # every tile zoomed 2x and center-cropped back to 112: the model still runs
+    check_prepare_refused(nxt, nxt.processor.image_processor, "size", {"shortest_edge": 224}, "reach the tower as cut")
 
 
 def test_processor_and_config_pinpoints_must_agree(nxt):
-    ip = nxt.processor.image_processor
-    before = ip.image_grid_pinpoints
-    ip.image_grid_pinpoints = [[112, 112], [224, 224]]
-    try:
-        with pytest.raises(vb.UnsupportedModelError, match="image_grid_pinpoints"):
-            nxt.prepare(draw_scene(0), PROMPT)
-    finally:
-        ip.image_grid_pinpoints = before
+    check_prepare_refused(nxt, nxt.processor.image_processor, "image_grid_pinpoints", [[112, 112], [224, 224]],
+                          "image_grid_pinpoints")
 
 
 # ---- the engine on the tiled layout -------------------------------------------------------------------------------
@@ -212,10 +196,8 @@ def patch_task(nxt) -> PatchTask:
     red, blue = (tok.convert_tokens_to_ids(tok.tokenize(w))[0] for w in (" red", " blue"))
     layers = range(nxt.n_layers)
     z = nxt.capture(corrupt, [f"blocks.{l}.attn.hook_z" for l in layers])
-    gen = torch.Generator().manual_seed(0)
     values = {l: z[f"blocks.{l}.attn.hook_z"][0] for l in layers}
-    values = {l: v + 30.0 * v.std() * torch.randn(v.shape, generator=gen) for l, v in values.items()}
-    return PatchTask(clean, np.array([0]), values, clean.index[0].last_position, red, blue)
+    return pushed(PatchTask(clean, np.array([0]), values, clean.index[0].last_position, red, blue))
 
 
 @pytest.mark.parametrize("where", ["last_token", "mid_prompt"])
@@ -225,12 +207,7 @@ def test_exact_equals_naive(nxt, patch_task, where):
     task = PatchTask(patch_task.batch, positions, {l: v[positions] for l, v in patch_task.values.items()},
                      last, patch_task.a, patch_task.a_star)
     heads = [(l, h) for l in range(nxt.n_layers) for h in range(nxt.n_heads)]
-    clean, naive = naive_diffs(nxt, task, heads)
-    effects = naive - clean
-    assert np.abs(effects).max() > 2e-3, "effects too small for the comparison to mean anything"
-    c, exact = exact_diffs(nxt, task, heads)
-    assert c == pytest.approx(clean, abs=1e-5)
-    np.testing.assert_allclose(exact - c, effects, atol=1e-4 * np.ptp(effects) + 1e-6)
+    assert_exact_equals_naive(nxt, task, heads, layouts=({},))
 
 
 def test_nnsight_patch_at_the_newline_tokens_equals_vlmbind(nxt, pair):

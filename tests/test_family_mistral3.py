@@ -16,18 +16,14 @@ multiples of 28):
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
-from PIL import ImageDraw
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny
+from family_checks import check_exact_equals_naive, painted_cell_changes
 
 import vlmbind as vb
 from vlmbind.adapters import adapter_class_for_config
-from vlmbind.analysis.mediation import scene_task
-from vlmbind.patching import exact_diffs, naive_diffs
 
 NAME = "tiny-mistral3"
 TWO_PROMPTS = [PROMPT, "the red object is a"]
@@ -143,24 +139,9 @@ def test_painting_a_cell_changes_only_the_tokens_covering_it(vlm, size, cell):
     """With the tower's attention silenced each token's features see only its own 2x2 patches, so painting the
     middle of a cell's box (30% margins: resampling reaches a few pixels past a box edge) changes exactly the
     positions ``positions_covering`` returns."""
-    image = draw_scene(3, size)
-    clean = vlm.prepare(image, PROMPT)
-    ti = clean.index[0]
-    x0, y0, x1, y1 = ti.grid().boxes[cell]
-    mx, my = 0.3 * (x1 - x0), 0.3 * (y1 - y0)
-    box = (x0 + mx, y0 + my, x1 - mx, y1 - my)
-    painted = image.copy()
-    ImageDraw.Draw(painted).rectangle(
-        [int(np.ceil(box[0])), int(np.ceil(box[1])), int(np.floor(box[2])) - 1, int(np.floor(box[3])) - 1],
-        fill=(255, 0, 255),
-    )
-    with silenced_vision_attention(vlm):
-        before, after = (vlm.capture(b, "blocks.0.hook_resid_pre")["blocks.0.hook_resid_pre"][0]
-                         for b in (clean, vlm.prepare(painted, PROMPT)))
-    expected = ti.positions_covering(box)
-    assert len(expected) == 1 and expected[0] == ti.grid().positions[cell]
-    changed = np.flatnonzero((before - after).abs().amax(-1).numpy() > 1e-6)
-    np.testing.assert_array_equal(changed, expected)
+    p = painted_cell_changes(vlm, draw_scene(3, size), None, cell)
+    assert len(p.expected) == 1 and p.expected[0] == p.index.grid().positions[cell]
+    np.testing.assert_array_equal(p.changed, p.expected)
 
 
 # ---- interventions ------------------------------------------------------------------------------------------------
@@ -175,29 +156,13 @@ def test_identity_interventions_are_exact(vlm):
     torch.testing.assert_close(vlm.logits(batch, [zero_alpha]), clean, atol=0, rtol=0)
 
 
-def _pushed(task, seed: int = 0):
-    """The task with its counterfactual z pushed far from the clean one, so head effects are well above float error."""
-    gen = torch.Generator().manual_seed(seed)
-    return replace(task, values={l: v + 30.0 * v.std() * torch.randn(v.shape, generator=gen)
-                                 for l, v in task.values.items()})
-
-
 @pytest.mark.parametrize("condition", [
     "id_selection",  # the last token
     "id_retrieval",  # a mid-prompt span: the second-to-last object's name
 ])
 def test_exact_equals_naive_across_layouts(vlm, condition):
-    pair = vb.stimuli.scene_pairs(1, condition, 0, n_objects=3)[0]
-    task = _pushed(scene_task(vlm, pair, range(vlm.n_layers)))
+    task = check_exact_equals_naive(vlm, condition)
     assert len(task.positions) == (1 if condition == "id_selection" else 2)
-    heads = [(0, 1), (1, 2), (2, 0), (3, 3)]
-    clean, naive = naive_diffs(vlm, task, heads)
-    effects = naive - clean
-    assert np.abs(effects).max() > 2e-3, "effects too small for the comparison to mean anything"
-    for kwargs in ({}, {"layout": "packed", "max_tokens": 5}, {"layout": "batched", "max_rows": 3}):
-        c, exact = exact_diffs(vlm, task, heads, **kwargs)
-        assert c == pytest.approx(clean, abs=1e-5)
-        np.testing.assert_allclose(exact - c, effects, atol=1e-4 * np.ptp(effects) + 1e-6, err_msg=str(kwargs))
 
 
 # ---- nnsight and TransformerLens ----------------------------------------------------------------------------------

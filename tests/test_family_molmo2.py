@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROMPT, draw_scene, get_tiny
-from PIL import Image, ImageDraw
+from family_checks import RESID0, changed_positions, check_chat_grids, paint
+from PIL import Image
 from transformers import Molmo2ImageProcessor, Molmo2Processor, Molmo2VideoProcessor
 from transformers.models.molmo2.image_processing_molmo2 import compute_crop_geometry
 
@@ -234,11 +235,7 @@ def test_mismatched_image_grids_raise(vlm):
 
 
 def test_chat_prompt_has_the_same_grids(vlm):
-    plain = vlm.prepare(draw_scene(0), PROMPT).index[0]
-    chat = vlm.prepare(draw_scene(0), PROMPT, chat=True).index[0]
-    assert [g.shape for g in chat.grids] == [g.shape for g in plain.grids]
-    assert "<|im_start|>" in vlm.adapter.tokenizer.decode(chat.input_ids)
-    assert len(chat.image_positions) == len(plain.image_positions)
+    check_chat_grids(vlm, "low_res", "<|endoftext|><|im_start|>user\n<low_res_im_start>", "<|im_start|>assistant\n")
 
 
 # ---- the bidirectional image block ----------------------------------------------------------------------------
@@ -290,13 +287,6 @@ def test_two_images_in_one_row(vlm):
 
 
 # ---- locality: the boxes are what each token sees --------------------------------------------------------------
-def _silenced(vlm: vb.VLM) -> list:
-    """Forward hooks zeroing every vision attention output: each ViT patch then sees only its own pixels."""
-    a = vlm.adapter
-    return [get_module(a.vision_block(layer), a.vision_attention).register_forward_hook(
-        lambda m, i, o: (torch.zeros_like(o[0]), *o[1:])) for layer in range(a.n_vision_layers)]
-
-
 @pytest.mark.parametrize(("size", "margin"), [((224, 224), 0), ((448, 224), 0), ((300, 200), 2)])
 def test_painting_a_cell_changes_only_the_covering_tokens(vlm, size, margin):
     """With integer resize ratios the boxes are exact. Otherwise the bilinear resize (antialias off) reads up to one
@@ -308,17 +298,8 @@ def test_painting_a_cell_changes_only_the_covering_tokens(vlm, size, margin):
         g = ti.grid(name)
         x0, y0, x1, y1 = g.boxes[g.shape[0] // 2, g.shape[1] // 3]
         box = (int(np.ceil(x0)) + margin, int(np.ceil(y0)) + margin, int(x1) - margin, int(y1) - margin)
-        painted = base.copy()
-        ImageDraw.Draw(painted).rectangle([box[0], box[1], box[2] - 1, box[3] - 1], fill=(255, 0, 0))
-        after = vlm.prepare(painted, PROMPT)
-        handles = _silenced(vlm)
-        try:
-            r0 = vlm.run(before, sites=["blocks.0.hook_resid_pre"])["blocks.0.hook_resid_pre"][0]
-            r1 = vlm.run(after, sites=["blocks.0.hook_resid_pre"])["blocks.0.hook_resid_pre"][0]
-        finally:
-            for h in handles:
-                h.remove()
-        changed = np.flatnonzero((r0 - r1).abs().amax(-1).numpy() > 1e-6)
+        after = vlm.prepare(paint(base, box, fill=(255, 0, 0)), PROMPT)
+        changed = changed_positions(vlm, before, after)[0][RESID0]  # with the tower's attention silenced
         expected = ti.positions_covering(box)
         assert len(expected) >= 2  # at least one cell of each grid
         assert changed.tolist() == expected.tolist()

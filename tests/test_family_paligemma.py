@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, silenced_vision_attention
-from PIL import Image, ImageDraw
+from conftest import PROMPT, draw_scene
+from family_checks import assert_exact_equals_naive, painted_cell_changes, pushed
+from PIL import Image
 
 import vlmbind as vb
 from vlmbind.adapters.base import ModelAdapter
@@ -86,23 +87,9 @@ def test_non_square_image_is_stretched(vlm):
 def test_painting_a_cell_changes_only_the_tokens_covering_it(vlm, size, cell):
     """With the tower's attention silenced each feature sees only its own patch, so painting the middle of a cell's
     box changes exactly the positions ``positions_covering`` returns."""
-    image = draw_scene(3, size)
-    clean = vlm.prepare(image, PROMPT)
-    ti = clean.index[0]
-    x0, y0, x1, y1 = ti.grid().boxes[cell]
-    mx, my = 0.3 * (x1 - x0), 0.3 * (y1 - y0)
-    box = (x0 + mx, y0 + my, x1 - mx, y1 - my)
-    painted = image.copy()
-    ImageDraw.Draw(painted).rectangle(
-        [int(np.ceil(box[0])), int(np.ceil(box[1])), int(np.floor(box[2])) - 1, int(np.floor(box[3])) - 1],
-        fill=(255, 0, 255))
-    site = "blocks.0.hook_resid_pre"
-    with silenced_vision_attention(vlm):
-        before = vlm.capture(clean, site)[site][0]
-        after = vlm.capture(vlm.prepare(painted, PROMPT), site)[site][0]
-    changed = np.flatnonzero((before - after).abs().amax(-1).numpy() > 1e-6)
-    np.testing.assert_array_equal(changed, ti.positions_covering(box))
-    assert len(changed) == 1
+    p = painted_cell_changes(vlm, draw_scene(3, size), None, cell)
+    np.testing.assert_array_equal(p.changed, p.expected)
+    assert len(p.changed) == 1
 
 
 def test_vision_rows_are_the_image_tokens(vlm):
@@ -152,16 +139,13 @@ def test_greedy_decode_by_full_forwards_equals_generate(vlm):
 
 # ---- exact patching on a bidirectional prefix ---------------------------------------------------------------------
 def _task(vlm, batch, positions, score_position, seed=0) -> PatchTask:
-    gen = torch.Generator().manual_seed(seed)
+    """The clean z at ``positions`` on every layer, pushed; scored on the clean top two tokens."""
     z = vlm.capture(batch, "blocks.*.attn.hook_z")
-    values = {}
-    for l in range(vlm.n_layers):
-        clean = z[f"blocks.{l}.attn.hook_z"][0, positions]
-        values[l] = clean + 30.0 * clean.std() * torch.randn(clean.shape, generator=gen)
+    values = {l: z[f"blocks.{l}.attn.hook_z"][0, positions] for l in range(vlm.n_layers)}
     logits = vlm.logits(batch, at=[score_position])[0, 0]
     a, a_star = (int(t) for t in logits.topk(2).indices)
-    return PatchTask(batch=batch, positions=np.asarray(positions), values=values, score_position=score_position,
-                     a=a, a_star=a_star)
+    return pushed(PatchTask(batch=batch, positions=np.asarray(positions), values=values,
+                            score_position=score_position, a=a, a_star=a_star), seed)
 
 
 # every layer, a few heads (tests/test_patching.py runs all of them): a patch in the prefix costs two full forwards
@@ -169,15 +153,7 @@ HEADS = [(0, 1), (1, 3), (2, 2), (3, 0)]
 
 
 def _assert_exact_equals_naive(vlm, task, layouts=("auto", "batched")):
-    heads = HEADS
-    clean, naive = naive_diffs(vlm, task, heads)
-    effects = naive - clean
-    assert np.abs(effects).max() > 2e-3, "effects too small for the comparison to mean anything"
-    for layout in layouts:
-        c, exact = exact_diffs(vlm, task, heads, layout=layout)
-        assert c == pytest.approx(clean, abs=1e-5)
-        np.testing.assert_allclose(exact - c, effects, atol=1e-4 * np.ptp(effects) + 1e-6, err_msg=layout)
-    return effects
+    return assert_exact_equals_naive(vlm, task, HEADS, [{"layout": layout} for layout in layouts])
 
 
 @pytest.mark.parametrize("where", ["last_token", "mid_prompt_span"])

@@ -18,8 +18,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, draw_scene, expected_boxes, get_tiny, silenced_vision_attention
-from PIL import ImageDraw
+from conftest import PROMPT, draw_scene, expected_boxes, get_tiny
+from family_checks import check_exact_equals_naive, painted_cell_changes
 
 import vlmbind as vb
 from vlmbind.activations import capture
@@ -217,57 +217,26 @@ def test_painting_a_cell_changes_only_the_tokens_covering_it(name, size, cell):
     middle of a cell's box (30% margins: resampling reaches a few pixels past a box edge) changes exactly the
     positions ``positions_covering`` returns: in the layer-0 input and in both DeepStack injections."""
     vlm = get_tiny(name)
-    image = draw_scene(3, size)
-    clean = vlm.prepare(image, PROMPT)
-    ti = clean.index[0]
-    x0, y0, x1, y1 = ti.grid().boxes[cell]
-    mx, my = 0.3 * (x1 - x0), 0.3 * (y1 - y0)
-    box = (x0 + mx, y0 + my, x1 - mx, y1 - my)
-    painted = image.copy()
-    ImageDraw.Draw(painted).rectangle(
-        [int(np.ceil(box[0])), int(np.ceil(box[1])), int(np.floor(box[2])) - 1, int(np.floor(box[3])) - 1],
-        fill=(255, 0, 255),
-    )
-    runs = []
-    with silenced_vision_attention(vlm):
-        for batch in (clean, vlm.prepare(painted, PROMPT)):
-            with _DeepStackCapture(vlm) as deepstack:
-                resid = vlm.capture(batch, "blocks.0.hook_resid_pre")["blocks.0.hook_resid_pre"][0]
-            runs.append((resid, deepstack.outputs))
-    expected = ti.positions_covering(box)
+    p = painted_cell_changes(vlm, draw_scene(3, size), None, cell, record=lambda: _DeepStackCapture(vlm))
+    ti, expected = p.index, p.expected
     assert len(expected) == 1 and expected[0] == ti.grid().positions[cell]
-    changed = np.flatnonzero((runs[0][0] - runs[1][0]).abs().amax(-1).numpy() > 1e-6)
-    np.testing.assert_array_equal(changed, expected)
-    for before, after in zip(runs[0][1], runs[1][1]):
+    np.testing.assert_array_equal(p.changed, expected)
+    clean, painted = (deepstack.outputs for deepstack in p.recorded)
+    assert len(clean) == len(painted) == 2
+    for before, after in zip(clean, painted):
         rows = np.flatnonzero((before - after).abs().amax(-1).numpy() > 1e-6)
         np.testing.assert_array_equal(ti.image_positions[rows], expected)
 
 
 # ---- exact == naive -----------------------------------------------------------------------------------------------
-def _pushed(task, seed: int = 0):
-    """The task with its counterfactual z pushed far from the clean one, so head effects are well above float error."""
-    gen = torch.Generator().manual_seed(seed)
-    return replace(task, values={l: v + 30.0 * v.std() * torch.randn(v.shape, generator=gen)
-                                 for l, v in task.values.items()})
-
-
 @pytest.mark.parametrize(("name", "condition"), [
     ("tiny-qwen3_vl_moe", "id_selection"),  # the last token
     ("tiny-qwen3_vl", "id_retrieval"),  # a mid-prompt span: the second-to-last object's name
 ])
 def test_exact_equals_naive_across_layouts(name, condition):
     vlm = get_tiny(name)
-    pair = vb.stimuli.scene_pairs(1, condition, 0, n_objects=3)[0]
-    task = _pushed(scene_task(vlm, pair, range(vlm.n_layers)))
+    task = check_exact_equals_naive(vlm, condition)
     assert len(task.positions) == (1 if condition == "id_selection" else 2)
-    heads = [(0, 1), (1, 2), (2, 0), (3, 3)]
-    clean, naive = naive_diffs(vlm, task, heads)
-    effects = naive - clean
-    assert np.abs(effects).max() > 2e-3, "effects too small for the comparison to mean anything"
-    for kwargs in ({}, {"layout": "packed", "max_tokens": 5}, {"layout": "batched", "max_rows": 3}):
-        c, exact = exact_diffs(vlm, task, heads, **kwargs)
-        assert c == pytest.approx(clean, abs=1e-5)
-        np.testing.assert_allclose(exact - c, effects, atol=1e-4 * np.ptp(effects) + 1e-6, err_msg=str(kwargs))
 
 
 def test_patch_before_the_image_restarts_inside_the_deepstack_layers_exactly(dense):
