@@ -80,6 +80,15 @@ def test_probe_command_on_the_organism(tmp_path, capsys):
     assert set(frame["family"]) == {"linear", "attention"} and set(frame["n_test"]) == {8}
     np.testing.assert_allclose(frame["B_O"], frame["H_O"] - frame["CE_O"])
     assert summary["recipe"]["epochs"] == 3 and (out / "probe.html").stat().st_size > 1000
+    # the attention probe needs the tokens; pooled families alone capture one mean per image, with the same numbers
+    assert json.loads((out / "activations" / "manifest.json").read_text())["tokens"] == "image"
+    pooled = tmp_path / "pooled"
+    assert main(["probe", "--model", "organism-p2a", "--n-train", "32", "--n-val", "8", "--n-test", "8",
+                 "--epochs", "3", "--family", "linear", "--out", str(pooled), "--json"]) == 0
+    capsys.readouterr()
+    assert json.loads((pooled / "activations" / "manifest.json").read_text())["tokens"] == "image_mean"
+    linear = frame[frame["family"] == "linear"].reset_index(drop=True)
+    np.testing.assert_allclose(pd.read_csv(pooled / "probe.csv")["B_O"], linear["B_O"], atol=1e-3)
     assert main(["probe", "--model", "organism-p2a", "--family", "cubic", "--out", str(tmp_path / "bad")]) == 2
     assert main(["probe", "--model", "organism-p2a", "--lr", "0", "--out", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()

@@ -67,6 +67,27 @@ def test_in_memory_and_on_disk_agree_and_modes(tmp_path):
     assert tokens.shape[:2] == mask.shape and mask.all()
 
 
+def test_image_mean_capture_keeps_the_pooled_vectors_and_refuses_tokens(tmp_path):
+    """tokens='image_mean' stores one row per example and site: the mean of what 'image' keeps, so every pooled
+    probe reads the same numbers from a token count's fraction of the disk; token reads are refused by name."""
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    data = S.scene_description(4, 2, n_objects=3)
+    full = capture(vlm, data, SITES, out=tmp_path / "full", shard_size=3)
+    means = capture(vlm, data, SITES, out=tmp_path / "means", shard_size=3, tokens="image_mean")
+    for site in SITES:
+        assert means.tensor(site, 0).shape == (1, full.tensor(site, 0).shape[-1])
+        np.testing.assert_allclose(means.pooled(site), full.pooled(site), atol=1e-6, rtol=1e-6)
+    size = {d: sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("full", "means")}
+    assert size["means"] * 4 < size["full"]
+    for read in (lambda: means.stacked(SITES[0]), lambda: means.objects(SITES[0]),
+                 lambda: means.per_token(SITES[0], 0)):
+        with pytest.raises(vb.InputError, match="tokens='image_mean'.*tokens='image'"):
+            read()
+    # half precision: the mean is taken in float32 before it is stored
+    half = capture(vlm, data, SITES[:1], tokens="image_mean", dtype=torch.bfloat16)
+    np.testing.assert_allclose(half.pooled(SITES[0]), full.pooled(SITES[0]), rtol=1e-2, atol=1e-2)
+
+
 def test_memory_holds_one_shard_whatever_the_size(tmp_path, monkeypatch):
     vlm = get_tiny("tiny-qwen2_5_vl")
     written = []

@@ -13,7 +13,11 @@ What is stored per example and site (``tokens``):
 * ``"image"``: language-model and projector sites (and DeepStack injections, laid out as the projector's) keep the
   image-token rows (in sequence order), vision-tower sites every token of the tower's output for that example;
 * ``"all"``: every sequence position (vision and projector sites as for ``"image"``);
-* ``"last"``: the last prompt position only (language-model sites).
+* ``"last"``: the last prompt position only (language-model sites);
+* ``"image_mean"``: one row per example and site, the mean (in float32, then stored in ``dtype``) of the rows
+  ``"image"`` would keep: all that the pooled probes read, at a token count's fraction of the disk (at FBP's 58,800
+  images a 7B-shaped site holds 256 image tokens of width 3,584: about 100 GiB in bfloat16 with ``"image"``, 0.4 GiB
+  as means). No row lines up with a token, so nothing can be pooled per object or read per token.
 
 Per example a token table (an int tensor in the shard, :meth:`ActivationSet.token_table`) records, for each stored
 language-model token, its sequence position, grid, row, column and the object it covers (``-1``: none; from the
@@ -42,7 +46,7 @@ from .errors import InputError, close_matches
 from .io import atomic_path, write_json_atomic
 from .stimuli.core import object_token_positions
 
-TOKEN_MODES = ("image", "all", "last")
+TOKEN_MODES = ("image", "all", "last", "image_mean")
 MANIFEST = "manifest.json"
 TABLE = "__tokens"
 FORMAT = "vlmbind-activations-1"
@@ -101,6 +105,14 @@ def _token_table(index: Any, example: Any, tokens: str) -> tuple[np.ndarray, lis
             owner_of[np.asarray(covered, dtype=int)] = k  # reversed: the first object covering a token wins
     table = np.stack([positions, grid_of[positions], row_of[positions], col_of[positions], owner_of[positions]], 1)
     return table.astype(np.int32), names
+
+
+def _kept(rows: torch.Tensor, tokens: str, dtype: torch.dtype) -> torch.Tensor:
+    """What a capture stores of one example's ``rows d`` at a site: the rows, or (``image_mean``) their float32
+    mean as one row."""
+    if tokens == "image_mean":
+        rows = rows.float().mean(0, keepdim=True)
+    return rows.to(dtype).contiguous()
 
 
 def _split_rows(value: torch.Tensor, batch: Any) -> list[torch.Tensor]:
@@ -223,7 +235,12 @@ class ActivationSet:
         return np.stack(rows)
 
     def stacked(self, site: str) -> tuple[np.ndarray, np.ndarray]:
-        """``(N T d tokens, N T mask)``: every example's stored tokens, zero-padded to the longest."""
+        """``(N T d tokens, N T mask)``: every example's stored tokens, zero-padded to the longest.
+
+        Raises:
+            InputError: a capture of token means (``tokens='image_mean'``), which holds no tokens.
+        """
+        self._refuse_means("spatial tokens")
         rows = [t.float().numpy() for t in self.iter_site(site)]
         longest = max(len(r) for r in rows)
         out = np.zeros((len(rows), longest, rows[0].shape[-1]), dtype=np.float32)
@@ -255,6 +272,7 @@ class ActivationSet:
         Raises:
             InputError: a site whose rows cannot be lined up with the token table.
         """
+        self._refuse_means("per-token rows")
         if self._token_aligned(site):
             return self.tensor(site, i)
         rows_to_tokens = self.manifest.get("vision_row_tokens", {}).get(self.examples[i].get("vision_rows"))
@@ -294,6 +312,7 @@ class ActivationSet:
         Raises:
             InputError: a site whose rows are not the language model's image tokens in order.
         """
+        self._refuse_means("per-object means")
         if not self._token_aligned(site):
             raise InputError(f"{site}: its rows are not the language model's image tokens in order, so they cannot be "
                              "pooled per object (use an LM site, the projector of a family that keeps the order, or "
@@ -312,6 +331,11 @@ class ActivationSet:
         if not vectors:
             raise InputError(f"{site}: no example has objects covering stored tokens")
         return pd.DataFrame(rows), np.stack(vectors)
+
+    def _refuse_means(self, what: str) -> None:
+        if self.manifest.get("tokens") == "image_mean":
+            raise InputError(f"this capture keeps one mean row per example and site (tokens='image_mean'), so it has "
+                             f"no {what}; capture again with tokens='image'")
 
     def _token_aligned(self, site: str) -> bool:
         return site in self.manifest.get("aligned_sites", [])
@@ -379,8 +403,9 @@ def capture(
         "projector_in_sequence_order": bool(vlm.adapter.projector_in_sequence_order),
         "prompt_format": getattr(vlm, "active_prompt_format", None),  # None: a vision encoder, no prompt
         # sites whose rows line up with each example's token table (so they can be pooled per object)
-        "aligned_sites": [s for s in resolved if encoder or s.startswith("blocks.")
-                          or (s.startswith(("projector.", "deepstack.")) and vlm.adapter.projector_in_sequence_order)],
+        "aligned_sites": [] if tokens == "image_mean" else
+        [s for s in resolved if encoder or s.startswith("blocks.")
+         or (s.startswith(("projector.", "deepstack.")) and vlm.adapter.projector_in_sequence_order)],
     }
     memory: dict[str, torch.Tensor] | None = None
     root = None
@@ -443,12 +468,12 @@ def capture(
                         shard_meta[-1]["vision_rows"] = key
                 tensors[f"{TABLE}|{b0 + r}"] = torch.from_numpy(table)
                 for site in lm_sites:
-                    tensors[f"{site}|{b0 + r}"] = cache[site][r, table[:, 0]].to(dtype).contiguous()
+                    tensors[f"{site}|{b0 + r}"] = _kept(cache[site][r, table[:, 0]], tokens, dtype)
             for site in resolved:
                 if site in lm_sites:
                     continue
                 for r, rows in enumerate(_split_rows(cache[site], batch)):
-                    tensors[f"{site}|{b0 + r}"] = rows.to(dtype).contiguous()
+                    tensors[f"{site}|{b0 + r}"] = _kept(rows, tokens, dtype)
             bar.update(len(chunk))
         if memory is not None:
             memory.update(tensors)

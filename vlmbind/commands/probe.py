@@ -81,8 +81,10 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
             check_pairwise_world(vlm, examples, world)
         sites = [s.strip() for s in args.sites.split(",")] if args.sites else default_sites(vlm)
         sites = [s.name for s in vlm.sites(sites)]
+        # the pooled families read one mean per image: storing only that costs a token count's fraction of the disk
+        tokens = "image" if {"attention", "pairwise"} & set(families) else "image_mean"
         acts = sweeps.capture(group, vlm, examples, sites, out / "activations", resume=args.resume,
-                                shard_size=args.shard_size, progress=group.is_main and not args.json)
+                              shard_size=args.shard_size, tokens=tokens, progress=group.is_main and not args.json)
         if not group.is_main:
             return rank_done(group, out)
     config = ProbeConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
