@@ -77,6 +77,50 @@ def test_a_probe_beats_the_class_baselines_only_where_objects_are_told_apart(ide
         assert res.margin < 2 * res.margin_se + 0.01
 
 
+def test_twin_objects_keep_the_duplicated_class_and_a_twin_probe_needs_more_than_class():
+    from vlmbind.analysis.same_object import twin_objects
+
+    tokens, table, split = _planted(112, True)
+    klass = table["colour"] * 4 + table["shape"]
+    twins = twin_objects(table, klass)
+    for i in range(len(twins)):
+        kept = twins[i] >= 0
+        # one class, of at least two objects, every token of it kept: where only objects 0 and 1 share a class
+        # (_planted's duplicate), that class
+        assert len(set(klass[i][kept])) == 1 and len(set(twins[i][kept])) >= 2
+        np.testing.assert_array_equal(kept, klass[i] == klass[i][kept][0])
+        if len(set(klass[i])) == 3:
+            assert set(twins[i][kept]) == {0, 1}
+    for identity, told in ((True, True), (False, False)):
+        tokens, table, split = _planted(112, identity)
+        res = pairwise_probe(tokens, twin_objects(table, klass), split, family="diag_quadratic", config=FAST)
+        assert res.baseline_not_same == pytest.approx(0.5)
+        # the twins share their class vector: only the per-object vector (identity) tells them apart
+        assert (res.margin > 5 * res.margin_se and res.accuracy > 0.8) if told else res.accuracy < 0.6
+
+
+def test_object_parts_and_the_no_place_twin_rule_on_the_organism_scenes():
+    from vlmbind.analysis.same_object import different_part_rule, object_parts, token_tables
+    from vlmbind.probes.pairwise import sample_pairs
+
+    vlm = vb.load("organism-p2a")
+    acts = vb.capture(vlm, same_object_scenes(4, 0, split="test"), ["blocks.0.hook_resid_post"])
+    table = token_tables(acts)
+    parts = object_parts(table)
+    for i in range(4):
+        for k in range(4):  # each object's 2 x 2 tokens: its parts 0..3 in raster order
+            own = table["object"][i] == k
+            assert sorted(parts[i][own]) == [0, 1, 2, 3]
+            top = table["row"][i][own].min()
+            assert set(parts[i][own & (table["row"][i] == top)]) == {0, 1}
+        assert (parts[i][table["object"][i] < 0] == -1).all()
+    # on balanced pairs of two twins' tokens the rule is right on every same pair and on 4 of the 16 others
+    twins = np.where(table["object"] < 2, table["object"], -1)
+    pairs, same = sample_pairs(torch.as_tensor(twins), balance=True, max_pairs_per_image=None, seed=0)
+    right = different_part_rule(table)(pairs) == same
+    assert right[same].all() and right[~same].mean() == pytest.approx(0.25)
+
+
 def test_position_readout_finds_a_planted_place_code_and_not_a_missing_one():
     from vlmbind.analysis.same_object import position_readout
 
@@ -113,7 +157,9 @@ def test_same_object_probes_on_the_organism_save_a_table_with_its_peak(tmp_path)
     assert list(frame["site"]) == ["vision.blocks.0.hook_resid_post", "blocks.3.hook_resid_post"]
     for column in ("baseline_same_class", "baseline_same_colour", "baseline_same_shape",
                    "reference_same_class_adjacent", "margin", "margin_se", "strongest_baseline", "row_readout",
-                   "col_readout", "row_chance", "col_chance"):
+                   "col_readout", "row_chance", "col_chance", "twin_accuracy", "twin_not_same", "twin_different_part",
+                   "twin_margin", "twin_margin_se",
+                   "twin_pairs_test"):
         assert frame[column].notna().all(), column
     np.testing.assert_allclose(frame["margin"], frame["accuracy"] - frame.apply(
         lambda r: r[f"baseline_{r['strongest_baseline']}"], axis=1))

@@ -9,7 +9,12 @@ same colour, same shape. Each scene holds two identical objects, so no class rul
 strongest of them separates objects that its class cannot. The reference ``same_class_adjacent`` (same class and
 neighbouring tokens) is what exact knowledge of each token's class and place would allow; it is reported, not
 counted as a baseline. Beside them, a linear readout of each token's row and column (``row_readout``,
-``col_readout``, with chance) says whether the site carries the place that separating identical objects needs.
+``col_readout``, with chance) says whether the site carries the place that separating identical objects needs, and
+the twin probe (the same family trained and tested on pairs of the duplicated class's tokens only, ``twin_accuracy``)
+says whether the site tells the two identical objects apart when class cannot help. Its margin is over the stronger
+of "not same" (0.5 on balanced pairs) and :func:`different_part_rule` (a token pair covering the same part of two
+objects is never one object: 0.625 with no place at all). A probe can fail the full task with the twins separable,
+if it does not combine class and place.
 """
 
 from __future__ import annotations
@@ -65,6 +70,39 @@ def class_rules(table: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str,
         return same("colour")(p) & same("shape")(p) & near
 
     return {"same_colour": same("colour"), "same_shape": same("shape")}, {"same_class_adjacent": same_class_adjacent}
+
+
+def twin_objects(table: dict[str, np.ndarray], token_class: np.ndarray) -> np.ndarray:
+    """``[n, T]`` object ids kept only on the tokens of each image's most repeated class (its duplicated pair, the
+    twins), ``-1`` elsewhere: pairs among them differ in place only."""
+    keep = np.full_like(table["object"], -1)
+    for i, classes in enumerate(token_class):
+        objects = {int(k): int(c) for k, c in zip(table["object"][i], classes) if k >= 0}
+        counts = np.bincount(np.unique(np.array(list(objects.values())), return_inverse=True)[1])
+        twin = sorted(set(objects.values()))[int(counts.argmax())]
+        keep[i] = np.where(classes == twin, table["object"][i], -1)
+    return keep
+
+
+def object_parts(table: dict[str, np.ndarray]) -> np.ndarray:
+    """``[n, T]`` each token's place within its own object (raster index of its cell in the object's bounding box of
+    tokens), ``-1`` for background: two tokens of one object never share it."""
+    parts = np.full_like(table["object"], -1)
+    for i, objects in enumerate(table["object"]):
+        for k in np.unique(objects[objects >= 0]):
+            own = objects == k
+            rows, cols = table["row"][i][own], table["col"][i][own]
+            width = int(cols.max() - cols.min() + 1)
+            parts[i][own] = (rows - rows.min()) * width + (cols - cols.min())
+    return parts
+
+
+def different_part_rule(table: dict[str, np.ndarray]) -> Any:
+    """The twins' rule that needs no place in the image: "same object unless both tokens cover the same part of
+    their objects" (a pair of one object never does). On balanced pairs of two 2 x 2 twins it is right on every
+    same-object pair and on a quarter of the others: 0.625."""
+    parts = object_parts(table)
+    return lambda p: parts[p[:, 0], p[:, 1]] != parts[p[:, 0], p[:, 2]]
 
 
 def position_readout(tokens: np.ndarray, table: dict[str, np.ndarray], split: np.ndarray, seed: int = 0
@@ -151,6 +189,7 @@ def same_object_probes(vlm: Any, sites: list[str], *, n_train: int = 512, n_val:
     table = token_tables(acts)
     klass = np.where(table["object"] >= 0, table["colour"] * 1000 + table["shape"], -1)
     baselines, references = class_rules(table)
+    twins, twin_rule = twin_objects(table, klass), different_part_rule(table)
     run = {"model": vlm.name, "sites": list(sites), "families": list(families), "n": [n_train, n_val, n_test],
            "seed": seed, "world": world.name, "token_span": token_span, "n_objects": n_objects,
            "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else repr(config)}
@@ -167,12 +206,18 @@ def same_object_probes(vlm: Any, sites: list[str], *, n_train: int = 512, n_val:
             where = position_readout(tokens, table, split, seed) if where is None else where
             res = pairwise_probe(tokens, table["object"], split, token_class=klass, family=family, config=config,
                                  baselines=baselines, references=references)
+            twin = pairwise_probe(tokens, twins, split, family=family, config=config,
+                                  baselines={"different_part": twin_rule})
             d = {k: _plain(v) for k, v in res.to_dict().items() if not isinstance(v, dict)}
             d.pop("seconds", None)
-            rows.append({"site": site, "family": family, **{k: v for k, v in d.items() if k != "family"}, **where})
+            rows.append({"site": site, "family": family, **{k: v for k, v in d.items() if k != "family"}, **where,
+                         "twin_accuracy": twin.accuracy, "twin_not_same": twin.baseline_not_same,
+                         "twin_different_part": twin.baselines["different_part"], "twin_margin": twin.margin,
+                         "twin_margin_se": twin.margin_se, "twin_pairs_test": twin.n_pairs_test})
             if path is not None:
                 write_json_atomic({"run": run, "rows": rows}, path)
     return SameObjectResult(vlm.name, pd.DataFrame(rows))
 
 
-__all__ = ["SameObjectResult", "class_rules", "same_object_probes", "token_tables"]
+__all__ = ["SameObjectResult", "class_rules", "same_object_probes", "different_part_rule", "object_parts", "token_tables",
+           "twin_objects"]
