@@ -58,18 +58,35 @@ def pixel_patch_means(examples: Any, patch: int) -> np.ndarray:
     return np.stack(out)
 
 
-def pixel_baseline(examples: Any, split: np.ndarray, world: Any, patch: int, config: ProbeConfig) -> pd.DataFrame:
-    """The ladder's pooled families on raw pixels (:func:`pixel_patch_means`): what needs no model at all."""
+def pixel_cells(examples: Any, patch: int, merge: int) -> np.ndarray:
+    """``[n, cells, patch * patch * 3]``: each image cut into the model's token cells (``merge x merge`` patches of
+    ``patch`` px, raster order), each cell's pixels averaged ``merge x merge`` down to one patch's size: the
+    spatial tokens a model could hand on if it did nothing but merge patches."""
+    out = []
+    side = patch * merge
+    for ex in examples:
+        x = np.asarray(ex.image, dtype=np.float32) / 255.0
+        rows, cols = x.shape[0] // side, x.shape[1] // side
+        x = x[:rows * side, :cols * side].reshape(rows, patch, merge, cols, patch, merge, 3).mean((2, 5))
+        out.append(x.transpose(0, 2, 1, 3, 4).reshape(rows * cols, patch * patch * 3))
+    return np.stack(out)
+
+
+def pixel_baseline(examples: Any, split: np.ndarray, world: Any, patch: int, merge: int,
+                   config: ProbeConfig) -> pd.DataFrame:
+    """The ladder on raw pixels, what needs no model at all: the pooled families on the mean patch
+    (:func:`pixel_patch_means`) and the attention probe on the token cells (:func:`pixel_cells`)."""
     o, f = (np.array([[int(b) for b in ex.fields[key]] for ex in examples], dtype=np.float32)
             for key in ("o_code", "f_code"))
-    z = pixel_patch_means(examples, patch)
     rows = []
-    for family in ("linear", "quadratic"):
+    mean, cells = pixel_patch_means(examples, patch), pixel_cells(examples, patch, merge)
+    for family, z in (("linear", mean), ("quadratic", mean), ("attention", cells)):
         res = binding_information(z, o, f, split, entropies=entropies("test", world), family=family, config=config)
-        rows.append({"site": f"pixels ({patch} px patches, mean)", "family": family, "B_O": res.B_O,
+        rows.append({"site": f"pixels ({patch} px patches)", "family": family, "B_O": res.B_O,
                      "beta_O": res.beta_O, "B_star_OF": res.B_star_OF, "margin_O": res.margin_O,
                      "margin_O_se": res.margin_O_se, "CE_O": res.CE_O, "CE_O_train": res.CE_O_train,
-                     "B_O_prior": res.B_O_prior, "n_test": res.n_test, "epochs": res.epochs_O})
+                     "B_O_prior": res.B_O_prior, "n_test": res.n_test, "epochs": res.epochs_O,
+                     "start": res.start_O})
     return pd.DataFrame(rows)
 
 
@@ -86,6 +103,26 @@ def merge_saved_ladder(probes: Any, where: Path, families: tuple[str, ...]) -> b
     merged = [new.pop((r["site"], r["family"]), r) if r["family"] in families else r for r in rows]
     probes.frame = pd.DataFrame(merged + list(new.values()))
     return True
+
+
+def pixel_key(world: str, patch: int, merge: int, args: argparse.Namespace, config: ProbeConfig) -> dict[str, Any]:
+    """Everything the no-model pixel baseline depends on: the world, the images, the token cells and the recipe."""
+    return {"world": world, "patch": patch, "merge": merge, "n": [args.n_train, args.n_val, args.n_test],
+            "seed": args.seed, "config": dataclasses.asdict(config)}
+
+
+def same_pixel_baseline(results: Path, model: str, part: str, key: dict[str, Any]) -> dict[str, Any] | None:
+    """Another model's saved pixel baseline with the same ``key`` (the baseline never looks at the model, so it is
+    the same table; an hour of attention fitting saved), or None."""
+    key = json.loads(json.dumps(key))  # as saved: tuples become lists
+    for runs in sorted(results.glob("*/runs.json")):
+        if runs.parent.name == model:
+            continue
+        entry = json.loads(runs.read_text()).get(part, {})
+        if "copied_from" not in entry and all(entry.get(k) == v for k, v in key.items()) \
+                and (results / entry.get("file", "")).is_file():
+            return entry
+    return None
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -121,12 +158,19 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                            **({"refits": refits} if refits else {})}
     if "pixels" in args.parts:
         t0 = time.perf_counter()
-        examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world)
         where = out / f"ladder-{world.name}"
-        pixels = pixel_baseline(examples, split, world, int(vlm.model.config.vision_config.patch_size), config)
-        write_text_atomic(pixels.to_csv(index=False), where / "pixels.csv")
-        summary[f"pixels-{world.name}"] = {"file": str((where / "pixels.csv").relative_to(args.out)),
-                                           "seconds": round(time.perf_counter() - t0, 1)}
+        vision = vlm.model.config.vision_config
+        key = pixel_key(world.name, int(vision.patch_size), int(vision.spatial_merge_size), args, config)
+        source = same_pixel_baseline(Path(args.out), name, f"pixels-{world.name}", key)
+        if source is None:
+            examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world)
+            pixels = pixel_baseline(examples, split, world, key["patch"], key["merge"], config)
+            write_text_atomic(pixels.to_csv(index=False), where / "pixels.csv")
+            made = {"seconds": round(time.perf_counter() - t0, 1)}
+        else:
+            write_text_atomic((Path(args.out) / source["file"]).read_text(), where / "pixels.csv")
+            made = {"seconds": source["seconds"], "copied_from": source["file"]}
+        summary[f"pixels-{world.name}"] = {"file": str((where / "pixels.csv").relative_to(args.out)), **key, **made}
     if "same_object" in args.parts:
         from vlmbind.analysis.same_object import same_object_probes
 

@@ -49,7 +49,7 @@ def _grid(frame: pd.DataFrame, sites: list[str], cell, pixels: pd.DataFrame | No
             cells.append("not run" if row.empty else cell(row.iloc[0]))
         lines.append(f"| {_site(site)} | " + " | ".join(cells) + " |")
     if pixels is not None:
-        cells = [cell(pixels.loc[f]) if f in pixels.index else "n/a (pooled families only)" for f in LADDER]
+        cells = [cell(pixels.loc[f]) if f in pixels.index else "not run" for f in LADDER]
         lines.append(f"| {pixels['site'].iloc[0]}, no model | " + " | ".join(cells) + " |")
     return lines
 
@@ -78,7 +78,8 @@ def ladder_tables(model: str, world: str) -> str:
     lines += ["", f"Summary (mean of tokens, best pooled family) vs spatial tokens (attention probe), {model}; FBP's "
                   "[CLS] holds under half of what its spatial tokens give (a ratio below 0.5), and its shared-factor probe "
                   "differs from the full quadratic one by about 2.4 bits:", "",
-              "| site | best pooled | its B_O | attention B_O | summary / spatial | shared_factor - quadratic |",
+              "| site | best pooled | its B_O | attention B_O (start kept) | summary / spatial | "
+              "shared_factor - quadratic |",
               "|---|---|---|---|---|---|"]
     for site in sites:
         part = frame[(frame["site"] == site)]
@@ -92,7 +93,10 @@ def ladder_tables(model: str, world: str) -> str:
         by = part.set_index("family")["B_O"]
         gap = f"{by['shared_factor'] - by['quadratic']:+.2f}" if {"shared_factor", "quadratic"} <= set(by.index) \
             else "not run"
-        lines.append(f"| {_site(site)} | {best['family']} | {best['B_O']:.2f} | {att:.2f} | {share} | {gap} |")
+        start = spatial.iloc[0].get("start")
+        start = start if isinstance(start, str) else "cold only"
+        lines.append(f"| {_site(site)} | {best['family']} | {best['B_O']:.2f} | {att:.2f} ({start}) | {share} | "
+                     f"{gap} |")
     return "\n".join(lines)
 
 
@@ -110,9 +114,12 @@ def same_object_table(model: str) -> str:
     lines = [f"**{model}, IsSameObject** ({int(first['n_train'])} / {int(first['n_val'])} / {int(first['n_test'])} "
              f"images, {int(first['n_pairs_test'])} balanced test pairs). Test accuracy; the margin is over the "
              "strongest class baseline (+- 1 SE, pairs clustered by image); the class + adjacency reference and the "
-             "linear readout of each token's row / column (chance in brackets) are beside it.", "",
+             "linear readout of each token's row / column (chance in brackets) are beside it. The twin probes are "
+             "the same families on pairs of the duplicated class's tokens only, where class cannot help: the best "
+             "family's accuracy, then its margin (+- 1 SE) over the rule that needs no place, \"a pair covering the "
+             "same part of two objects is two objects\" (its accuracy in brackets; 'not same' gives 0.5).", "",
              "| site | linear | diag_quadratic | quadratic | same class | same colour | same shape | best margin | "
-             "class + adjacency | row readout | column readout |", "|---|" + "---|" * 10]
+             "class + adjacency | row readout | column readout | twins told apart |", "|---|" + "---|" * 11]
     for site in dict.fromkeys(frame["site"]):
         part = frame[frame["site"] == site].set_index("family")
         acc = [f"{part.loc[f, 'accuracy']:.3f}" if f in part.index else "not run"
@@ -123,8 +130,16 @@ def same_object_table(model: str) -> str:
                      f"{r['baseline_same_colour']:.3f} | {r['baseline_same_shape']:.3f} | "
                      f"{best['margin']:+.3f} +- {best['margin_se']:.3f} ({best.name}) | "
                      f"{r['reference_same_class_adjacent']:.3f} | {r['row_readout']:.2f} ({r['row_chance']:.2f}) | "
-                     f"{r['col_readout']:.2f} ({r['col_chance']:.2f}) |")
+                     f"{r['col_readout']:.2f} ({r['col_chance']:.2f}) | {_twins(part)} |")
     return "\n".join(lines)
+
+
+def _twins(part: pd.DataFrame) -> str:
+    if "twin_margin" not in part.columns or part["twin_margin"].isna().all():
+        return "not run"
+    best = part.loc[part["twin_accuracy"].idxmax()]
+    return (f"{best['twin_accuracy']:.3f}, {best['twin_margin']:+.3f} +- {best['twin_margin_se']:.3f} "
+            f"({best['twin_different_part']:.3f}; {best.name})")
 
 
 def rsa_table(model: str) -> str:
