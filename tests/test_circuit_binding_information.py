@@ -77,3 +77,40 @@ def test_every_number_the_findings_quote_is_in_the_rendered_tables():
     assert quoted, "the findings quote no number"
     missing = sorted(quoted - printed - REFERENCE_NUMBERS)
     assert not missing, f"numbers in the findings that no rendered table holds: {missing}"
+
+
+def test_pixel_cells_are_the_token_cells_averaged_to_one_patch():
+    run = _module("run")
+    from vlmbind.stimuli.colorshape import balanced_color_shape
+
+    data = balanced_color_shape(2, 0, world="organism")
+    z = run.pixel_cells(data, 14, 2)
+    assert z.shape == (2, 36, 14 * 14 * 3)
+    x = np.asarray(data[1].image, dtype=np.float32) / 255.0
+    r, c = 2, 5  # the token cell in row 2, column 5: raster index 17, pixels 56..84 x 140..168
+    cell = x[56:84, 140:168]
+    down = cell.reshape(14, 2, 14, 2, 3).mean((1, 3))
+    np.testing.assert_allclose(z[1, r * 6 + c], down.ravel(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_pixel_baseline_is_reused_only_from_a_run_with_the_same_images_cells_and_recipe(tmp_path):
+    import argparse
+    import json
+
+    run = _module("run")
+    args = argparse.Namespace(n_train=8, n_val=4, n_test=4, seed=0)
+    key = run.pixel_key("organism", 14, 2, args, run.ProbeConfig(seed=0))
+    (tmp_path / "a" / "ladder-organism").mkdir(parents=True)
+    (tmp_path / "a" / "ladder-organism" / "pixels.csv").write_text("site,family\n")
+    entry = {"file": "a/ladder-organism/pixels.csv", **key, "seconds": 1.0}
+    (tmp_path / "a" / "runs.json").write_text(json.dumps({"pixels-organism": entry}))
+    assert run.same_pixel_baseline(tmp_path, "b", "pixels-organism", key)["file"] == entry["file"]
+    assert run.same_pixel_baseline(tmp_path, "a", "pixels-organism", key) is None  # never its own
+    for changed in (run.pixel_key("organism", 14, 1, args, run.ProbeConfig(seed=0)),
+                    run.pixel_key("organism", 14, 2, argparse.Namespace(n_train=8, n_val=4, n_test=4, seed=1),
+                                  run.ProbeConfig(seed=1)),
+                    run.pixel_key("organism", 14, 2, args, run.ProbeConfig(seed=0, attention_starts=("cold",)))):
+        assert run.same_pixel_baseline(tmp_path, "b", "pixels-organism", changed) is None
+    # a copy is never copied on: the chain always ends at the run that fitted it
+    (tmp_path / "a" / "runs.json").write_text(json.dumps({"pixels-organism": {**entry, "copied_from": "c"}}))
+    assert run.same_pixel_baseline(tmp_path, "b", "pixels-organism", key) is None
