@@ -77,9 +77,9 @@ def twin_objects(table: dict[str, np.ndarray], token_class: np.ndarray) -> np.nd
     twins), ``-1`` elsewhere: pairs among them differ in place only."""
     keep = np.full_like(table["object"], -1)
     for i, classes in enumerate(token_class):
-        objects = {int(k): int(c) for k, c in zip(table["object"][i], classes) if k >= 0}
-        counts = np.bincount(np.unique(np.array(list(objects.values())), return_inverse=True)[1])
-        twin = sorted(set(objects.values()))[int(counts.argmax())]
+        objects = {int(k): int(c) for k, c in zip(table["object"][i], classes) if k >= 0}  # object -> its class
+        values, counts = np.unique(list(objects.values()), return_counts=True)
+        twin = values[counts.argmax()]
         keep[i] = np.where(classes == twin, table["object"][i], -1)
     return keep
 
@@ -191,7 +191,7 @@ def same_object_probes(vlm: Any, sites: list[str], *, n_train: int = 512, n_val:
     baselines, references = class_rules(table)
     twins, twin_rule = twin_objects(table, klass), different_part_rule(table)
     run = {"model": vlm.name, "sites": list(sites), "families": list(families), "n": [n_train, n_val, n_test],
-           "seed": seed, "world": world.name, "token_span": token_span, "n_objects": n_objects,
+           "seed": seed, "world": world.name, "token_span": token_span, "n_objects": n_objects, "twin_probes": True,
            "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else repr(config)}
     path = Path(checkpoint) if checkpoint is not None else None
     done = {(r["site"], r["family"]): r for r in _load_checkpoint(path, run)} if path is not None else {}
@@ -219,5 +219,5 @@ def same_object_probes(vlm: Any, sites: list[str], *, n_train: int = 512, n_val:
     return SameObjectResult(vlm.name, pd.DataFrame(rows))
 
 
-__all__ = ["SameObjectResult", "class_rules", "same_object_probes", "different_part_rule", "object_parts", "token_tables",
-           "twin_objects"]
+__all__ = ["SameObjectResult", "class_rules", "different_part_rule", "object_parts", "same_object_probes",
+           "token_tables", "twin_objects"]
