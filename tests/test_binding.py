@@ -13,6 +13,7 @@ import torch
 import vlmbind as vb
 from vlmbind.activations import FORMAT, ActivationSet
 from vlmbind.analysis.binding import codes, colorshape_splits, default_sites, probe_sites
+from vlmbind.errors import NoImageTokensError
 from vlmbind.probes import ProbeConfig
 from vlmbind.stimuli.colorshape import entropies
 
@@ -102,6 +103,11 @@ def test_rsa_and_probes_run_on_every_family(name):
     vlm = vb.load(name)
     sites = default_sites(vlm)
     single = list(rsa_set(0, positions_per_conjunction=1))[:8]
+    if not getattr(vlm.adapter, "image_tokens_in_sequence", True):
+        # Llama-3.2-Vision: no image tokens in the language model's sequence to pool per object; a named error
+        with pytest.raises(NoImageTokensError, match="cross-attention"):
+            rsa(vb.capture(vlm, single, sites), permutations=10)
+        sites = sites[:1]  # the tower's rows still pool per image
     frame = rsa(vb.capture(vlm, single, sites), permutations=10).frame
     assert set(frame["site"]) == {s.name for s in vlm.sites(sites)} and frame["r"].notna().any()
     examples, split = colorshape_splits(6, 3, 3, seed=0)

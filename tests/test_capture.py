@@ -13,6 +13,7 @@ from conftest import get_tiny
 import vlmbind as vb
 import vlmbind.activations as cap
 from vlmbind.activations import ActivationSet, capture
+from vlmbind.errors import NoImageTokensError
 from vlmbind.stimuli.core import object_token_positions
 from vlmbind.tiny import TINY_NAMES
 
@@ -24,6 +25,16 @@ SITES = ["blocks.1.hook_resid_post", "projector.hook_out", "vision.blocks.0.hook
 def test_stored_rows_equal_a_direct_run(name, tmp_path):
     vlm = get_tiny(name)
     data = list(S.scene_description(3, 0, n_objects=3))
+    if not vlm.adapter.image_tokens_in_sequence:
+        # Llama-3.2-Vision: no image tokens in the sequence; refused by name before anything is written
+        with pytest.raises(NoImageTokensError, match="tokens='last'"):
+            capture(vlm, data, SITES, out=tmp_path / "a", batch_size=2, shard_size=2)
+        assert not (tmp_path / "a").exists()
+        last = capture(vlm, data, SITES[:1], tokens="last")
+        batch = vlm.prepare(data[0].image, data[0].prompt)
+        torch.testing.assert_close(last.tensor(SITES[0], 0),
+                                   vlm.run(batch, sites=SITES[:1]).cache[SITES[0]][0, [-1]], atol=1e-5, rtol=0)
+        return
     acts = capture(vlm, data, SITES, out=tmp_path / "a", batch_size=2, shard_size=2)
     assert len(acts) == 3 and acts.complete and sorted(acts.sites) == sorted(SITES)
     for i, ex in enumerate(data):

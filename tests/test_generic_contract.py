@@ -34,19 +34,21 @@ def test_hook_shapes(tiny, scene):
     a = tiny.adapter
     batch = tiny.prepare([scene, draw_scene(1)], [PROMPT, "what colour is the circle ? it is"])
     b, p = batch.inputs["input_ids"].shape
-    out = tiny.run(batch, sites=["blocks.*.attn.hook_z", "blocks.*.attn.hook_pattern", "blocks.*.hook_resid_pre",
+    out = tiny.run(batch, sites=["blocks.*attn.hook_z", "blocks.*attn.hook_pattern", "blocks.*.hook_resid_pre",
                                  "blocks.*.hook_resid_post", "blocks.*.hook_attn_out", "blocks.*.hook_mlp_out",
                                  "vision.*", "projector.hook_out"])
     assert out.logits.shape[:2] == (b, p)
-    # hybrid models declare the layers with per-head outputs and softmax patterns (Qwen3.5: not its DeltaNet ones)
-    assert [k for k in out.cache if k.endswith("hook_pattern")] == [f"blocks.{l}.attn.hook_pattern"
-                                                                     for l in a.pattern_layers()]
-    assert [k for k in out.cache if k.endswith("hook_z")] == [f"blocks.{l}.attn.hook_z" for l in a.head_layers()]
+    # hybrid models declare the layers with per-head outputs and softmax patterns (Qwen3.5: not its DeltaNet ones);
+    # cross-attention layers (Llama-3.2-Vision) have cross_attn.* in place of attn.*, their keys the image's
+    assert [k for k in out.cache if k.endswith("hook_pattern")] == [a.pattern_site(l) for l in a.pattern_layers()]
+    assert [k for k in out.cache if k.endswith("hook_z")] == [a.z_site(l) for l in a.head_layers()]
+    keys = out["projector.hook_out"].shape[1:-1].numel() if a.cross_attention_layers() else p
     for layer in range(a.n_layers):
         if layer in a.head_layers():
-            assert out[f"blocks.{layer}.attn.hook_z"].shape == (b, p, a.n_heads, a.d_head)
+            assert out[a.z_site(layer)].shape == (b, p, a.n_heads, a.d_head)
         if layer in a.pattern_layers():
-            assert out[f"blocks.{layer}.attn.hook_pattern"].shape == (b, a.n_heads, p, p)
+            k = keys if layer in a.cross_attention_layers() else p
+            assert out[a.pattern_site(layer)].shape == (b, a.n_heads, p, k)
         for hook in ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out"):
             assert out[f"blocks.{layer}.{hook}"].shape == (b, p, a.d_model)
     n_image = sum(len(ti.image_positions) for ti in batch.index)
@@ -122,7 +124,11 @@ def test_roles_cover_every_position(tiny, scene):
     batch = tiny.prepare([scene, draw_scene(2)], [PROMPT, "is"])
     for ti in batch.index:
         assert set(np.unique(ti.roles)) <= {"text", "image", "special", "pad"}
-        cells = np.concatenate([g.positions.reshape(-1) for g in ti.grids])
-        assert len(np.unique(cells)) == len(cells)
-        assert set(cells.tolist()) == set(ti.image_positions.tolist())
+        # a family without image tokens in the sequence (Llama-3.2-Vision) has grids over its image keys instead
+        assert bool(ti.grids) == tiny.adapter.image_tokens_in_sequence != bool(ti.key_grids)
+        for grids, expected in ((ti.grids, ti.image_positions), (ti.key_grids, None)):
+            cells = np.concatenate([g.positions.reshape(-1) for g in grids] or [np.zeros(0, dtype=int)])
+            assert len(np.unique(cells)) == len(cells)
+            if expected is not None:
+                assert set(cells.tolist()) == set(expected.tolist())
         assert ti.roles[ti.last_position] != "pad"

@@ -17,17 +17,18 @@ def batch(tiny):
 
 def test_patterns_and_residuals_equal_hf_outputs(tiny, batch):
     ref = tiny.model(**batch.inputs, output_attentions=True, output_hidden_states=True, use_cache=False)
-    out = tiny.run(batch, sites=["blocks.*.attn.hook_pattern", "blocks.*.hook_resid_pre", "blocks.*.hook_resid_post"])
+    out = tiny.run(batch, sites=["blocks.*attn.hook_pattern", "blocks.*.hook_resid_pre", "blocks.*.hook_resid_post"])
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
     hidden = ref.hidden_states  # embeddings, then each layer's output (the last after the final norm)
     # Qwen3-VL's DeepStack adds image features between layers 0..k-1 and 1..k: there the next layer's input is not
     # HF's hidden state (tests/test_family_qwen3_vl.py checks that the difference is exactly the injection)
     injected = len(getattr(tiny.adapter, "deepstack_vision_layers", ()))
-    # HF records one pattern per softmax layer: the declared pattern layers, in order (every layer but Qwen3.5's DeltaNet)
+    # HF records one pattern per softmax layer: the declared pattern layers, in order (every layer but Qwen3.5's
+    # DeltaNet; Llama-3.2-Vision's cross-attention layers record theirs over the image keys, cross_attn.hook_pattern)
     patterns = tiny.adapter.pattern_layers()
     assert len(ref.attentions) == len(patterns)
     for layer, reference in zip(patterns, ref.attentions):
-        torch.testing.assert_close(out[f"blocks.{layer}.attn.hook_pattern"], reference, atol=1e-6, rtol=0)
+        torch.testing.assert_close(out[tiny.adapter.pattern_site(layer)], reference, atol=1e-6, rtol=0)
     for layer in range(tiny.n_layers):
         if not 0 < layer <= injected:
             torch.testing.assert_close(out[f"blocks.{layer}.hook_resid_pre"], hidden[layer], atol=1e-6, rtol=0)
@@ -40,19 +41,19 @@ def test_vlmbind_eager_equals_hf_eager_and_sdpa_patterns_work(tiny, batch):
     patterns = tiny.adapter.pattern_layers()
     first, second = patterns[0], patterns[1 % len(patterns)]
     eager = tiny.logits(batch)
-    with_pattern = tiny.run(batch, sites=f"blocks.{first}.attn.hook_pattern")
+    with_pattern = tiny.run(batch, sites=tiny.adapter.pattern_site(first))
     torch.testing.assert_close(with_pattern.logits, eager, atol=1e-6, rtol=0)
     cfg = tiny.adapter.text_config
     before = cfg._attn_implementation
     cfg._attn_implementation = "sdpa"
     try:
-        sdpa = tiny.run(batch, sites=f"blocks.{second}.attn.hook_pattern")
+        sdpa = tiny.run(batch, sites=tiny.adapter.pattern_site(second))
         assert cfg._attn_implementation == "sdpa"
     finally:
         cfg._attn_implementation = before
     assert cfg._attn_implementation != ATTENTION_IMPL
     ref = tiny.model(**batch.inputs, output_attentions=True, use_cache=False)
-    torch.testing.assert_close(sdpa[f"blocks.{second}.attn.hook_pattern"], ref.attentions[patterns.index(second)],
+    torch.testing.assert_close(sdpa[tiny.adapter.pattern_site(second)], ref.attentions[patterns.index(second)],
                                atol=1e-6, rtol=0)
 
 
@@ -63,11 +64,11 @@ def test_z_equals_nnsight_o_proj_input(tiny, batch):
         for layer in range(tiny.n_layers):
             o_proj = tiny.nnsight_module(nn_model, tiny.adapter.o_proj_path(layer))
             saved.append(o_proj.input.save())
-    out = tiny.run(batch, sites="blocks.*.attn.hook_z")
+    out = tiny.run(batch, sites="blocks.*attn.hook_z")  # attn.hook_z and cross_attn.hook_z
     b, p = batch.inputs["input_ids"].shape
     for layer in range(tiny.n_layers):
         ref = saved[layer].reshape(b, p, tiny.n_heads, tiny.adapter.d_head)
-        torch.testing.assert_close(out[f"blocks.{layer}.attn.hook_z"], ref, atol=0, rtol=0)
+        torch.testing.assert_close(out[tiny.adapter.z_site(layer)], ref, atol=0, rtol=0)
 
 
 def test_head_patch_equals_nnsight_patch(tiny):
@@ -75,7 +76,8 @@ def test_head_patch_equals_nnsight_patch(tiny):
     corrupt = tiny.prepare(draw_scene(7), PROMPT)
     layer, head, d = tiny.n_layers - 2, 1, tiny.adapter.d_head
     positions = [-1, -2]
-    z_corrupt = tiny.capture(corrupt, f"blocks.{layer}.attn.hook_z")[f"blocks.{layer}.attn.hook_z"]
+    site = tiny.adapter.z_site(layer)  # Llama-3.2-Vision: layer 3 is a cross-attention layer
+    z_corrupt = tiny.capture(corrupt, site)[site]
     values = z_corrupt[:, positions][:, :, [head]]
     ours = tiny.logits(clean, [vb.PatchHeads(layer=layer, heads=[head], positions=positions, values=values)])
 
@@ -96,7 +98,8 @@ def test_identity_interventions_are_exact(tiny, batch):
     clean = tiny.logits(batch)
     layer = 1
     heads = list(range(tiny.n_heads))
-    z = tiny.capture(batch, f"blocks.{layer}.attn.hook_z")[f"blocks.{layer}.attn.hook_z"]
+    site = tiny.adapter.z_site(layer)
+    z = tiny.capture(batch, site)[site]
     self_patch = vb.PatchHeads(layer=layer, heads=heads, positions=list(range(batch.seq_len)), values=z)
     torch.testing.assert_close(tiny.logits(batch, [self_patch]), clean, atol=0, rtol=0)
     zero_alpha = vb.AddToHeads(layer=layer, heads=heads, positions=[-1], vector=torch.ones(tiny.adapter.d_head),

@@ -29,8 +29,8 @@ def strong_task(vlm, condition: str, seed: int = 0) -> PatchTask:
                       range(vlm.n_layers))
     if mid:
         task = replace(task, positions=np.array([task.score_position - 2, task.score_position - 1]))
-        z = vlm.capture(task.batch, "blocks.*.attn.hook_z")
-        task.values = {l: z[f"blocks.{l}.attn.hook_z"][0, task.positions] for l in range(vlm.n_layers)}
+        z = vlm.capture(task.batch, "blocks.*attn.hook_z")
+        task.values = {l: z[vlm.adapter.z_site(l)][0, task.positions] for l in range(vlm.n_layers)}
     gen = torch.Generator().manual_seed(seed)
     values = {l: v + 30.0 * v.std() * torch.randn(v.shape, generator=gen) for l, v in task.values.items()}
     return replace(task, values=values)

@@ -42,7 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file as save_safetensors
 from tqdm.auto import tqdm
 
-from .errors import InputError, close_matches
+from .errors import InputError, NoImageTokensError, close_matches
 from .io import atomic_path, write_json_atomic
 from .stimuli.core import object_token_positions
 
@@ -390,6 +390,13 @@ def capture(
     resolved = [s.name for s in vlm.sites(sites)]
     if not resolved:
         raise InputError(f"no site matches {sites!r}")
+    lm_sites = [s for s in resolved if s.startswith("blocks.")]
+    if tokens in ("image", "image_mean") and lm_sites and not getattr(vlm.adapter, "image_tokens_in_sequence", True):
+        raise NoImageTokensError(
+            f"tokens={tokens!r}: no position of this {vlm.adapter.display_name} model's sequence holds image features "
+            f"(the image enters through cross-attention layers), so {lm_sites[:2]}{' ...' if len(lm_sites) > 2 else ''} "
+            "have no image-token rows; capture them with tokens='last' or 'all', or capture the projector / vision "
+            "sites alone")
     patterns = [s for s in resolved if s.endswith("hook_pattern")]
     if patterns:  # query x key maps over the padded batch, not one vector per token
         raise InputError(f"capture stores one vector per token; {patterns[:3]}{' ...' if len(patterns) > 3 else ''} "

@@ -65,7 +65,8 @@ def append_tokens(adapter: ModelAdapter, inputs: dict[str, Any], tokens: torch.T
     """``inputs`` with ``tokens`` (``B`` or ``B T``) appended as text tokens to every per-token input.
 
     ``input_ids`` get the tokens, ``attention_mask`` ones, the family's ``token_inputs`` (token type ids) zeros, or
-    the family's ``appended_token_values``; everything else (pixels, grids) is passed on unchanged. The input dict
+    the family's ``appended_token_values`` (``"last"``: a copy of the last position's entry, as Llama-3.2-Vision's
+    ``cross_attention_mask`` grows in HF's generation; rows are left-padded, so it is a real token's); everything else (pixels, grids) is passed on unchanged. The input dict
     is not modified.
 
     Raises:
@@ -95,6 +96,8 @@ def append_tokens(adapter: ModelAdapter, inputs: dict[str, Any], tokens: torch.T
                              f"append tokens")
         if key == "input_ids":
             col = tokens.to(value.device, value.dtype)
+        elif adapter.appended_token_values.get(key) == "last":
+            col = value[:, -1:].expand(-1, tokens.shape[1], *value.shape[2:])
         else:
             fill = 1 if key == "attention_mask" else adapter.appended_token_values.get(key, 0)
             col = torch.full(tokens.shape, fill, dtype=value.dtype, device=value.device)

@@ -21,7 +21,7 @@ from .shipped import ORGANISM_NAMES, shipped_organisms
 TINY_NAMES = ("tiny-qwen2_5_vl", "tiny-qwen2_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-molmo2",
               "tiny-llava_next", "tiny-qwen3_vl", "tiny-qwen3_vl_moe", "tiny-qwen3_5",
               "tiny-qwen3_5_moe", "tiny-idefics3", "tiny-smolvlm",
-              "tiny-mistral3", "tiny-paligemma", "tiny-internvl")
+              "tiny-mistral3", "tiny-paligemma", "tiny-internvl", "tiny-mllama")
 # the tiny standalone vision encoders (vlmbind.encoders)
 ENCODER_NAMES = ("tiny-clip", "tiny-siglip", "tiny-dinov2")
 # --dtype (the keys of vlmbind.loading.DTYPES) and --attn-implementation

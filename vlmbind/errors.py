@@ -48,6 +48,12 @@ class InputError(VlmbindError, ValueError):
     """Images or prompts that cannot be turned into a model batch."""
 
 
+class NoImageTokensError(InterventionError, InputError):
+    """Image tokens of the language model's sequence (the ``image_attention`` ablation, an image-token capture of
+    language-model sites) asked of a model that has none (Llama-3.2-Vision reads the image through cross-attention
+    layers only)."""
+
+
 class TooFewEstimatesError(InputError):
     """Too few estimation scenes for a position-ID estimate (no cell, or no evaluation example, has one)."""
 

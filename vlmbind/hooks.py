@@ -11,6 +11,10 @@ itself against the model and batch, and which hook it needs:
   eager attention computes (tested against ``output_attentions`` and against eager logits) and lets an intervention
   edit the probabilities after the softmax, before they weight the values. The text model switches to it only for
   the duration of a call that needs it, so the user's choice (eager or sdpa) stands otherwise;
+* cross-attention layers (Llama-3.2-Vision) have ``cross_attn.hook_z`` / ``cross_attn.hook_pattern`` in place of
+  ``attn.*``: the same hooks on the layer's cross-attention module and its ``o_proj`` (the adapter points
+  ``attention_module`` / ``o_proj_module`` there), and their attention and MLP outputs reach the residual stream
+  through tanh gates (``adapter.output_gate``), which ``hook_attn_out`` / ``hook_mlp_out`` include;
 * hybrid models (Qwen3.5's linear-attention layers) lack some sites on some layers
   (``adapter.absent_sites``): a session asking for one raises its named error before any hook is registered;
 * residual stream, attention and MLP outputs, vision blocks and the projector: forward (pre-)hooks on those modules;
@@ -48,6 +52,9 @@ __all__ = ["AblateHeads", "AddToHeads", "HookSession", "Intervention", "PatchHea
            "ZeroImageAttention", "LastQuerySession", "attention_implementation", "ATTENTION_IMPL"]
 
 ATTENTION_IMPL = "vlmbind_eager"
+# per-head outputs and attention probabilities, of self-attention and of a cross-attention layer
+Z_HOOKS = ("attn.hook_z", "cross_attn.hook_z")
+PATTERN_HOOKS = ("attn.hook_pattern", "cross_attn.hook_pattern")
 _PROB_EDITS = "_vlmbind_prob_edits"
 
 
@@ -150,7 +157,7 @@ class HookSession:
     _stack: contextlib.ExitStack | None = None
 
     def needs_pattern(self) -> bool:
-        return any(s.hook == "attn.hook_pattern" for s in self.sites) or any(
+        return any(s.hook in PATTERN_HOOKS for s in self.sites) or any(
             i.needs_pattern() for i in self.interventions
         )
 
@@ -203,7 +210,7 @@ class HookSession:
                 prob_edits.setdefault(intervention.layer, []).append(intervention)
             else:
                 z_edits.setdefault(intervention.layer, []).append(intervention)
-        z_sites = {s.layer: s for s in self.sites if s.hook == "attn.hook_z"}
+        z_sites = {s.layer: s for s in self.sites if s.hook in Z_HOOKS}
 
         for layer in sorted(set(z_edits) | set(z_sites)):
             self._handles.append(
@@ -226,11 +233,15 @@ class HookSession:
                     )
                 elif site.hook == "hook_resid_post":
                     self._handles.append(a.layer(site.layer).register_forward_hook(self._post_capture(name)))
-                elif site.hook == "hook_attn_out":
-                    self._handles.append(a.attn_out_module(site.layer).register_forward_hook(self._post_capture(name)))
-                elif site.hook == "hook_mlp_out":
-                    self._handles.append(a.mlp_out_module(site.layer).register_forward_hook(self._post_capture(name)))
-                elif site.hook == "attn.hook_pattern":
+                elif site.hook in ("hook_attn_out", "hook_mlp_out"):
+                    kind = site.hook.removeprefix("hook_").removesuffix("_out")
+                    module = a.attn_out_module(site.layer) if kind == "attn" else a.mlp_out_module(site.layer)
+                    layer_kwargs: dict[str, Any] = {}
+                    self._handles.append(a.layer(site.layer).register_forward_pre_hook(
+                        self._remember_kwargs(layer_kwargs), with_kwargs=True))
+                    self._handles.append(module.register_forward_hook(
+                        self._gated_capture(name, site.layer, kind, layer_kwargs)))
+                elif site.hook in PATTERN_HOOKS:
                     self._handles.append(
                         a.attention_module(site.layer).register_forward_hook(self._pattern_capture(name))
                     )
@@ -263,6 +274,23 @@ class HookSession:
     def _pre_capture(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._store(name, args[0] if args else kwargs["hidden_states"])
+
+        return hook
+
+    @staticmethod
+    def _remember_kwargs(into: dict[str, Any]) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            into.clear()
+            into.update(kwargs)
+
+        return hook
+
+    def _gated_capture(self, name: str, layer: int, kind: str, layer_kwargs: dict[str, Any]) -> Callable:
+        """Capture a module's output times the gate it passes on its way into the residual stream, if any."""
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            value = _first_tensor(output)
+            gate = self.adapter.output_gate(layer, kind, layer_kwargs)
+            self._store(name, value if gate is None else gate.to(value.dtype) * value)
 
         return hook
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .errors import HeadLayoutError, InterventionError, NoAttentionPatternError
+from .errors import HeadLayoutError, InterventionError, NoAttentionPatternError, NoImageTokensError
 
 if TYPE_CHECKING:
     from .adapters.base import ModelAdapter
@@ -247,6 +247,16 @@ class ZeroImageAttention(Intervention):
 
     def needs_pattern(self) -> bool:
         return True
+
+    def check(self, adapter: ModelAdapter) -> None:
+        super().check(adapter)
+        if not adapter.image_tokens_in_sequence:
+            cross = adapter.cross_attention_layers()
+            raise NoImageTokensError(
+                f"ZeroImageAttention: no position of this {adapter.display_name} model's sequence holds image "
+                f"features (the image reaches the language model through the cross-attention layers {cross} only). "
+                "Every key of a cross-attention head is an image key: AblateHeads(mode='zero') on those heads "
+                "removes their image attention")
 
     def edit_probs(self, weights: torch.Tensor, index: Sequence[TokenIndex]) -> torch.Tensor:
         b, _, q, k = weights.shape

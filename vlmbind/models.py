@@ -95,7 +95,7 @@ class VLM:
         """Resolve site names and ``*`` patterns against this model."""
         a = self.adapter
         return resolve_sites(patterns, a.n_layers, a.n_vision_layers, n_deepstack=a.n_deepstack,
-                             absent=a.absent_sites())
+                             absent=a.absent_sites(), cross_layers=a.cross_attention_layers())
 
     # ---- inputs ----------------------------------------------------------------------------------------------
     def prepare(
@@ -253,8 +253,9 @@ class VLM:
             image_ids = list(range(next_image, next_image + len(row_images)))
             next_image += len(row_images)
             grids = self.adapter.image_grids(inputs, r, roles, image_ids, sizes)
+            key_grids = self.adapter.key_grids(inputs, r, image_ids, sizes)
             offsets, text = text_offsets(self.adapter.tokenizer, ids[r], roles)
-            index.append(TokenIndex(ids[r], roles, grids, offsets, text, sizes))
+            index.append(TokenIndex(ids[r], roles, grids, offsets, text, sizes, key_grids))
         return index
 
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
@@ -310,7 +311,8 @@ class VLM:
     def head_means(self, batch: Batch, layer: int, heads: Sequence[int], per_position: bool = False) -> torch.Tensor:
         """Mean z of ``heads`` at ``layer`` over the batch: ``h D``, or ``P h D`` with ``per_position``
         (for :class:`AblateHeads` mean mode). Padding positions are excluded from the mean."""
-        z = self.capture(batch, f"blocks.{layer}.attn.hook_z")[f"blocks.{layer}.attn.hook_z"][:, :, list(heads)]
+        site = self.adapter.z_site(layer)
+        z = self.capture(batch, site)[site][:, :, list(heads)]
         mask = batch.inputs["attention_mask"].to(z.device, z.dtype)[:, :, None, None]
         if per_position:
             return (z * mask).sum(0) / mask.sum(0).clamp_min(1)

@@ -76,8 +76,8 @@ class PatchTask:
         prompt's last position."""
         positions = np.asarray(positions)
         source = positions if counterfactual_positions is None else np.asarray(counterfactual_positions)
-        z = vlm.capture(counterfactual, [f"blocks.{l}.attn.hook_z" for l in layers])
-        values = {l: z[f"blocks.{l}.attn.hook_z"][0, source] for l in layers}
+        z = vlm.capture(counterfactual, [vlm.adapter.z_site(l) for l in layers])
+        values = {l: z[vlm.adapter.z_site(l)][0, source] for l in layers}
         return cls(clean, positions, values, clean.index[0].last_position, a, a_star)
 
     def __post_init__(self) -> None:
@@ -101,7 +101,7 @@ def check_task(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> N
         raise InputError(f"heads {bad[:5]} are outside the model's {vlm.n_layers} layers x {n_heads} heads")
     absent = vlm.adapter.absent_sites()
     for layer in sorted({l for l, _ in heads}):
-        error = absent.get(f"blocks.{layer}.attn.hook_z")
+        error = absent.get(vlm.adapter.z_site(layer))
         if error is not None:
             raise type(error)(f"cannot patch heads of layer {layer}: {error}")
     if task.positions.min() < 0 or task.positions.max() >= seq or not 0 <= task.score_position < seq:
@@ -158,8 +158,9 @@ def prefix_end(vlm: Any, batch: Any, inputs: dict[str, Any], first_patch: int) -
     position of a bidirectional block (``adapter.bidirectional_positions``: they attend to later positions, so a
     patch at or before the last of them changes them), else 0 (nothing reusable). Also 0 on a model with recurrent
     layers (``adapter.recurrent_layers``: the cache holds their state after the whole prompt, not after the
-    prefix)."""
-    if vlm.adapter.recurrent_layers():
+    prefix) or cross-attention layers (their cache holds the image's keys, which a cut to the prefix would drop):
+    ``adapter.reuses_prefix_cache``."""
+    if not vlm.adapter.reuses_prefix_cache():
         return 0
     index = batch.index[0]
     barrier = int(index.image_positions.max()) if index.image_positions.size else -1
@@ -383,12 +384,12 @@ def _single_pass(vlm: Any, task: PatchTask, inputs: dict[str, Any], position_ids
     kwargs["logits_to_keep"] = scored_at
     local = task.positions - start
     blocks = [seq + local + j * suffix for j in range(n)]
-    session = HookSession(vlm.adapter, vlm.sites([f"blocks.{l}.attn.hook_z" for l in layers]),
+    session = HookSession(vlm.adapter, vlm.sites([vlm.adapter.z_site(l) for l in layers]),
                           _entries(task, heads, blocks, [0] * n))
     with session:
         logits = model(**kwargs, use_cache=False).logits[0]
     diffs = _diff(logits, task.a, task.a_star).cpu().numpy()
-    clean_z = {l: session.captured[f"blocks.{l}.attn.hook_z"][0][0, task.positions] for l in layers}
+    clean_z = {l: session.captured[vlm.adapter.z_site(l)][0][0, task.positions] for l in layers}
     return float(diffs[0]), diffs[1:], clean_z
 
 
@@ -468,7 +469,7 @@ def exact_diffs(
         # so its first `start` positions are exactly the prefix's cache.
         layers = sorted({layer for layer, _ in heads})
         sites = [f"blocks.{l}.hook_resid_pre" for l in range(first_layer, vlm.n_layers)]
-        session = HookSession(adapter, vlm.sites(sites + [f"blocks.{l}.attn.hook_z" for l in layers]))
+        session = HookSession(adapter, vlm.sites(sites + [adapter.z_site(l) for l in layers]))
         with session:
             extra = {} if position_ids is None else {"position_ids": position_ids}
             full = model(**inputs, **extra, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=keep)
@@ -476,7 +477,7 @@ def exact_diffs(
         captured = {name: vals[0] for name, vals in session.captured.items()}
         resid = {l: captured[f"blocks.{l}.hook_resid_pre"][:, start:] for l in range(first_layer, vlm.n_layers)}
         # patching a head with its own clean value is the identity: exactly the clean difference, nothing to run
-        clean_z = {l: captured[f"blocks.{l}.attn.hook_z"][0, task.positions] for l in layers}
+        clean_z = {l: captured[adapter.z_site(l)][0, task.positions] for l in layers}
         todo = [i for i, (l, h) in enumerate(heads)
                 if not torch.equal(task.values[l][:, h].to(clean_z[l]), clean_z[l][:, h])]
         out[:] = clean

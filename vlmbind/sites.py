@@ -4,6 +4,9 @@ Names follow TransformerLens so that users and SAE tools recognise them. A site 
 (number of language-model and vision layers) so that a misspelt name or an out-of-range layer is an error with close
 matches, never an empty result. ``*`` matches any run of characters, so ``blocks.*.attn.hook_z`` names every layer.
 DeepStack families (Qwen3-VL) also add image features between text layers; each such injection is a site of its own.
+Cross-attention families (Llama-3.2-Vision) read the image in some decoder layers through cross-attention alone: at
+those layers the heads are ``cross_attn.hook_z`` / ``cross_attn.hook_pattern`` (keys: the image features), and
+``attn.*`` does not exist there; elsewhere ``cross_attn.*`` does not.
 
 Shapes (``B`` batch, ``P`` positions, ``H`` query heads, ``D`` head dim, ``N`` vision tokens):
 
@@ -14,6 +17,8 @@ Shapes (``B`` batch, ``P`` positions, ``H`` query heads, ``D`` head dim, ``N`` v
 ``blocks.{l}.hook_mlp_out``                   ``B P d_model``: what the MLP adds to the residual stream
 ``blocks.{l}.attn.hook_z``                    ``B P H D``: per-head attention output, the input of o_proj
 ``blocks.{l}.attn.hook_pattern``              ``B H P P``: attention probabilities after the softmax
+``blocks.{l}.cross_attn.hook_z``              ``B P H D``: per-head cross-attention output, the input of its o_proj
+``blocks.{l}.cross_attn.hook_pattern``        ``B H P K``: cross-attention probabilities over the ``K`` image keys
 ``vision.blocks.{l}.hook_resid_post``         the vision block's output, as the tower lays it out
 ``projector.hook_out``                        ``N d_model``: image features handed to the language model
 ``deepstack.{i}.hook_out``                    ``N d_model``: DeepStack merger i's rows, which the text model adds to
@@ -26,16 +31,19 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .errors import InputError, SiteError, close_matches
 
 LM_HOOKS = ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out", "attn.hook_z", "attn.hook_pattern")
+# what a cross-attention layer has in place of the attn.* hooks, in the same order
+CROSS_HOOKS = ("cross_attn.hook_z", "cross_attn.hook_pattern")
+SELF_HOOKS = ("attn.hook_z", "attn.hook_pattern")
 VISION_HOOKS = ("hook_resid_post",)
 DEEPSTACK_HOOKS = ("hook_out",)
 
-_LM_RE = re.compile(r"^blocks\.(\d+)\.(" + "|".join(re.escape(h) for h in LM_HOOKS) + r")$")
+_LM_RE = re.compile(r"^blocks\.(\d+)\.(" + "|".join(re.escape(h) for h in (*LM_HOOKS, *CROSS_HOOKS)) + r")$")
 _VISION_RE = re.compile(r"^vision\.blocks\.(\d+)\.(" + "|".join(re.escape(h) for h in VISION_HOOKS) + r")$")
 _DEEPSTACK_RE = re.compile(r"^deepstack\.(\d+)\.(" + "|".join(re.escape(h) for h in DEEPSTACK_HOOKS) + r")$")
 # any injection's name: a pattern matching it asks for DeepStack, whatever this model has
@@ -70,12 +78,22 @@ class Site:
         return self.name
 
 
+def layer_hooks(layer: int, cross_layers: Collection[int] = ()) -> tuple[str, ...]:
+    """The hooks of decoder layer ``layer``: :data:`LM_HOOKS`, with :data:`CROSS_HOOKS` in place of the ``attn.*``
+    ones on a cross-attention layer."""
+    if layer not in cross_layers:
+        return LM_HOOKS
+    swap = dict(zip(SELF_HOOKS, CROSS_HOOKS))
+    return tuple(swap.get(h, h) for h in LM_HOOKS)
+
+
 def all_sites(n_layers: int, n_vision_layers: int = 0, projector: bool = True, n_deepstack: int = 0,
-              absent: Mapping[str, SiteError] | None = None) -> list[Site]:
+              absent: Mapping[str, SiteError] | None = None, cross_layers: Collection[int] = ()) -> list[Site]:
     """Every site of a model with this many language-model and vision layers and DeepStack injections, less the
-    ``absent`` ones (a hybrid model's per-layer gaps: :meth:`~vlmbind.adapters.base.ModelAdapter.absent_sites`)."""
+    ``absent`` ones (a hybrid model's per-layer gaps: :meth:`~vlmbind.adapters.base.ModelAdapter.absent_sites`);
+    ``cross_layers``: the decoder layers that are cross-attention layers."""
     absent = absent or {}
-    sites = [Site("lm", layer, hook) for layer in range(n_layers) for hook in LM_HOOKS
+    sites = [Site("lm", layer, hook) for layer in range(n_layers) for hook in layer_hooks(layer, cross_layers)
              if f"blocks.{layer}.{hook}" not in absent]
     sites += [Site("vision", layer, hook) for layer in range(n_vision_layers) for hook in VISION_HOOKS]
     if projector:
@@ -91,9 +109,22 @@ def _no_deepstack(name: str, valid: list[str]) -> SiteError:
     )
 
 
+def _wrong_kind(name: str, layer: int, hook: str, cross_layers: Collection[int]) -> SiteError | None:
+    """The error of an ``attn.*`` site on a cross-attention layer or a ``cross_attn.*`` site elsewhere."""
+    if hook in SELF_HOOKS and layer in cross_layers:
+        twin = CROSS_HOOKS[SELF_HOOKS.index(hook)]
+        return SiteError(f"site {name!r}: layer {layer} is a cross-attention layer (text queries, image keys); its "
+                         f"heads are 'blocks.{layer}.{twin}'")
+    if hook in CROSS_HOOKS and layer not in cross_layers:
+        which = (f"this model's cross-attention layers are {sorted(cross_layers)}" if cross_layers
+                 else "this model has no cross-attention layers")
+        return SiteError(f"site {name!r}: layer {layer} is not a cross-attention layer; {which}")
+    return None
+
+
 def parse_site(
     name: str, n_layers: int, n_vision_layers: int = 0, projector: bool = True, n_deepstack: int = 0,
-    absent: Mapping[str, SiteError] | None = None,
+    absent: Mapping[str, SiteError] | None = None, cross_layers: Collection[int] = (),
 ) -> Site:
     """Parse one concrete site name (no wildcard) and check it exists on the model.
 
@@ -103,11 +134,13 @@ def parse_site(
     """
     if not isinstance(name, str):
         raise SiteError(f"site names are strings, got {type(name).__name__} {name!r}")
-    valid = [s.name for s in all_sites(n_layers, n_vision_layers, projector, n_deepstack, absent)]
+    valid = [s.name for s in all_sites(n_layers, n_vision_layers, projector, n_deepstack, absent, cross_layers)]
     if m := _LM_RE.match(name):
         layer, hook = int(m.group(1)), m.group(2)
         if layer >= n_layers:
             raise SiteError(f"site {name!r}: layer {layer} is out of range, the model has layers 0..{n_layers - 1}")
+        if (error := _wrong_kind(name, layer, hook, cross_layers)) is not None:
+            raise error
         if absent and name in absent:
             raise type(absent[name])(f"site {name!r}: {absent[name]}")
         return Site("lm", layer, hook)
@@ -144,6 +177,7 @@ def resolve_sites(
     projector: bool = True,
     n_deepstack: int = 0,
     absent: Mapping[str, SiteError] | None = None,
+    cross_layers: Collection[int] = (),
 ) -> list[Site]:
     """Expand names and ``*`` patterns into concrete sites, in model order, without duplicates.
 
@@ -155,11 +189,12 @@ def resolve_sites(
         patterns = [patterns]
     if not patterns:
         raise SiteError("no sites given: name at least one, e.g. 'blocks.*.attn.hook_z'")
-    every = all_sites(n_layers, n_vision_layers, projector, n_deepstack, absent)
+    every = all_sites(n_layers, n_vision_layers, projector, n_deepstack, absent, cross_layers)
     chosen: list[Site] = []
     for pattern in patterns:
         if isinstance(pattern, Site):
-            chosen.append(parse_site(pattern.name, n_layers, n_vision_layers, projector, n_deepstack, absent))
+            chosen.append(parse_site(pattern.name, n_layers, n_vision_layers, projector, n_deepstack, absent,
+                                     cross_layers))
         elif isinstance(pattern, str) and "*" in pattern:
             hits = [s for s in every if fnmatch.fnmatchcase(s.name, pattern)]
             if not hits:
@@ -172,7 +207,7 @@ def resolve_sites(
                 )
             chosen.extend(hits)
         else:
-            chosen.append(parse_site(pattern, n_layers, n_vision_layers, projector, n_deepstack, absent))
+            chosen.append(parse_site(pattern, n_layers, n_vision_layers, projector, n_deepstack, absent, cross_layers))
     order = {s: i for i, s in enumerate(every)}
     return sorted(set(chosen), key=lambda s: order[s])
 

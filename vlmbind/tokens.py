@@ -55,6 +55,9 @@ class TokenIndex:
         text_offsets: ``P 2`` character offsets of each text token in ``text`` (``-1`` for non-text tokens).
         text: the prompt's text tokens decoded and concatenated (image placeholders removed).
         image_sizes: ``(width, height)`` of each original image.
+        key_grids: grids over the image keys of cross-attention layers (Llama-3.2-Vision, whose image never enters
+            the sequence): a cell's "position" is its index on the last axis of ``cross_attn.hook_pattern``, not a
+            sequence position, so these are kept apart from ``grids``; empty for every other family.
     """
 
     input_ids: np.ndarray
@@ -63,6 +66,7 @@ class TokenIndex:
     text_offsets: np.ndarray
     text: str
     image_sizes: list[tuple[int, int]] = field(default_factory=list)
+    key_grids: list[ImageGrid] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -109,19 +113,14 @@ class TokenIndex:
     ) -> np.ndarray:
         """Image-token positions whose boxes overlap ``box`` (x0, y0, x1, y1) by more than ``min_overlap`` of the
         token's area; all grids of the image unless ``grid`` names one."""
-        x0, y0, x1, y1 = box
-        out = []
-        for g in self.grids:
-            if g.image != image or (grid is not None and g.name != grid):
-                continue
-            b = g.boxes.reshape(-1, 4)
-            ix = np.clip(np.minimum(b[:, 2], x1) - np.maximum(b[:, 0], x0), 0, None)
-            iy = np.clip(np.minimum(b[:, 3], y1) - np.maximum(b[:, 1], y0), 0, None)
-            area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-            keep = (ix * iy) > min_overlap * area
-            keep &= (ix > 0) & (iy > 0)
-            out.append(g.positions.reshape(-1)[keep])
-        return np.sort(np.concatenate(out)) if out else np.zeros(0, dtype=int)
+        return _covering(self.grids, box, image, grid, min_overlap)
+
+    def keys_covering(
+        self, box: tuple[float, float, float, float], image: int = 0, min_overlap: float = 0.0
+    ) -> np.ndarray:
+        """As :meth:`positions_covering`, over :attr:`key_grids`: the cross-attention keys (indices on the last axis
+        of ``cross_attn.hook_pattern``) whose patches overlap ``box``."""
+        return _covering(self.key_grids, box, image, None, min_overlap)
 
     def span(self, text: str, occurrence: int = -1) -> np.ndarray:
         """Positions of the tokens that cover ``text`` in the prompt.
@@ -149,6 +148,25 @@ class TokenIndex:
         o = self.text_offsets
         hit = (o[:, 0] >= 0) & (o[:, 0] < end) & (o[:, 1] > start)
         return np.flatnonzero(hit)
+
+
+def _covering(grids: list[ImageGrid], box: tuple[float, float, float, float], image: int, grid: str | None,
+              min_overlap: float) -> np.ndarray:
+    """The cells of ``grids`` (image ``image``, grid ``grid`` or all) whose boxes overlap ``box`` by more than
+    ``min_overlap`` of the cell's area."""
+    x0, y0, x1, y1 = box
+    out = []
+    for g in grids:
+        if g.image != image or (grid is not None and g.name != grid):
+            continue
+        b = g.boxes.reshape(-1, 4)
+        ix = np.clip(np.minimum(b[:, 2], x1) - np.maximum(b[:, 0], x0), 0, None)
+        iy = np.clip(np.minimum(b[:, 3], y1) - np.maximum(b[:, 1], y0), 0, None)
+        area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+        keep = (ix * iy) > min_overlap * area
+        keep &= (ix > 0) & (iy > 0)
+        out.append(g.positions.reshape(-1)[keep])
+    return np.sort(np.concatenate(out)) if out else np.zeros(0, dtype=int)
 
 
 # special tokens that belong to an answer's text: Qwen's and InternVL's grounding markers (a box means nothing

@@ -289,11 +289,11 @@ class UIController:
             cf = self._batch(state, "cf_image")
             last, cf_last = batch.index[0].last_position, cf.index[0].last_position
             layers = sorted({l for l, _ in heads})
-            cache = self.vlm.capture(cf, [f"blocks.{l}.attn.hook_z" for l in layers])
+            cache = self.vlm.capture(cf, [self.vlm.adapter.z_site(l) for l in layers])
             items = []
             for layer in layers:
                 hs = [h for l, h in heads if l == layer]
-                z = cache[f"blocks.{layer}.attn.hook_z"]  # B P H D
+                z = cache[self.vlm.adapter.z_site(layer)]  # B P H D
                 items.append(PatchHeads(layer=layer, heads=hs, positions=[last], values=z[:, [cf_last]][:, :, hs]))
             return items, None
         if action != "ablate":
@@ -369,12 +369,17 @@ class UIController:
         try:
             with self.lock:
                 batch = self._batch(state)
-                site = f"blocks.{layer}.attn.hook_pattern"
-                pattern = self.vlm.capture(batch, site)[site]  # B H P P
+                site = self.vlm.adapter.pattern_site(layer)
+                pattern = self.vlm.capture(batch, site)[site]  # B H P P, or B H P K over cross-attention keys
         except InputError as exc:
             return go.Figure(layout={"title": {"text": str(exc)}})
         index = batch.index[0]
-        grid = index.grid(image=0)
+        # a cross-attention layer's keys are the image's patches (Llama-3.2-Vision), laid out by its key grids
+        grids = index.key_grids if layer in self.vlm.adapter.cross_attention_layers() else index.grids
+        if not grids:
+            return go.Figure(layout={"title": {"text": f"layer {layer} attends to no image token: pick a "
+                                                       f"cross-attention layer {self.vlm.adapter.cross_attention_layers()}"}})
+        grid = grids[0]
         weights = pattern[0, head, index.last_position].detach().to("cpu", torch.float64).numpy()[grid.positions]
         return attention_overlay(_from_b64(state["image"]), grid.positions, grid.boxes, weights,
                                  title=f"L{layer}.H{head}: last-token attention over the {grid.name} grid "

@@ -8,6 +8,7 @@ from . import idefics3  # noqa: F401
 from . import mistral3  # noqa: F401
 from . import internvl  # noqa: F401
 from . import qwen3_5  # noqa: F401
+from . import mllama  # noqa: F401
 from .base import ADAPTERS, ModelAdapter, adapter_class_for_config, register_adapter, supported_families
 
 __all__ = ["ADAPTERS", "ModelAdapter", "adapter_class_for_config", "register_adapter", "supported_families"]

@@ -90,6 +90,9 @@ class ModelAdapter:
     # positions the image features replace (special tokens around / between them are role "special")
     image_token_attr: ClassVar[str] = "image_token_id"
     bidirectional_image: ClassVar[bool] = False
+    # whether image features sit at positions of the language model's sequence (False: the image reaches the LM
+    # only through cross-attention keys, Llama-3.2-Vision; then no sequence position has the role "image")
+    image_tokens_in_sequence: ClassVar[bool] = True
     # whether the forward takes an attention mask per layer type ({"full_attention": ..., "sliding_attention": ...},
     # as Gemma-3's does); the exact method's packed layout needs it when some layers slide
     mask_per_layer_type: ClassVar[bool] = True
@@ -97,8 +100,9 @@ class ModelAdapter:
     # per-token processor outputs besides input_ids and attention_mask (0 on text tokens): they grow with the
     # sequence when tokens are appended (vlmbind.batches.append_tokens)
     token_inputs: ClassVar[tuple[str, ...]] = ()
-    # the value an appended token gets in a token input, where it is not 0 (PaliGemma's answer tokens: 1, causal)
-    appended_token_values: ClassVar[dict[str, int]] = {}
+    # the value an appended token gets in a token input, where it is not 0 (PaliGemma's answer tokens: 1, causal;
+    # "last": the last position's entry repeated, Llama-3.2-Vision's cross-attention mask)
+    appended_token_values: ClassVar[dict[str, int | str]] = {}
     # processor outputs that never reach the forward (PaliGemma's training labels); VLM.prepare drops them
     dropped_inputs: ClassVar[tuple[str, ...]] = ()
     transformer_lens_bridge: ClassVar[bool] = False
@@ -166,22 +170,52 @@ class ModelAdapter:
         and head interventions. Every layer by default."""
         return list(range(self.n_layers))
 
+    def reuses_prefix_cache(self) -> bool:
+        """Whether the exact method may cut a clean forward's key/value cache back to a prefix and run the rest on
+        it: not with recurrent layers, nor where some layers cache keys that are not sequence positions
+        (cross-attention layers cache the image's keys)."""
+        return not self.recurrent_layers() and not self.cross_attention_layers()
+
     def recurrent_layers(self) -> list[int]:
         """Layers that carry a recurrent state in the cache (a linear-attention layer's state after every cached
         position, which no slice of it rewinds): the exact method reuses no prefix cache when there are any. None
         by default."""
         return []
 
+    def cross_attention_layers(self) -> list[int]:
+        """Decoder layers whose token mixer is cross-attention from the text to the image features (Llama-3.2-Vision):
+        their heads are ``blocks.{l}.cross_attn.hook_z`` / ``hook_pattern`` (keys: the image features, not sequence
+        positions) in place of ``attn.*``. None by default."""
+        return []
+
+    def z_site(self, layer: int) -> str:
+        """The per-head output site of decoder layer ``layer``: ``blocks.{l}.attn.hook_z``, or
+        ``blocks.{l}.cross_attn.hook_z`` on a cross-attention layer. Head ``(l, h)`` means that layer's head h."""
+        kind = "cross_attn" if layer in self.cross_attention_layers() else "attn"
+        return f"blocks.{layer}.{kind}.hook_z"
+
+    def pattern_site(self, layer: int) -> str:
+        """The attention-probability site of decoder layer ``layer`` (``attn.hook_pattern`` or
+        ``cross_attn.hook_pattern``)."""
+        return self.z_site(layer).removesuffix("hook_z") + "hook_pattern"
+
     def absent_sites(self) -> dict[str, SiteError]:
         """Site name -> the error asking for it raises, for the per-layer sites this model lacks (wildcards skip
         them); empty for every family whose layers are all alike."""
         out: dict[str, SiteError] = {}
-        for hook, present, error, what in (
-                ("attn.hook_pattern", self.pattern_layers(), NoAttentionPatternError, "softmax attention patterns"),
-                ("attn.hook_z", self.head_layers(), HeadLayoutError, f"{self.n_heads} heads of {self.d_head}")):
+        for site, present, error, what in (
+                (self.pattern_site, self.pattern_layers(), NoAttentionPatternError, "softmax attention patterns"),
+                (self.z_site, self.head_layers(), HeadLayoutError, f"{self.n_heads} heads of {self.d_head}")):
             for layer in sorted(set(range(self.n_layers)) - set(present)):
-                out[f"blocks.{layer}.{hook}"] = error(self.layer_error(layer, what, present))
+                out[site(layer)] = error(self.layer_error(layer, what, present))
         return out
+
+    def output_gate(self, layer: int, kind: str, layer_kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """What multiplies the output of layer ``layer``'s attention (``kind="attn"``) or MLP (``"mlp"``) module on
+        its way into the residual stream, given the keyword arguments the decoder layer was called with; None where
+        the output is added as it is (every family but Llama-3.2-Vision, whose cross-attention layers gate both).
+        ``hook_attn_out`` / ``hook_mlp_out`` are the gated outputs: what the layer adds."""
+        return None
 
     def layer_error(self, layer: int, what: str, present: list[int]) -> str:
         """The message of a per-layer capability that layer ``layer`` lacks: its kind and the layers that have it."""
@@ -293,6 +327,12 @@ class ModelAdapter:
             One :class:`ImageGrid` per grid, with each cell's position and original-image pixel box.
         """
         raise NotImplementedError
+
+    def key_grids(self, inputs: dict[str, torch.Tensor], row: int, image_ids: list[int],
+                  image_sizes: list[tuple[int, int]]) -> list[ImageGrid]:
+        """Grids over the cross-attention image keys of batch row ``row`` (positions: key indices, the last axis of
+        ``cross_attn.hook_pattern``); empty for families whose image sits in the sequence."""
+        return []
 
     def processor_images(self, rows: list[list[Any]]) -> list[Any]:
         """The ``images`` argument of the processor call for a batch whose row ``i`` has the images ``rows[i]``.

@@ -199,7 +199,7 @@ class PositionIDs:
 
 def _last_z(vlm: Any, batch: Any, heads: list[tuple[int, int]]) -> torch.Tensor:
     """``B H D`` z of each head at each row's last prompt position (float64, CPU)."""
-    sites = {l: f"blocks.{l}.attn.hook_z" for l in sorted({l for l, _ in heads})}
+    sites = {l: vlm.adapter.z_site(l) for l in sorted({l for l, _ in heads})}
     cache = vlm.capture(batch, list(sites.values()))
     rows = torch.arange(len(batch))
     last = torch.as_tensor(batch.last_positions, dtype=torch.long)

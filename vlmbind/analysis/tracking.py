@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from ..choices import TRACK_QUERIES as QUERIES
 from ..choices import TRACK_TASKS as TASKS
 from ..decoding import generate_ids
-from ..errors import InputError, close_matches
+from ..errors import InputError, NoImageTokensError, close_matches
 from ..evaluate import max_new_tokens_for, training_defaults
 from ..hooks import LastQuerySession
 from ..io import json_default, write_text_atomic
@@ -552,6 +552,11 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
         e = bad[0]
         raise InputError(f"example {e.id!r} is task {e.task!r}, regime {e.fields.get('regime')!r}; tracking needs "
                          f"Point-to-Answer count or search examples (counting(..., regime='p2a'))")
+    if not vlm.adapter.image_tokens_in_sequence:
+        raise NoImageTokensError(
+            f"track lays self-attention maps on the image tokens of the sequence; this {vlm.adapter.display_name} "
+            "model has none (its image enters through cross-attention layers, whose maps over the image keys "
+            "tracking does not read yet)")
     if canvas is None:
         canvas = getattr(dataset, "params", {}).get("canvas")
         if canvas is None:

@@ -265,10 +265,10 @@ def _last_outputs(vlm: Any, examples: Sequence[Any], heads: Sequence[tuple[int, 
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk])
-        z = vlm.capture(batch, [f"blocks.{l}.attn.hook_z" for l in layers])
+        z = vlm.capture(batch, [vlm.adapter.z_site(l) for l in layers])
         last = [row.last_position for row in batch.index]
         for l, h in heads:
-            values = z[f"blocks.{l}.attn.hook_z"]
+            values = z[vlm.adapter.z_site(l)]
             out[(l, h)].append(np.stack([values[r, p, h].float().cpu().numpy() for r, p in enumerate(last)]))
     return {h: np.concatenate(v) for h, v in out.items()}
 

@@ -37,7 +37,7 @@ def describe_model(name: str) -> dict[str, Any]:
 
     Returns:
         ``name, family, display_name, layers, heads, kv_heads, d_head, d_model, vision_layers, image_tokens,
-        grids [{name, image, rows, cols}], source``.
+        grids [{name, image, rows, cols}], key_grids (the same, over cross-attention keys), source``.
     """
     from PIL import Image
 
@@ -65,6 +65,9 @@ def describe_model(name: str) -> dict[str, Any]:
         "vision_layers": d["vision_layers"],
         "image_tokens": int(len(index.image_positions)),
         "grids": [{"name": g.name, "image": g.image, "rows": g.shape[0], "cols": g.shape[1]} for g in index.grids],
+        # cross-attention image keys laid on the image (Llama-3.2-Vision, whose sequence holds no image tokens)
+        "key_grids": [{"name": g.name, "image": g.image, "rows": g.shape[0], "cols": g.shape[1]}
+                      for g in getattr(index, "key_grids", [])],
         "source": vlm.source,
     }
 
@@ -93,7 +96,8 @@ def cmd_models(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, 
         [
             [
                 r["name"], r["display_name"], f"{r['layers']} x {r['heads']} ({r['kv_heads']})",
-                " + ".join(f"{g['name']} {g['rows']}x{g['cols']}" for g in r["grids"]) + f" = {r['image_tokens']}",
+                " + ".join(f"{g['name']} {g['rows']}x{g['cols']}" for g in r["grids"] or r.get("key_grids", []))
+                + (f" = {r['image_tokens']}" if r["grids"] else " cross-attention keys"),
                 r["source"],
             ]
             for r in rows

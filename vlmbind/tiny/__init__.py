@@ -22,6 +22,7 @@ from . import idefics3  # noqa: F401
 from . import mistral3  # noqa: F401
 from . import internvl  # noqa: F401
 from . import qwen3_5  # noqa: F401
+from . import mllama  # noqa: F401
 from .registry import TINY_BUILDERS, listed_names, register_tiny
 
 __all__ = ["TINY_BUILDERS", "TINY_NAMES", "build", "register_tiny", "tiny_family", "tiny_names_by_family"]
