@@ -28,6 +28,7 @@ from transformers import DynamicCache
 import vlmbind as vb
 from vlmbind.adapters.capabilities import capability_cells
 from vlmbind.adapters.mllama import MllamaAdapter
+from vlmbind.analysis import tracking
 from vlmbind.analysis.mediation import scene_task
 from vlmbind.batches import append_tokens
 from vlmbind.decoding import generate_ids, greedy_decode
@@ -308,11 +309,51 @@ def test_ui_overlays_a_cross_attention_head_on_the_key_grid_and_ablates_it(vlm):
     assert clean != ablated
 
 
-def test_tracking_is_refused_by_name(vlm):
-    from vlmbind.analysis.tracking import track, tracking_dataset
+@pytest.mark.parametrize("query", ["emit", "self"])
+def test_tracking_maps_are_the_cross_attention_over_the_keys(vlm, query):
+    """The maps track reads: each generated token's cross-attention over the image keys, equal to HF's
+    output_attentions of a full forward on the extended prompt; zero on the self-attention layers."""
+    batch = vlm.prepare(draw_scene(1, (112, 112)), PROMPT)
+    (ids, maps), = tracking._trace(vlm, batch, 4, query)
+    assert len(ids) >= 2 and maps.shape == (len(ids), 5, 4, 4 * KEYS_PER_TILE)
+    full = vlm.extend(batch, ids)
+    with torch.no_grad():
+        out = vlm.model(**vlm.model_inputs(full), output_attentions=True, use_cache=False)
+    p = batch.seq_len
+    for k in range(len(ids)):
+        q = p - 1 + k if query == "emit" else p + k
+        for layer in CROSS:
+            np.testing.assert_allclose(maps[k, layer], out.attentions[layer][0, :, q].numpy(), rtol=1e-4, atol=1e-6)
+    assert (maps[:, list(SELF)] == 0).all()
 
-    with pytest.raises(NoImageTokensError, match="cross-attention"):
-        track(vlm, tracking_dataset(vlm, "count", 1, seed=0))
+
+def test_attention_on_the_pointed_key_tracks_the_point(vlm, monkeypatch):
+    """A stand-in trace whose cross-attention peaks on the key under each written point: centroid RMSE 0 at the
+    cross-attention layers, none (empty maps) at the self-attention ones."""
+    tok = vlm.adapter.tokenizer
+    texts = [" (1, 2)", " (3, 0)"]
+    split = [tok(t, add_special_tokens=False)["input_ids"] for t in [*texts, " 2"]]
+    ids, owners = [t for s in split for t in s], [j for j, s in enumerate(split) for _ in s]
+
+    def fake(vlm_, batch, max_new_tokens, query):
+        rows = []
+        for r in range(len(batch)):
+            grid = batch.index[r].key_grids[0]  # 8 x 8 keys on a 4 x 4 canvas: 2 x 2 keys a canvas cell
+            maps = np.full((len(ids), 5, 4, 4 * KEYS_PER_TILE), 1e-4, dtype=np.float32)
+            maps[:, list(SELF)] = 0
+            for k, j in enumerate(owners):
+                x, y = (1, 2) if j == 0 else (3, 0) if j == 1 else (0, 0)
+                for layer in CROSS:
+                    maps[k, layer][:, grid.positions[2 * y:2 * y + 2, 2 * x:2 * x + 2].ravel()] = 0.5
+            rows.append((ids, maps))
+        return rows
+
+    monkeypatch.setattr(tracking, "_trace", fake)
+    res = tracking.track(vlm, vb.stimuli.counting(2, 0, objects=2, regime="p2a",
+                                                  canvas=vb.stimuli.Canvas(image_size=112, grid=4)), point_frame="canvas")
+    assert res.n_points == 4 and res.grid == "keys"
+    np.testing.assert_allclose(res.rmse_mean[list(CROSS)], 0.0, atol=1e-12)
+    assert np.isnan(res.rmse_mean[list(SELF)]).all()
 
 
 @pytest.mark.parametrize("condition", ["id_retrieval", "id_selection", "feature_retrieval"])

@@ -24,9 +24,9 @@ So at a cross-attention layer ``l``:
   in the padding have empty boxes). CLS keys are in no cell.
 
 What does not apply: no position of the sequence is an image token (``<|image|>`` is a placeholder, role
-``special``), so the ``image_attention`` ablation, image-token grids and per-object pooling of language-model sites
-are refused by name; every key of a cross-attention head is an image key, so its zero ablation removes its image
-attention. An HF detail users meet: text rows before the first image token have an all-zero cross-attention mask,
+``special``), so the ``image_attention`` ablation and per-object pooling of language-model sites are refused by name;
+every key of a cross-attention head is an image key, so its zero ablation removes its image attention. Tracking lays
+the cross-attention layers' maps on the key grid (the self-attention layers' maps are empty). An HF detail users meet: text rows before the first image token have an all-zero cross-attention mask,
 which HF turns into uniform attention over the image keys (not none), and only the MLP's output is masked on those
 rows, so their ``cross_attn.hook_z`` is not zero and patching it changes the output.
 
@@ -75,8 +75,8 @@ class MllamaAdapter(ModelAdapter):
         "exact locate": "yes (no prefix-cache reuse: cross-attention layers cache the image's keys; every head "
                         "reruns the prompt from its layer)",
         "vision-token sites": "no: the family declares no map from vision-block rows to patch keys",
-        "points": "no: track and search heads read self-attention maps over the sequence's image tokens, and this "
-                  "family has none; maps over cross-attention keys are not read yet",
+        "points": "yes (formats that carry their frame; track lays the cross-attention layers' maps on the key grid, "
+                  "the self-attention layers' maps are empty)",
     }
     model_types = ("mllama",)
     model_class_name = "MllamaForConditionalGeneration"

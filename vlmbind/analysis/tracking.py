@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from ..choices import TRACK_QUERIES as QUERIES
 from ..choices import TRACK_TASKS as TASKS
 from ..decoding import generate_ids
-from ..errors import InputError, NoImageTokensError, close_matches
+from ..errors import InputError, close_matches
 from ..evaluate import max_new_tokens_for, training_defaults
 from ..hooks import LastQuerySession
 from ..io import json_default, write_text_atomic
@@ -62,6 +62,8 @@ __all__ = [
 ]
 
 PATTERN_SITES = "blocks.*.attn.hook_pattern"
+# a cross-attention family (Llama-3.2-Vision): the image is only the cross-attention layers' keys
+CROSS_PATTERN_SITES = "blocks.*.cross_attn.hook_pattern"
 TOKEN_RULE = ("every generated token whose decoded characters overlap the point's span, i.e. the tokens from the one "
               "holding '(' to the one holding ')' (a leading space in the '(' token rides along); in a Molmo2 tag "
               "with several points, the tokens of each point's 'idx x y' triple")
@@ -220,17 +222,27 @@ def _trace(vlm: Any, batch: Any, max_new_tokens: int, query: str) -> list[tuple[
 
     Returns:
         Per row: the generated ids up to (not including) the first end-of-sequence token, and ``T L H P`` float32
-        attention from each token's query to the ``P`` prompt positions (image tokens all lie in the prompt).
+        attention from each token's query to the ``P`` prompt positions (image tokens all lie in the prompt); on a
+        cross-attention family ``T L H K`` to the ``K`` image keys of the cross-attention layers (zero on the other
+        layers).
     """
-    sites = vlm.sites(PATTERN_SITES)
+    cross = vlm.adapter.cross_attention_layers()
+    sites = vlm.sites(CROSS_PATTERN_SITES if cross else PATTERN_SITES)
     extra = 1 if query == "self" else 0  # a token's own query runs one step after it is produced
     session = LastQuerySession(vlm.adapter, sites, [*vlm.active], index=batch.index)
     out = generate_ids(vlm, batch, max_new_tokens + extra, session)
     p = batch.seq_len
     new = out[:, p:].cpu()
     steps = len(session.captured[sites[0].name])
-    # L x [steps x (B H K_s)] -> B steps L H P: keys beyond the prompt are generated text, never image tokens
-    per_layer = [torch.stack([s[:, :, :p] for s in session.captured[site.name]], 1) for site in sites]
+    if cross:
+        # L x [steps x (B H K)] over the image keys, the same every step; a self-attention layer attends to no
+        # image key: its maps are zero (empty, NaN centroids)
+        captured = {site.layer: torch.stack(session.captured[site.name], 1) for site in sites}
+        blank = torch.zeros_like(next(iter(captured.values())))
+        per_layer = [captured.get(layer, blank) for layer in range(vlm.n_layers)]
+    else:
+        # L x [steps x (B H K_s)] -> B steps L H P: keys beyond the prompt are generated text, never image tokens
+        per_layer = [torch.stack([s[:, :, :p] for s in session.captured[site.name]], 1) for site in sites]
     maps = torch.stack(per_layer, 2).numpy()
     eos = vlm.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
@@ -501,11 +513,14 @@ class TrackResult(Result):
 # track
 # ----------------------------------------------------------------------------------------------------------------
 def _pick_grid(index: Any, grid: str | None) -> Any:
-    try:
-        return index.grid(grid, image=0)
-    except KeyError:
-        names = [g.name for g in index.grids if g.image == 0]
-        raise InputError(f"no image-token grid {grid!r}.{close_matches(str(grid), names)} Grids: {names}") from None
+    """The grid the maps are laid on: an image-token grid, or on a family whose image is only cross-attention keys
+    (``index.key_grids``), a key grid."""
+    grids = [g for g in (index.grids or index.key_grids) if g.image == 0]
+    for g in grids:
+        if grid is None or g.name == grid:
+            return g
+    names = [g.name for g in grids]
+    raise InputError(f"no image-token grid {grid!r}.{close_matches(str(grid), names)} Grids: {names}")
 
 
 def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit", grid: str | None = None,
@@ -552,11 +567,6 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
         e = bad[0]
         raise InputError(f"example {e.id!r} is task {e.task!r}, regime {e.fields.get('regime')!r}; tracking needs "
                          f"Point-to-Answer count or search examples (counting(..., regime='p2a'))")
-    if not vlm.adapter.image_tokens_in_sequence:
-        raise NoImageTokensError(
-            f"track lays self-attention maps on the image tokens of the sequence; this {vlm.adapter.display_name} "
-            "model has none (its image enters through cross-attention layers, whose maps over the image keys "
-            "tracking does not read yet)")
     if canvas is None:
         canvas = getattr(dataset, "params", {}).get("canvas")
         if canvas is None:
