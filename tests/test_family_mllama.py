@@ -93,6 +93,8 @@ def test_capability_cells_say_what_does_not_apply():
     assert cells["ablation"].startswith("yes") and "image_attention n/a because" in cells["ablation"]
     assert cells["TransformerLens"].startswith("no: ")
     assert "cross_attn.hook_z" in cells["capture"]
+    assert cells["object tokens"].startswith("n/a because the image never enters")
+    assert capability_cells(type(get_tiny("tiny-llava").adapter))["object tokens"] == "yes"
 
 
 # ---- the cross-attention sites against HF and nnsight ---------------------------------------------------------------

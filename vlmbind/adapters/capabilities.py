@@ -19,6 +19,8 @@ CAPABILITIES: dict[str, str] = {
     "ablation": "zero, mean and image_attention ablation of chosen heads",
     "exact locate": "head-level CMA by the exact prefix-cache method, equal to one forward per head",
     "position-ID edits": "VSM's additive edit of estimated position-ID vectors",
+    "object tokens": "language-model sites pooled over the image tokens each object covers (RSA, probes, "
+                     "IsSameObject)",
     "vision-token sites": "vision-block rows pooled per image token or object (RSA, IsSameObject)",
     "points": "answers with points read onto the stimulus canvas (track, search heads)",
     "TransformerLens": "the TransformerLens bridge wraps the model, hooks agree",
@@ -33,6 +35,9 @@ def capability_cells(adapter: type[ModelAdapter]) -> dict[str, str]:
         ValueError: a note names no column or does not start with ``yes``, ``n/a because`` or ``no:``.
     """
     cells = {name: "yes" for name in CAPABILITIES}
+    if not adapter.image_tokens_in_sequence:
+        cells["object tokens"] = ("n/a because the image never enters the language model's sequence (only "
+                                  "cross-attention keys); per-object captures of its sites are refused by name")
     if adapter.vision_row_tokens is ModelAdapter.vision_row_tokens:
         cells["vision-token sites"] = "no: the family declares no map from vision-block rows to image tokens"
     if adapter.point_frames:
