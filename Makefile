@@ -12,7 +12,7 @@ PYTEST_ARGS ?= -n auto --dist loadfile --durations=25
 export VLMBIND_TOKENIZERS ?= $(HOME)/.cache/vlmbind/tokenizers
 VOCAB_STAMP := $(VLMBIND_TOKENIZERS)/.fetched
 
-.PHONY: setup tokenizers test demo bench clean
+.PHONY: setup tokenizers browser test demo bench clean
 
 setup: $(STAMP) $(VOCAB_STAMP)
 
@@ -35,7 +35,13 @@ $(STAMP): pyproject.toml requirements.lock
 	@$(PIP) install --disable-pip-version-check -q --no-deps -e .
 	@touch $(STAMP)
 
-test: setup
+# static figure export (kaleido) and the browser test drive Debian's chromium, never a downloaded browser
+browser:
+	@command -v chromium >/dev/null 2>&1 || { echo "[setup] Debian's chromium (figure export, browser test; about 20 s)"; \
+	  apt-get update -qq && apt-get install -y -qq chromium >/dev/null || \
+	  echo "could not install chromium (needs root and apt): image export and the browser test will fail"; }
+
+test: setup browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
