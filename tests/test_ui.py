@@ -183,8 +183,8 @@ def _answer_changing_head(ctl: UIController, state: dict, scores: vb.HeadScores)
 
 
 def test_browser_click_ablates_head_and_exports(vlm, ctl, state, tmp_path) -> None:
-    # the browser is part of the set-up (.ci/run installs Debian's chromium when it is missing), so no skip
-    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: apt-get install -y chromium (see .ci/run)"
+    # the browser is part of the set-up (`make test` installs Debian's chromium when it is missing), so no skip
+    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: run `make browser` (installs Debian's chromium)"
     from playwright.sync_api import sync_playwright
     from werkzeug.serving import make_server
 
