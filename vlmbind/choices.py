@@ -43,7 +43,7 @@ IG_STEPS = 8
 EVAL_CHECKPOINT = "eval.partial.jsonl"
 
 # --- ablate, validate (vlmbind.analysis.ablation, vlmbind.analysis.validate) -------------------------------------
-ABLATION_MODES = ("image_attention", "zero", "mean")
+ABLATION_MODES = ("image_attention", "zero", "mean", "role_mean")
 VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients")
 DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
 # where a position-ID edit is added: the prompt's last position (VSM's), or also every answer position

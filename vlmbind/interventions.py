@@ -9,7 +9,7 @@ with it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -159,26 +159,33 @@ class AblateHeads(Intervention):
     """Zero- or mean-ablate heads' outputs z.
 
     Attributes:
-        mode: ``"zero"`` or ``"mean"``.
+        mode: ``"zero"``, ``"mean"`` (one mean per head, or per position) or ``"role_mean"`` (one mean per head and
+            token role: image tokens get the head's mean over image tokens, text tokens its mean over text tokens,
+            and so on; tokens generated after the prompt are text; padding is left as it is).
         positions: positions to ablate (as in :class:`PatchHeads`); ``None`` ablates every position.
         means: for ``"mean"``: ``h D`` (one mean per head) or ``P h D`` (per position) mean z, e.g. from
-            :meth:`VLM.head_means`.
+            :meth:`VLM.head_means`; for ``"role_mean"``: role -> ``h D`` (``VLM.head_means(..., by_role=True)``).
     """
 
     mode: str = "zero"
     positions: Any = None
-    means: torch.Tensor | None = None
+    means: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mode not in ("zero", "mean"):
-            raise InterventionError(f"AblateHeads.mode must be 'zero' or 'mean', got {self.mode!r}")
+        if self.mode not in ("zero", "mean", "role_mean"):
+            raise InterventionError(f"AblateHeads.mode must be 'zero', 'mean' or 'role_mean', got {self.mode!r}")
         if self.mode == "mean" and self.means is None:
             raise InterventionError("AblateHeads(mode='mean') needs means: pass means=vlm.head_means(batch, layer)")
+        if self.mode == "role_mean" and not isinstance(self.means, Mapping):
+            raise InterventionError("AblateHeads(mode='role_mean') needs means as role -> (heads, d_head): pass "
+                                    "means=vlm.head_means(batch, layer, heads, by_role=True)")
 
     def edit_z(self, z: torch.Tensor, index: Sequence[TokenIndex] | None) -> torch.Tensor:
         b, p, _, d = z.shape
         heads = torch.tensor(self.heads, device=z.device)
+        if self.mode == "role_mean":
+            return self._role_fill(z, index, heads)
         if self.mode == "zero":
             fill = torch.zeros(len(self.heads), d, dtype=z.dtype, device=z.device)
         else:
@@ -200,6 +207,47 @@ class AblateHeads(Intervention):
         else:
             fill = fill.expand(b, pos.shape[1], len(self.heads), d)
         z[rows, pos[:, :, None], heads[None, None, :]] = fill
+        return z
+
+    def _role_fill(self, z: torch.Tensor, index: Sequence[TokenIndex] | None, heads: torch.Tensor) -> torch.Tensor:
+        """Each position's z of the heads replaced by the mean of its role (padding untouched)."""
+        b, p, _, d = z.shape
+        if index is None or len(index) != b:
+            raise InterventionError("AblateHeads(mode='role_mean') needs the batch's TokenIndex (run it through "
+                                    "VLM.run, VLM.generate or VLM.ablate)")
+        roles = sorted(self.means)
+        table = torch.stack([torch.as_tensor(self.means[r]) for r in roles]).to(device=z.device, dtype=z.dtype)
+        if table.shape[1:] != (len(self.heads), d):
+            raise InterventionError(f"AblateHeads: each role's mean must have shape (heads, d_head) = "
+                                    f"({len(self.heads)}, {d}), got {tuple(table.shape[1:])}")
+        code = np.full((b, p), -1, dtype=np.int64)
+        for row, ti in enumerate(index):
+            n = len(ti.roles)
+            if p >= n:  # the prompt, then tokens appended by a full-sequence greedy decode
+                row_roles = np.concatenate([ti.roles, np.full(p - n, "text", dtype=ti.roles.dtype)])
+            elif p == 1:  # a decode step on the key/value cache: a generated token
+                row_roles = np.array(["text"])
+            else:
+                raise InterventionError(f"AblateHeads(mode='role_mean'): a forward over {p} of the prompt's {n} "
+                                        "positions cannot be matched to their roles; run full sequences or "
+                                        "single-token decode steps")
+            for role in set(row_roles.tolist()) - {"pad"}:
+                if role not in self.means:
+                    raise InterventionError(
+                        f"AblateHeads(mode='role_mean'): row {row} has {role!r} tokens but the means cover only "
+                        f"{roles}; compute them on a batch with the same kinds of tokens")
+                code[row, row_roles == role] = roles.index(role)
+        code_t = torch.as_tensor(code, device=z.device)
+        selected = torch.zeros(b, p, dtype=torch.bool, device=z.device)
+        if self.positions is None:
+            selected[:] = True
+        else:
+            pos = positions_tensor(self.positions, b, p, "AblateHeads").to(z.device)
+            selected[torch.arange(b, device=z.device)[:, None], pos] = True
+        selected &= code_t >= 0
+        fill = table[code_t.clamp_min(0)]  # B P h D
+        sub = z[:, :, heads]
+        z[:, :, heads] = torch.where(selected[:, :, None, None], fill, sub)
         return z
 
 

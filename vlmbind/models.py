@@ -11,13 +11,14 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
 from . import adapters as _adapters  # noqa: F401  (registers the families)
 from .adapters.base import ModelAdapter, adapter_class_for_config
 from .batches import Batch, RunOutput, append_tokens
-from .choices import PROMPT_FORMATS
+from .choices import ABLATION_MODES, PROMPT_FORMATS
 from .decoding import generate_ids
 from .errors import InputError, close_matches
 from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
@@ -308,11 +309,24 @@ class VLM:
         """Captured activations for ``sites`` (site name -> tensor)."""
         return self.run(batch, sites=sites).cache
 
-    def head_means(self, batch: Batch, layer: int, heads: Sequence[int], per_position: bool = False) -> torch.Tensor:
-        """Mean z of ``heads`` at ``layer`` over the batch: ``h D``, or ``P h D`` with ``per_position``
-        (for :class:`AblateHeads` mean mode). Padding positions are excluded from the mean."""
+    def head_means(self, batch: Batch, layer: int, heads: Sequence[int], per_position: bool = False,
+                   by_role: bool = False) -> Any:
+        """Mean z of ``heads`` at ``layer`` over the batch (for :class:`AblateHeads`), padding excluded.
+
+        Returns ``h D``; ``P h D`` with ``per_position``; with ``by_role``, role -> ``h D``, the mean over the
+        batch's tokens of each role present (``image``, ``text``, ``special``; see :class:`TokenIndex`).
+        """
+        if per_position and by_role:
+            raise InputError("head_means: choose per_position or by_role, not both")
         site = self.adapter.z_site(layer)
         z = self.capture(batch, site)[site][:, :, list(heads)]
+        if by_role:
+            roles = np.stack([ti.roles for ti in batch.index])
+            out = {}
+            for role in sorted(set(roles.ravel().tolist()) - {"pad"}):
+                mask = torch.as_tensor(roles == role, device=z.device)
+                out[role] = z[mask].mean(0)
+            return out
         mask = batch.inputs["attention_mask"].to(z.device, z.dtype)[:, :, None, None]
         if per_position:
             return (z * mask).sum(0) / mask.sum(0).clamp_min(1)
@@ -343,14 +357,16 @@ class VLM:
 
         Args:
             heads: ``[(layer, head), ...]`` or ``"12.3,14.0"``.
-            mode: ``image_attention`` (zero attention to image tokens after the softmax), ``zero`` or ``mean`` (z).
+            mode: ``image_attention`` (zero attention to image tokens after the softmax), ``zero``, ``mean`` or
+                ``role_mean`` (z; see :class:`AblateHeads`).
             renormalize: for ``image_attention``: renormalise the remaining attention.
-            means: for ``mean``: layer -> ``h D`` means of that layer's listed heads, in the order given.
+            means: for ``mean``: layer -> ``h D`` means of that layer's listed heads, in the order given; for
+                ``role_mean``: layer -> role -> ``h D`` (:meth:`head_means` with ``by_role``).
         """
         by_layer: dict[int, list[int]] = {}
         for layer, head in parse_heads(heads):
             by_layer.setdefault(layer, []).append(head)
-        modes = ("image_attention", "zero", "mean")
+        modes = ABLATION_MODES
         if mode not in modes:
             raise InputError(f"ablation mode {mode!r} is not one of {modes}.{close_matches(mode, modes)}")
         items: list[Intervention] = []
@@ -361,8 +377,8 @@ class VLM:
                 items.append(AblateHeads(layer=layer, heads=hs, mode="zero"))
             else:
                 if means is None or layer not in means:
-                    raise InputError(f"mean ablation of layer {layer} needs means[{layer}] (see VLM.head_means)")
-                items.append(AblateHeads(layer=layer, heads=hs, mode="mean", means=means[layer]))
+                    raise InputError(f"{mode} ablation of layer {layer} needs means[{layer}] (see VLM.head_means)")
+                items.append(AblateHeads(layer=layer, heads=hs, mode=mode, means=means[layer]))
         return self.intervene(items)
 
     def generate(

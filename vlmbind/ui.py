@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from .analysis import locate
-from .choices import UI_CONDITIONS
+from .choices import ABLATION_MODES, UI_CONDITIONS
 from .errors import InputError
 from .evaluate import training_defaults
 from .hooks import PatchHeads
@@ -35,7 +35,7 @@ from .stimuli import scene_pairs
 from .userfiles import SCORE_COLUMNS, read_json_object, read_scores
 from .viz import attention_overlay, head_heatmap
 
-MODES = ("image_attention", "zero", "mean")
+MODES = ABLATION_MODES
 ACTIONS = ("ablate", "patch")
 # last-token conditions of scene_pairs: their counterfactual is patched at the last position, as the UI does
 CONDITIONS = UI_CONDITIONS
@@ -299,9 +299,10 @@ class UIController:
         if action != "ablate":
             raise InputError(f"action {action!r} is not one of {ACTIONS}")
         means = None
-        if mode == "mean":
-            # mean z over every position of the current input (the only data the page has)
-            means = {l: self.vlm.head_means(batch, l, [h for ll, h in heads if ll == l]) for l in {l for l, _ in heads}}
+        if mode in ("mean", "role_mean"):
+            # mean z over the current input's positions (of each role for role_mean): the only data the page has
+            means = {l: self.vlm.head_means(batch, l, [h for ll, h in heads if ll == l], by_role=mode == "role_mean")
+                     for l in {l for l, _ in heads}}
         return [], self.vlm.ablate(heads, mode=mode, means=means)
 
     def answer(self, state: dict[str, Any] | None, heads: list[str] | None, action: str = "ablate",

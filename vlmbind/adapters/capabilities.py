@@ -16,7 +16,7 @@ from .base import ADAPTERS, ModelAdapter
 CAPABILITIES: dict[str, str] = {
     "capture": "every LM site (hook_z, hook_pattern, residual, attention / MLP outputs), vision blocks, projector",
     "head patching": "PatchHeads / PatchHeadEntries at any positions, identity exact",
-    "ablation": "zero, mean and image_attention ablation of chosen heads",
+    "ablation": "zero, mean, role_mean and image_attention ablation of chosen heads",
     "exact locate": "head-level CMA by the exact prefix-cache method, equal to one forward per head",
     "position-ID edits": "VSM's additive edit of estimated position-ID vectors",
     "object tokens": "language-model sites pooled over the image tokens each object covers (RSA, probes, "

@@ -2,7 +2,11 @@
 
 Ablation modes (``VLM.ablate``): ``image_attention`` zeroes the heads' attention to image tokens after the softmax
 (renormalised or not), ``zero`` zeroes their output z, ``mean`` replaces z by its mean over the evaluated data set
-(one mean per head over every non-padding position). Random-k draws k distinct heads uniformly with each seed, by
+(one mean per head over every non-padding position), ``role_mean`` by its mean over the positions of the same token
+role (image tokens get the head's mean over image tokens, text tokens its mean over text tokens): a head's output on
+image tokens and on text tokens can differ by far more than its information about one input, so the global mean
+writes an image-like vector onto text positions and vice versa, and can break a model through a head that carries
+nothing the task needs. Random-k draws k distinct heads uniformly with each seed, by
 default from the heads outside the top-k (so a random draw never repeats the top arm); the same k and mode are used
 for every arm, so the comparison isolates which heads are ablated.
 
@@ -200,7 +204,7 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
         raise InputError(f"scores must give each of the model's {vlm.n_layers} x {vlm.n_heads} heads once")
     if not 1 <= k <= n_heads // 2:
         raise InputError(f"k = {k} must be between 1 and half the heads ({n_heads // 2}) so top and bottom differ")
-    means = _means(vlm, dataset, ranked) if mode == "mean" else None
+    means = _means(vlm, dataset, by_role=mode == "role_mean") if mode in ("mean", "role_mean") else None
     result = AblationResult(vlm.name, dataset[0].task, mode, k, renormalize,
                             prompt_format=vlm.active_prompt_format, random_from=random_from, bottom_by=bottom_by)
 
@@ -210,7 +214,9 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
             if means is not None:
                 layer_means = {}
                 for layer in sorted({l for l, _ in heads}):
-                    layer_means[layer] = means[layer][[h for l, h in heads if l == layer]]
+                    picked = [h for l, h in heads if l == layer]
+                    layer_means[layer] = ({role: m[picked] for role, m in means[layer].items()}
+                                          if mode == "role_mean" else means[layer][picked])
             with vlm.ablate(heads, mode=mode, renormalize=renormalize, means=layer_means):
                 acc = evaluate(vlm, dataset, batch_size=batch_size)
         else:
@@ -247,8 +253,10 @@ def least_involved(scores: Any, k: int) -> list[tuple[int, int]]:
     return [(int(l), int(h)) for l, h in zip(frame["layer"][:k], frame["head"][:k])]
 
 
-def _means(vlm: Any, dataset: Any, ranked: list[tuple[int, int]]) -> dict[int, Any]:
-    """Per layer, ``H D`` mean z of every head over the data set (capped at 64 examples)."""
+def _means(vlm: Any, dataset: Any, by_role: bool = False) -> dict[int, Any]:
+    """Per layer, ``H D`` mean z of every head over the data set (capped at 64 examples); ``by_role``: role ->
+    ``H D``."""
     examples = list(dataset)[:64]
     batch = vlm.prepare([e.image for e in examples], [e.prompt for e in examples])
-    return {layer: vlm.head_means(batch, layer, list(range(vlm.n_heads))) for layer in range(vlm.n_layers)}
+    return {layer: vlm.head_means(batch, layer, list(range(vlm.n_heads)), by_role=by_role)
+            for layer in range(vlm.n_layers)}

@@ -23,7 +23,8 @@ def add_parser(sub: Any, common: Any) -> None:
     heads.add_argument("--scores", help="a scores.csv from vlmbind locate")
     p.add_argument("--top-k", type=int, default=5, help="heads per arm (default 5)")
     p.add_argument("--mode", choices=MODES, default="image_attention",
-                   help="image_attention (zero attention to image tokens), zero or mean (the head's output)")
+                   help="image_attention (zero attention to image tokens), zero, mean (the head's output replaced by its mean "
+                        "over every token) or role_mean (by its mean over the tokens of the same role: image, text)")
     p.add_argument("--renormalize", action="store_true", help="image_attention: renormalise the remaining attention")
     p.add_argument("--seeds", type=int, default=5,
                    help="random-k draws, each from the heads outside the top-k (default 5)")
