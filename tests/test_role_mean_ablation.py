@@ -84,8 +84,8 @@ def test_role_mean_ablation_writes_each_roles_mean_and_keeps_padding(tiny, batch
     out = tiny.run(batch, sites=[site], interventions=[edit])[site]
     roles = np.stack([ti.roles for ti in batch.index])
     for role, mean in means.items():
-        torch.testing.assert_close(out[torch.as_tensor(roles == role)][:, HEADS], mean.expand(int((roles == role).sum()),
-                                   -1, -1), atol=0, rtol=0)
+        rows = out[torch.as_tensor(roles == role)][:, HEADS]
+        torch.testing.assert_close(rows, mean.expand(len(rows), -1, -1), atol=0, rtol=0)
     pad = torch.as_tensor(roles == "pad")
     torch.testing.assert_close(out[pad], clean[pad], atol=0, rtol=0)
     others = [h for h in range(tiny.n_heads) if h not in HEADS]

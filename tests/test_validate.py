@@ -125,6 +125,11 @@ def test_the_readmes_show_the_saved_ground_truth_table():
                 assert row["auroc"] == pytest.approx(r["auroc"])
 
 
+def vsm_heads(result: ValidationResult) -> int:
+    """How many heads the result ranks (the last rank)."""
+    return len({(r["layer"], r["head"]) for r in result.scores})
+
+
 def test_the_ground_truth_results_back_what_its_readme_says():
     """circuits/ground_truth/README.md's prose, against the saved results it is drawn from."""
     from pathlib import Path
@@ -133,16 +138,22 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     vsm = ValidationResult.load(results / "organism-vsm")
     twin = ValidationResult.load(results / "organism-vsm-natural")
     rows = {(r["condition"], r["method"]): r for r in vsm.methods}
-    for condition in ("id_selection", "feature_retrieval"):  # every method ranks both planted heads first
-        for method in ("exact", "attribution", "integrated_gradients"):
+    for condition in ("id_selection", "feature_retrieval"):  # exact and IG rank both planted heads first
+        for method in ("exact", "integrated_gradients"):
             assert rows[(condition, method)]["planted_ranks"] == [1] and rows[(condition, method)]["auroc"] == 1.0
         assert rows[(condition, "exact")]["ratio"] >= 5
-    assert rows[("id_selection", "attribution")]["ratio"] < 5 < rows[("id_selection", "integrated_gradients")]["ratio"]
+    # "attribution finds 4.2 but ranks 2.1 last for id_selection, with a negative score"
+    assert rows[("feature_retrieval", "attribution")]["planted_ranks"] == [1]
+    assert rows[("id_selection", "attribution")]["planted_ranks"] == [vsm_heads(vsm)]
+    assert rows[("id_selection", "attribution")]["planted_min"] < 0
     assert all(c["max_abs_difference"] < 1e-3 for c in vsm.naive_check.values())
     arms = vsm.ablation_summary()
-    assert all(a["top"] <= 0.40 for a in arms.values())
-    assert arms["image_attention"]["random"] >= 0.9 and arms["zero"]["random"] >= 0.9
-    assert arms["mean"]["random_min"] < 0.5  # "one random draw also breaks it"
+    assert set(arms) == {"image_attention", "zero", "mean", "role_mean"}
+    assert all(a["top"] <= 0.40 and a["random"] >= 0.9 and a["bottom"] >= 0.9 for a in arms.values())
+    assert not any(h.startswith("0.") for a in vsm.ablation if a["arm"] == "random" for h in a["heads"].split())
+    for other in (twin, ValidationResult.load(results / "organism-p2a")):  # global means break more random draws
+        lowest = {mode: a["random_min"] for mode, a in other.ablation_summary().items()}
+        assert lowest["mean"] < lowest["role_mean"] and lowest["mean"] < lowest["zero"], (other.model, lowest)
     probes = {(p["head"], p["target"]): p["accuracy"] for p in vsm.probes}
     assert probes[("2.1", "cell")] >= 0.9 and min(probes[("2.1", t)] for t in ("colour", "shape")) >= 0.9
     twin_probes = {(p["head"], p["target"]): p["accuracy"] for p in twin.probes}
@@ -150,7 +161,10 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     twin_rows = {(r["condition"], r["method"]): r for r in twin.methods}
     assert twin_rows[("id_selection", "exact")]["unplanted_max_abs"] < 0.05  # near zero: no ID pipeline
     edit = vsm.edit_summary()
-    assert edit["control"] < edit["efficacy"] < 0.79 and vsm.params["edit_positions"] == "answer"
+    assert edit["efficacy"] >= 0.79 and edit["control"] > 0.10 and vsm.params["edit_positions"] == "answer"
+    at = {(r["alpha"], r["arm"]): r["efficacy"] for r in vsm.edit}
+    assert at[(2 * edit["alpha"], "edit")] >= 0.79 and at[(2 * edit["alpha"], "control")] <= 0.10
+    assert at[(4 * edit["alpha"], "edit")] < 0.5  # "beyond that the edit overshoots"
 
     runner = _ground_truth_script("interchange")
     document = json.loads((results / "interchange.json").read_text())
@@ -158,8 +172,7 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     assert runner.BEGIN + "\n" + runner.markdown(document) + "\n" + runner.END in readme
     planted = next(r for r in document["results"] if r["model"] == "organism-vsm")["variables"]
     cells = {(x["objects"], x["entropy"]): x["interchange_accuracy"] for x in planted["id_selection"]["settings"]}
-    assert min(cells[(2, "high")], cells[(2, "low")]) >= 0.9  # "most two-object scenes"
-    assert 0.3 <= (cells[(3, "high")] + cells[(3, "low")]) / 2 <= 0.7  # "about half of the held-out ones"
+    assert min(cells.values()) >= 0.9  # "ID selection on nearly all, the held-out three-object scenes among them"
     assert planted["id_selection"]["unplanted_heads_above_0.02"] == []  # strictness holds on id_selection pairs
     above = planted["feature_retrieval"]["unplanted_heads_above_0.02"]
     assert len(above) == 2 and all(h.startswith("0.") for h in above)  # "two layer-0 heads still do"

@@ -44,11 +44,16 @@ def headline(result: ValidationResult) -> list[dict]:
                          "condition": mode, "method": arm, "value": arms[arm],
                          "n": next(a["n"] for a in result.ablation if a["mode"] == mode),
                          "seeds": arms["random_seeds"] if arm.startswith("random") else None})
-    edit = result.edit_summary()
-    if edit:
+    best = (result.edit_summary() or {}).get("alpha")
+    for r in result.edit:
+        if r["arm"] != "edit" or r["alpha"] == 0:
+            continue
+        control = next((c["efficacy"] for c in result.edit if c["arm"] == "control" and c["alpha"] == r["alpha"]),
+                       None)
         rows.append({"model": result.model, "reference": result.reference, "part": "edit",
-                     "condition": "id_selection", "method": f"alpha {edit['alpha']:g}", "value": edit["efficacy"],
-                     "control": edit["control"], "n": edit["n"], "heads": " ".join(result.heads["id_selection"])})
+                     "condition": "id_selection" + (" (best)" if r["alpha"] == best else ""),
+                     "method": f"alpha {r['alpha']:g}", "value": r["efficacy"], "control": control, "n": r["n"],
+                     "heads": " ".join(result.heads["id_selection"])})
     for p in result.probes:
         rows.append({"model": result.model, "reference": result.reference, "part": "probe", "condition": p["target"],
                      "method": "logistic", "heads": p["head"], "value": p["accuracy"], "chance": p["chance"],
@@ -102,9 +107,12 @@ def markdown_tables(table: pd.DataFrame) -> str:
                        f"{int(arm['clean']['n'])} |")
     edits = [r for r in rows if r["part"] == "edit"]
     if edits:
-        out += ["", "Position-ID edit at the reference ID-selection heads (best alpha; control: an empty cell's ID):",
-                "", "| model | heads | alpha | efficacy | control | n |", "|---|---|---|---|---|---|"]
-        out += [f"| {r['model']} | {r['heads']} | {r['method'].split()[1]} | {_cell(r['value'])} | "
+        out += ["", "Position-ID edit at the reference ID-selection heads, every alpha (efficacy: the answer switches "
+                "to the object at the target cell; control: the same edit towards an empty cell's ID; best: the "
+                "highest efficacy):", "", "| model | heads | alpha | efficacy | control | n |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {r['model']} | {r['heads']} | {r['method'].split()[1]}"
+                f"{' (best)' if r['condition'].endswith('(best)') else ''} | {_cell(r['value'])} | "
                 f"{_cell(r['control'])} | {int(r['n'])} |" for r in edits]
     probes = [r for r in rows if r["part"] == "probe"]
     if probes:

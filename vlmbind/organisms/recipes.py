@@ -75,7 +75,11 @@ def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
        accuracy stays at the unpatched rate).
     3. Two losses on the ID-selection head in the source run (a readout of the missing object's cell from its output
        and a cross-entropy on its attention landing on that object's image token; eager attention): ID selection
-       takes.
+       takes, on two-object and low-entropy scenes; on high-entropy ones, where the described features alone also
+       name the missing object, the later layers still often read the features the head copies with the position.
+    4. The same losses from stage 3's weights with the IIT loss weighing 2, strictness 1, 12 pairs a step, and
+       high-entropy pairs drawn twice as often: the position then moves the answer on high-entropy and held-out
+       scenes too.
     """
     common = {"regime": "p2a", "seed": seed, "batch_size": 16, "image_size": 168, "tasks": {"scene": 1.0},
               "task_options": {"scene": {"objects": [2, 4], **_POOLS}}, "final_lr_ratio": 0.1,
@@ -87,14 +91,17 @@ def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
              "init_from": str(organism_dir("organism-p2a")), "init_layers": [None] * 6}
     second = {**common, "steps": 2500, "lr": 7e-4, "warmup": 50, "attn_implementation": "sdpa"}
     third = {**common, "steps": 2000, "lr": 7e-4, "warmup": 50, "attn_implementation": "eager"}
+    fourth = {**common, "steps": 1500, "lr": 3e-4, "warmup": 50, "attn_implementation": "eager"}
     if planted:
         first["siit"] = {**VSM_SIIT, "source_grad": False}
         second["siit"] = {**VSM_SIIT, "source_grad": True}
         third["siit"] = {**VSM_SIIT, "source_grad": True, "selection_weight": 1.0,
                          "selection_attention_weight": 1.0}
+        fourth["siit"] = {**third["siit"], "iit_weight": 2.0, "strict_weight": 1.0, "pairs": 12,
+                          "entropies": ["high", "high", "low"]}
     suffix = "siit" if planted else "natural"
     return [(f"1-fresh-lm-{suffix}", first), (f"2-source-grad-{suffix}", second),
-            (f"3-selection-{suffix}", third)]
+            (f"3-selection-{suffix}", third), (f"4-robust-{suffix}", fourth)]
 
 
 RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct", "organism-vsm": "vsm", "organism-vsm-natural": "vsm"}

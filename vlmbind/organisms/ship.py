@@ -175,8 +175,9 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
                       f"image token's grid cell must be read from its residual stream by {readout} (weight "
                       f"{siit.get('position_weight')}). A head can only copy a position the image tokens carry."]
         if siit.get("selection_weight") or siit.get("selection_attention_weight"):
-            lines += ["", "The ID-selection heads were told how to get the position (last stage): in the source run "
-                      "of the ID-selection pairs, a linear readout trained beside the organism must read the missing "
+            lines += ["", "The ID-selection heads were told how to get the position (the stages with a readout and "
+                      "an attention weight below): in the source run of the ID-selection pairs, a linear readout "
+                      "trained beside the organism must read the missing "
                       f"object's cell from their output (weight {siit.get('selection_weight', 0)}), and their "
                       "attention must fall on that object's image token (cross-entropy, weight "
                       f"{siit.get('selection_attention_weight', 0)}). The IIT loss alone had left their interchange "
@@ -231,6 +232,7 @@ def _stage_steps(stage: dict[str, Any]) -> str:
 
 def _stage_siit(siit: dict[str, Any]) -> str:
     out = f", SIIT weights IIT {siit.get('iit_weight', 1.0)} / strictness {siit.get('strict_weight', 0.4)}"
+    out += f", {siit.get('pairs')} pairs a step from entropies {siit.get('entropies')}"
     out += ", gradients through the source run" if siit.get("source_grad") else ", no gradient through the source run"
     if siit.get("selection_weight") or siit.get("selection_attention_weight"):
         out += (f", ID-selection readout {siit.get('selection_weight', 0)} / attention "
