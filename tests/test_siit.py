@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from vlmbind.errors import TrainingError
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.siit import (
     HeadInterchange,
+    SIITSpec,
     interchange_batch,
     interchange_logits,
     patch_positions,
@@ -101,10 +103,34 @@ def test_spec_round_trips_through_the_config_and_behaviour_configs_are_unchanged
     ({"alignments": {"id_selection": ["1.0"]}, "objects": [3, 3], "skip_objects": [3]}, "leaves no object count"),
     ({"alignments": {"id_selection": ["1.0"]}, "position_layer": 4}, "position_layer 4 does not exist"),
     ({"alignments": {"id_selection": ["1.0"]}, "position_layer": -1}, "position_layer must be"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"1.0": 2}}, "which is aligned"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"0.1": 0}}, r"must be a number > 0"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"9.1": 2}}, "heads.*9.1.*do not exist"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"x": 2}}, "strict_head_weights: "),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": ["0.1"]}, "must map 'layer.head'"),
 ])
 def test_bad_specs_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):
         TrainConfig(image_size=112, tasks={"scene": 1.0}, siit=siit)
+
+
+def test_strictness_draws_unaligned_heads_by_their_weights():
+    """Without weights the draw is the uniform one the shipped recipes were trained with (same generator calls, same
+    heads); with weights each unaligned head comes up in proportion to its weight, aligned heads never."""
+    uniform = SIITSpec(alignments={"id_selection": ["1.0"]})
+    free = uniform.unaligned(2, 4)
+    a, b = np.random.default_rng(3), np.random.default_rng(3)
+    assert [uniform.draw_strict_head(a, 2, 4) for _ in range(50)] == [free[int(b.integers(len(free)))]
+                                                                       for _ in range(50)]
+    weighted = SIITSpec(alignments={"id_selection": ["1.0"]}, strict_head_weights={"0.1": 5, "1.3": 2})
+    assert weighted.to_dict()["strict_head_weights"] == {"0.1": 5.0, "1.3": 2.0}
+    assert SIITSpec.from_value(weighted.to_dict()) == weighted
+    rng = np.random.default_rng(0)
+    draws = [weighted.draw_strict_head(rng, 2, 4) for _ in range(12000)]
+    expected = {h: {(0, 1): 5, (1, 3): 2}.get(h, 1) / 12 for h in free}  # 5 unlisted heads at 1, plus 5 and 2
+    assert (1, 0) not in draws
+    for head, share in expected.items():
+        assert abs(draws.count(head) / len(draws) - share) < 0.015, (head, draws.count(head) / len(draws), share)
 
 
 def _planting_config(**overrides):

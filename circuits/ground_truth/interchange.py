@@ -1,6 +1,6 @@
 """Interchange accuracy of the planted variables on fresh pairs, and how often one unplanted head moves the answer.
 
-    python circuits/ground_truth/interchange.py [--models organism-vsm,organism-vsm-natural] [--pairs 32]
+    python circuits/ground_truth/interchange.py [--models organism-vsm,organism-vsm-natural] [--pairs 64]
                                                 [--seed 1000] [--out circuits/ground_truth/results/interchange.json]
 
 For each planted variable (organism-vsm's training record; its twin is scored against the same heads) and each
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import vlmbind as vb
+from vlmbind.analysis.ablation import wilson_interval
 from vlmbind.analysis.validate import recorded_planted
 from vlmbind.io import write_json_atomic, write_text_atomic
 from vlmbind.organisms.data import BatchBuilder
@@ -72,18 +73,29 @@ def markdown(document: dict) -> str:
            f"{document['results'][0]['n_pairs']} fresh pairs per setting (seed {document['results'][0]['seed']}; "
            "3 objects were held out of training), beside the rate at which the unpatched model already gives the "
            "counterfactual answer; and, over all settings pooled, the largest share of answers that one unplanted "
-           "head changes when interchanged alone at every prompt position (strictness asks <= 0.02):", "",
-           "| model | variable | heads | 2 high | 2 low | 3 high | 3 low | 4 high | 4 low | unpatched (max) | "
-           "worst unplanted head | heads above 0.02 | pooled n |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "head changes when interchanged alone at every prompt position (strictness asks <= 0.02); intervals are "
+           "Wilson 95%:", "",
+           "| model | variable | heads | 2 high | 2 low | 3 high | 3 low | 4 high | 4 low | lowest setting [95%] | "
+           "unpatched (max) | worst unplanted head [95%] | heads above 0.02 | pooled n |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in document["results"]:
         for variable, v in r["variables"].items():
             cells = {(x["objects"], x["entropy"]): x for x in v["settings"]}
             accs = " | ".join(f"{cells[(k, e)]['interchange_accuracy']:.2f}" for k in (2, 3, 4) for e in ("high", "low"))
             unpatched = max(x["unpatched"] for x in v["settings"])
-            out.append(f"| {r['model']} | {variable} | {' '.join(r['planted'][variable])} | {accs} | {unpatched:.2f} | "
-                       f"{v['unplanted_worst_head']} ({v['unplanted_changes_max']:.2f}) | "
+            low = min(v["settings"], key=lambda x: x["interchange_accuracy"])
+            worst = v["unplanted_changes_max"]
+            out.append(f"| {r['model']} | {variable} | {' '.join(r['planted'][variable])} | {accs} | "
+                       f"{low['interchange_accuracy']:.2f} {_interval(low['interchange_accuracy'], low['n'])} | "
+                       f"{unpatched:.2f} | {v['unplanted_worst_head']} ({worst:.3f} "
+                       f"{_interval(worst, v['n_pooled'], 3)}) | "
                        f"{len(v['unplanted_heads_above_0.02'])} of {len(v['unplanted_changes'])} | {v['n_pooled']} |")
     return "\n".join(out)
+
+
+def _interval(share: float, n: int, digits: int = 2) -> str:
+    lo, hi = wilson_interval(share, n)
+    return f"[{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def update_readme(document: dict, readme: Path = HERE / "README.md") -> None:
@@ -95,7 +107,7 @@ def update_readme(document: dict, readme: Path = HERE / "README.md") -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="organism-vsm,organism-vsm-natural")
-    p.add_argument("--pairs", type=int, default=32)
+    p.add_argument("--pairs", type=int, default=64)
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--out", default=str(HERE / "results" / "interchange.json"))
     args = p.parse_args(argv)

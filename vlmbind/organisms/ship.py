@@ -237,6 +237,11 @@ def _stage_siit(siit: dict[str, Any]) -> str:
     if siit.get("selection_weight") or siit.get("selection_attention_weight"):
         out += (f", ID-selection readout {siit.get('selection_weight', 0)} / attention "
                 f"{siit.get('selection_attention_weight', 0)}")
+    if siit.get("strict_head_weights"):
+        by_weight: dict[float, list[str]] = {}
+        for head, weight in siit["strict_head_weights"].items():
+            by_weight.setdefault(weight, []).append(head)
+        out += ", strictness drawing " + ", ".join(f"{' '.join(h)} {w:g} times as often" for w, h in by_weight.items())
     return out
 
 

@@ -67,6 +67,9 @@ class SIITSpec:
         colours, shapes: the pools (None: the scene task's pools of the run, else every colour / shape).
         strict_positions: ``all`` (every prompt position of the sampled unaligned head) or ``aligned`` (the step's
             patch positions).
+        strict_head_weights: unaligned head ``"l.h"`` -> how often the strictness loss draws it, relative to an
+            unlisted unaligned head (weight 1). Empty: every unaligned head alike. A head that still moves the answer
+            when interchanged can be drawn more often than the many that do not.
         source_grad: let gradients flow through the source run too.
         skip_objects: object counts left out of the pairs (held out, so that a validation can test on them).
         swap: which described object the swap pairs exchange with the target (``random`` by default, so the
@@ -114,6 +117,7 @@ class SIITSpec:
     colours: tuple[str, ...] | None = None
     shapes: tuple[str, ...] | None = None
     strict_positions: str = "all"
+    strict_head_weights: Mapping[str, float] = field(default_factory=dict)
     source_grad: bool = False
     skip_objects: tuple[int, ...] = ()
     swap: str = "random"
@@ -216,6 +220,23 @@ class SIITSpec:
         if self.strict_positions not in STRICT_POSITIONS:
             raise TrainingError(f"siit.strict_positions must be one of {STRICT_POSITIONS}, got "
                                 f"{self.strict_positions!r}")
+        if not isinstance(self.strict_head_weights, Mapping):
+            raise TrainingError(f"siit.strict_head_weights must map 'layer.head' to a weight, got "
+                                f"{self.strict_head_weights!r}")
+        weights = {}
+        for head, weight in dict(self.strict_head_weights).items():
+            try:
+                (parsed,) = parse_heads([head])
+            except Exception as exc:  # noqa: BLE001 - re-raised as a named training error
+                raise TrainingError(f"siit.strict_head_weights: {exc}") from None
+            name = f"{parsed[0]}.{parsed[1]}"
+            if any(name in heads for heads in aligned.values()):
+                raise TrainingError(f"siit.strict_head_weights lists {name}, which is aligned; the strictness loss "
+                                    "draws unaligned heads only")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                raise TrainingError(f"siit.strict_head_weights[{name!r}] must be a number > 0, got {weight!r}")
+            weights[name] = float(weight)
+        object.__setattr__(self, "strict_head_weights", weights)
 
     @property
     def object_counts(self) -> list[int]:
@@ -252,6 +273,19 @@ class SIITSpec:
                                 f"0..{n_layers - 1}")
         if self.strict_weight > 0 and not self.unaligned(n_layers, n_heads):
             raise TrainingError("every head is aligned: the strictness loss has no head to interchange")
+        bad = [h for h in self.strict_head_weights if not (0 <= parse_heads([h])[0][0] < n_layers
+                                                           and 0 <= parse_heads([h])[0][1] < n_heads)]
+        if bad:
+            raise TrainingError(f"siit.strict_head_weights: heads {bad} do not exist; the organism has layers "
+                                f"0..{n_layers - 1} and heads 0..{n_heads - 1}")
+
+    def draw_strict_head(self, rng: np.random.Generator, n_layers: int, n_heads: int) -> tuple[int, int]:
+        """The step's unaligned head for the strictness loss (uniform unless ``strict_head_weights`` says else)."""
+        free = self.unaligned(n_layers, n_heads)
+        if not self.strict_head_weights:
+            return free[int(rng.integers(len(free)))]
+        weights = np.array([self.strict_head_weights.get(f"{l}.{h}", 1.0) for l, h in free])
+        return free[int(rng.choice(len(free), p=weights / weights.sum()))]
 
     def to_dict(self) -> dict[str, Any]:
         return {"alignments": self.planted, "iit_weight": self.iit_weight, "strict_weight": self.strict_weight,
@@ -259,6 +293,7 @@ class SIITSpec:
                 "colours": None if self.colours is None else list(self.colours),
                 "shapes": None if self.shapes is None else list(self.shapes),
                 "strict_positions": self.strict_positions, "source_grad": self.source_grad,
+                **({"strict_head_weights": dict(self.strict_head_weights)} if self.strict_head_weights else {}),
                 "skip_objects": list(self.skip_objects), "swap": self.swap, "recolour": self.recolour,
                 "position_layer": self.position_layer, "position_weight": self.position_weight,
                 "position_readout": self.position_readout, "last_positions": self.last_positions,
@@ -751,8 +786,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                                                                   batch.positions, tokens)
     if spec.strict_weight > 0:
         a = interchange.adapter
-        free = spec.unaligned(a.n_layers, a.n_heads)
-        head = free[int(rng.integers(len(free)))]
+        head = spec.draw_strict_head(rng, a.n_layers, a.n_heads)
         batch = interchange_batch(builder, pairs, "clean", spec.last_positions)
         where = batch.prompt_mask if spec.strict_positions == "all" else batch.positions
         logits = interchange_logits(model, interchange, batch, [head], where, source_grad=spec.source_grad)
