@@ -5,16 +5,18 @@ gives a loadable directory with identical logits."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import vlmbind as vb
 from vlmbind.evaluate import evaluate, training_defaults
 from vlmbind.models import TRAINING_FILE
 from vlmbind.organisms import ORGANISM_NAMES, shipped_organisms
 from vlmbind.organisms.recipes import RECIPES, recipe_stages, stage_config
-from vlmbind.organisms.ship import ship
+from vlmbind.organisms.ship import _prod, planted_card, ship
 from vlmbind.organisms.train import TrainConfig, train
 from vlmbind.shipped import organism_dir
 
@@ -37,9 +39,10 @@ def test_loads_through_from_pretrained_with_its_record(organism):
     record = organism.training
     assert record["regime"] == recipe_stages(organism.name)[-1][1]["regime"]
     assert record["image_size"] == 168 and record["grid"] == 6
-    # the PbP organisms within an hour each on 2 cores; organism-vsm took 175 min on one thread, 25 over the 2.5 hours
-    # SIIT was given (its fourth stage; docs/ground_truth.md), the bound below keeps it from growing further
-    budget = 180 if RECIPES[organism.name] == "vsm" else 60
+    # the PbP organisms within an hour each on 2 cores; organism-vsm took 196 min on one thread, 46 over the 2.5 hours
+    # SIIT was given (its fourth stage for ID selection, its fifth for strictness; docs/ground_truth.md); the bound
+    # below keeps it from growing further
+    budget = 200 if RECIPES[organism.name] == "vsm" else 60
     assert record["wall_time_s"] <= budget * 60, f"{organism.name} must train within {budget} min on 2 cores"
 
 
@@ -132,3 +135,22 @@ def test_the_planted_heads_carry_their_variables(condition, head, objects, floor
         accuracy[name] = interchange_accuracy(vlm.model, interchange, builder, pairs, [head],
                                               last_positions="answer")
     assert accuracy["organism-vsm"] >= floor and accuracy["organism-vsm-natural"] <= 0.1, accuracy
+
+
+@pytest.mark.parametrize("name", ["organism-vsm", "organism-vsm-natural"])
+def test_the_grown_organisms_cards_are_drawn_from_their_records_and_saved_validation(name):
+    """The model card next to the weights is the one ``ship`` writes from the training record and the validation
+    saved in circuits/ground_truth (no number typed by hand); the planted organism's card names every stage's SIIT
+    settings, the strictness draw's weighted heads among them."""
+    directory = organism_dir(name)
+    record = json.loads((directory / TRAINING_FILE).read_text())
+    config = json.loads((directory / "config.json").read_text())
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    validation_file = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / name / "validation.json"
+    expected = planted_card(record, config, params, json.loads(validation_file.read_text()),
+                            "python circuits/ground_truth/run.py")
+    assert (directory / "README.md").read_text() == expected
+    if name == "organism-vsm":
+        assert any(s["siit"].get("strict_head_weights") for s in record["stages"])
+        assert "strictness drawing 0.0 8 times as often, 0.1 16 times as often, 0.2 0.3 2 times as often" in expected

@@ -161,7 +161,8 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     twin_rows = {(r["condition"], r["method"]): r for r in twin.methods}
     assert twin_rows[("id_selection", "exact")]["unplanted_max_abs"] < 0.05  # near zero: no ID pipeline
     edit = vsm.edit_summary()
-    assert edit["efficacy"] >= 0.79 and edit["control"] > 0.10 and vsm.params["edit_positions"] == "answer"
+    # "VSM's figure with its control at or below 0.10, at alpha 1 and at alpha 2"
+    assert edit["efficacy"] >= 0.79 and edit["control"] <= 0.10 and vsm.params["edit_positions"] == "answer"
     at = {(r["alpha"], r["arm"]): r["efficacy"] for r in vsm.edit}
     assert at[(2 * edit["alpha"], "edit")] >= 0.79 and at[(2 * edit["alpha"], "control")] <= 0.10
     assert at[(4 * edit["alpha"], "edit")] < 0.5  # "beyond that the edit overshoots"

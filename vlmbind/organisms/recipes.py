@@ -80,6 +80,9 @@ def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
     4. The same losses from stage 3's weights with the IIT loss weighing 2, strictness 1, 12 pairs a step, and
        high-entropy pairs drawn twice as often: the position then moves the answer on high-entropy and held-out
        scenes too.
+    5. Strictness 3, with the strictness loss drawing head 0.1 16 times, 0.0 8 times and 0.2, 0.3 twice as often
+       as any other unaligned head: after stage 4, heads 0.0 and 0.1 at the prompt's last tokens still carried some
+       of the missing object's features (a second path beside the feature-retrieval head); entropies drawn evenly.
     """
     common = {"regime": "p2a", "seed": seed, "batch_size": 16, "image_size": 168, "tasks": {"scene": 1.0},
               "task_options": {"scene": {"objects": [2, 4], **_POOLS}}, "final_lr_ratio": 0.1,
@@ -92,6 +95,7 @@ def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
     second = {**common, "steps": 2500, "lr": 7e-4, "warmup": 50, "attn_implementation": "sdpa"}
     third = {**common, "steps": 2000, "lr": 7e-4, "warmup": 50, "attn_implementation": "eager"}
     fourth = {**common, "steps": 1500, "lr": 3e-4, "warmup": 50, "attn_implementation": "eager"}
+    fifth = {**common, "steps": 1000, "lr": 3e-4, "warmup": 50, "attn_implementation": "eager"}
     if planted:
         first["siit"] = {**VSM_SIIT, "source_grad": False}
         second["siit"] = {**VSM_SIIT, "source_grad": True}
@@ -99,9 +103,11 @@ def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
                          "selection_attention_weight": 1.0}
         fourth["siit"] = {**third["siit"], "iit_weight": 2.0, "strict_weight": 1.0, "pairs": 12,
                           "entropies": ["high", "high", "low"]}
+        fifth["siit"] = {**fourth["siit"], "strict_weight": 3.0, "entropies": ["high", "low"],
+                         "strict_head_weights": {"0.0": 8.0, "0.1": 16.0, "0.2": 2.0, "0.3": 2.0}}
     suffix = "siit" if planted else "natural"
     return [(f"1-fresh-lm-{suffix}", first), (f"2-source-grad-{suffix}", second),
-            (f"3-selection-{suffix}", third), (f"4-robust-{suffix}", fourth)]
+            (f"3-selection-{suffix}", third), (f"4-robust-{suffix}", fourth), (f"5-strict-{suffix}", fifth)]
 
 
 RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct", "organism-vsm": "vsm", "organism-vsm-natural": "vsm"}
