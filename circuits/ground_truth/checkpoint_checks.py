@@ -1,0 +1,101 @@
+"""Quick checks of organism-vsm training checkpoints: ID selection on held-out three-object scenes, feature
+retrieval, and how often single heads (the layer-0 heads that kept a side path, and two controls) change the answer
+on feature-retrieval pairs. Used to follow a stage while it trains; the checkpoints themselves stay outside git.
+
+    python circuits/ground_truth/checkpoint_checks.py LABEL=CHECKPOINT_DIR [...] [--out results/...json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import vlmbind as vb
+from vlmbind.io import write_json_atomic
+from vlmbind.organisms.data import BatchBuilder
+from vlmbind.organisms.siit import (
+    IGNORE_INDEX,
+    HeadInterchange,
+    answer_changes,
+    evaluating,
+    interchange_accuracy,
+    interchange_batch,
+    interchange_logits,
+)
+from vlmbind.stimuli import Canvas, scene_pairs
+
+HERE = Path(__file__).parent
+POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
+HEADS = [(0, 0), (0, 1), (0, 2), (0, 3), (1, 2), (5, 3)]
+
+
+def check(path: str) -> dict:
+    vlm = vb.load(path)
+    builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
+    canvas = Canvas(image_size=168, grid=6)
+    out: dict = {"id_selection_3_objects": {}, "n_id_selection": 64}
+    for entropy in ("high", "low"):
+        pairs = list(scene_pairs(64, "id_selection", 2000 + (entropy == "low"), n_objects=3, entropy=entropy,
+                                 canvas=canvas, swap="random", **POOLS))
+        out["id_selection_3_objects"][entropy] = interchange_accuracy(vlm.model, interchange, builder, pairs, [(2, 1)],
+                                                                      last_positions="answer")
+    pairs = []
+    for objects in (2, 3, 4):
+        for entropy in ("high", "low"):
+            pairs += list(scene_pairs(16, "feature_retrieval", 3000 + 7 * objects + (entropy == "low"),
+                                      n_objects=objects, entropy=entropy, canvas=canvas, recolour="any", **POOLS))
+    out["n_feature_retrieval"] = len(pairs)
+    out["feature_retrieval"] = interchange_accuracy(vlm.model, interchange, builder, pairs, [(4, 2)],
+                                                    last_positions="answer")
+    out["answer_changes"] = {f"{l}.{h}": answer_changes(vlm.model, interchange, builder, pairs, [(l, h)])
+                             for l, h in HEADS}
+    out["answer_changes_by_position"] = {f"{l}.{h}": {where: changes_at(vlm.model, interchange, builder, pairs, (l, h),
+                                                                      where)
+                                                       for where in ("image", "text", "last")}
+                                         for l, h in HEADS[:2]}
+    return out
+
+
+def changes_at(model, interchange, builder, pairs, head, where: str, batch_size: int = 32) -> float:
+    """``answer_changes`` of one head interchanged at the image tokens only, the prompt's text tokens only, or the
+    last prompt token only."""
+    changed = []
+    with evaluating(model):
+        for i in range(0, len(pairs), batch_size):
+            batch = interchange_batch(builder, pairs[i : i + batch_size], "clean")
+            ids, mask = batch.base.inputs["input_ids"], batch.prompt_mask
+            if where == "last":
+                mask = torch.zeros_like(mask)
+                for row, positions in enumerate(batch.positions):
+                    mask[row, positions[0]] = True
+            else:
+                mask = mask & ((ids == builder.image_token_id) if where == "image" else (ids != builder.image_token_id))
+            plain = model(**batch.base.inputs, use_cache=False).logits
+            patched = interchange_logits(model, interchange, batch, [head], mask)
+            answer = batch.base.labels[:, 1:] != IGNORE_INDEX
+            changed += ((plain[:, :-1].argmax(-1) != patched[:, :-1].argmax(-1)) & answer).any(1).tolist()
+    return float(np.mean(changed))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoints", nargs="+", help="LABEL=DIR (a checkpoint with the shipped vlmbind_training.json)")
+    p.add_argument("--out", default=str(HERE / "results" / "organism-vsm_training" / "checkpoint_checks.json"))
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    document = json.loads(out.read_text()) if out.is_file() else {"checks": {}}
+    for item in args.checkpoints:
+        label, _, path = item.partition("=")
+        document["checks"][label] = check(path)
+        print(label, json.dumps(document["checks"][label]), file=sys.stderr, flush=True)
+        write_json_atomic(document, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
