@@ -273,8 +273,8 @@ class SIITSpec:
                                 f"0..{n_layers - 1}")
         if self.strict_weight > 0 and not self.unaligned(n_layers, n_heads):
             raise TrainingError("every head is aligned: the strictness loss has no head to interchange")
-        bad = [h for h in self.strict_head_weights if not (0 <= parse_heads([h])[0][0] < n_layers
-                                                           and 0 <= parse_heads([h])[0][1] < n_heads)]
+        weighted = parse_heads(list(self.strict_head_weights))
+        bad = [f"{l}.{h}" for l, h in weighted if not (0 <= l < n_layers and 0 <= h < n_heads)]
         if bad:
             raise TrainingError(f"siit.strict_head_weights: heads {bad} do not exist; the organism has layers "
                                 f"0..{n_layers - 1} and heads 0..{n_heads - 1}")
