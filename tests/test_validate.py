@@ -178,3 +178,44 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     above = planted["feature_retrieval"]["unplanted_heads_above_0.02"]
     assert len(above) == 2 and all(h.startswith("0.") for h in above)  # "two layer-0 heads still do"
     assert min(x["interchange_accuracy"] for x in planted["feature_retrieval"]["settings"]) >= 0.95
+
+
+def test_answer_changes_by_position_matches_hand_built_masks_and_the_saved_checks():
+    """``answer_changes(positions=image|text|last)`` equals the share computed with a mask built by hand here (image
+    tokens, the prompt's other tokens, the last prompt token), bad positions are named, and the shipped organism-vsm
+    (stage 5's last checkpoint) gives the figures saved in checkpoint_checks.json for that checkpoint."""
+    from pathlib import Path
+
+    import torch
+
+    from vlmbind.errors import TrainingError
+    from vlmbind.organisms.data import IGNORE_INDEX, BatchBuilder
+    from vlmbind.organisms.siit import HeadInterchange, answer_changes, interchange_batch, interchange_logits
+    from vlmbind.stimuli import Canvas
+
+    checks = _ground_truth_script("checkpoint_checks")
+    vlm = vb.load("organism-vsm")
+    builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
+    pairs = checks.feature_pairs(Canvas(image_size=168, grid=6))
+    batch = interchange_batch(builder, pairs, "clean")
+    ids, prompt = batch.base.inputs["input_ids"], batch.prompt_mask
+    last = torch.zeros_like(prompt)
+    for row in range(len(pairs)):
+        last[row, int(torch.nonzero(prompt[row]).max())] = True
+    masks = {"image": prompt & (ids == builder.image_token_id), "text": prompt & (ids != builder.image_token_id),
+             "last": last}
+    saved = json.loads((Path(checks.__file__).parent / "results" / "organism-vsm_training" /
+                        "checkpoint_checks.json").read_text())["checks"]["stage-5-1000"]["answer_changes_by_position"]
+    with torch.no_grad():
+        plain = vlm.model(**batch.base.inputs, use_cache=False).logits[:, :-1].argmax(-1)
+        answer = batch.base.labels[:, 1:] != IGNORE_INDEX
+        for head in ("0.0", "0.1"):
+            l, h = (int(x) for x in head.split("."))
+            for where, mask in masks.items():
+                patched = interchange_logits(vlm.model, interchange, batch, [(l, h)], mask)[:, :-1].argmax(-1)
+                by_hand = float(np.mean(((plain != patched) & answer).any(1).tolist()))
+                measured = answer_changes(vlm.model, interchange, builder, pairs, [(l, h)], positions=where,
+                                          batch_size=len(pairs))
+                assert measured == by_hand == saved[head][where], (head, where, measured, by_hand)
+    with pytest.raises(TrainingError, match="positions must be one of"):
+        answer_changes(vlm.model, interchange, builder, pairs[:2], [(0, 1)], positions="images")

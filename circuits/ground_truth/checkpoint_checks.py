@@ -12,26 +12,25 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-
 import vlmbind as vb
 from vlmbind.io import write_json_atomic
 from vlmbind.organisms.data import BatchBuilder
-from vlmbind.organisms.siit import (
-    IGNORE_INDEX,
-    HeadInterchange,
-    answer_changes,
-    evaluating,
-    interchange_accuracy,
-    interchange_batch,
-    interchange_logits,
-)
+from vlmbind.organisms.siit import HeadInterchange, answer_changes, interchange_accuracy
 from vlmbind.stimuli import Canvas, scene_pairs
 
 HERE = Path(__file__).parent
 POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
 HEADS = [(0, 0), (0, 1), (0, 2), (0, 3), (1, 2), (5, 3)]
+
+
+def feature_pairs(canvas: Canvas) -> list:
+    """The 96 feature-retrieval check pairs: 16 per object count (2-4) and entropy."""
+    pairs = []
+    for objects in (2, 3, 4):
+        for entropy in ("high", "low"):
+            pairs += list(scene_pairs(16, "feature_retrieval", 3000 + 7 * objects + (entropy == "low"),
+                                      n_objects=objects, entropy=entropy, canvas=canvas, recolour="any", **POOLS))
+    return pairs
 
 
 def check(path: str) -> dict:
@@ -44,42 +43,16 @@ def check(path: str) -> dict:
                                  canvas=canvas, swap="random", **POOLS))
         out["id_selection_3_objects"][entropy] = interchange_accuracy(vlm.model, interchange, builder, pairs, [(2, 1)],
                                                                       last_positions="answer")
-    pairs = []
-    for objects in (2, 3, 4):
-        for entropy in ("high", "low"):
-            pairs += list(scene_pairs(16, "feature_retrieval", 3000 + 7 * objects + (entropy == "low"),
-                                      n_objects=objects, entropy=entropy, canvas=canvas, recolour="any", **POOLS))
+    pairs = feature_pairs(canvas)
     out["n_feature_retrieval"] = len(pairs)
     out["feature_retrieval"] = interchange_accuracy(vlm.model, interchange, builder, pairs, [(4, 2)],
                                                     last_positions="answer")
     out["answer_changes"] = {f"{l}.{h}": answer_changes(vlm.model, interchange, builder, pairs, [(l, h)])
                              for l, h in HEADS}
-    out["answer_changes_by_position"] = {f"{l}.{h}": {where: changes_at(vlm.model, interchange, builder, pairs, (l, h),
-                                                                      where)
-                                                       for where in ("image", "text", "last")}
-                                         for l, h in HEADS[:2]}
+    out["answer_changes_by_position"] = {
+        f"{l}.{h}": {where: answer_changes(vlm.model, interchange, builder, pairs, [(l, h)], positions=where)
+                     for where in ("image", "text", "last")} for l, h in HEADS[:2]}
     return out
-
-
-def changes_at(model, interchange, builder, pairs, head, where: str, batch_size: int = 32) -> float:
-    """``answer_changes`` of one head interchanged at the image tokens only, the prompt's text tokens only, or the
-    last prompt token only."""
-    changed = []
-    with evaluating(model):
-        for i in range(0, len(pairs), batch_size):
-            batch = interchange_batch(builder, pairs[i : i + batch_size], "clean")
-            ids, mask = batch.base.inputs["input_ids"], batch.prompt_mask
-            if where == "last":
-                mask = torch.zeros_like(mask)
-                for row, positions in enumerate(batch.positions):
-                    mask[row, positions[0]] = True
-            else:
-                mask = mask & ((ids == builder.image_token_id) if where == "image" else (ids != builder.image_token_id))
-            plain = model(**batch.base.inputs, use_cache=False).logits
-            patched = interchange_logits(model, interchange, batch, [head], mask)
-            answer = batch.base.labels[:, 1:] != IGNORE_INDEX
-            changed += ((plain[:, :-1].argmax(-1) != patched[:, :-1].argmax(-1)) & answer).any(1).tolist()
-    return float(np.mean(changed))
 
 
 def main(argv: list[str] | None = None) -> int:

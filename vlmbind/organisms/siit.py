@@ -48,6 +48,7 @@ from .data import IGNORE_INDEX, BatchBuilder, answer_correct, answer_loss
 
 VARIABLES = ("id_retrieval", "id_selection", "feature_retrieval")
 STRICT_POSITIONS = ("all", "aligned")
+CHANGE_POSITIONS = ("all", "aligned", "image", "text", "last")
 LAST_POSITIONS = ("answer", "prompt")
 POSITION_READOUTS = ("trained", "fixed")
 # random streams of SIIT: training pairs and evaluation pairs never share a seed (the mixture uses 0 and 1)
@@ -841,12 +842,27 @@ def answer_changes(model: Any, interchange: HeadInterchange, builder: BatchBuild
                    heads: Sequence[tuple[int, int]], *, positions: str = "all", batch_size: int = 32) -> float:
     """Share of pairs whose answer changes when ``heads`` are interchanged from the source: any answer token's argmax
     differs from the unpatched run's (both teacher-forced with the clean answer). Strictness asks this to be ~0 for
-    every head outside the alignment, whatever the model answers unpatched."""
+    every head outside the alignment, whatever the model answers unpatched.
+
+    ``positions``: ``all`` (every prompt position), ``aligned`` (the pairs' patch positions), or, to say where a
+    head's effect enters, ``image`` (the image tokens), ``text`` (the prompt's other tokens) or ``last`` (the last
+    prompt token).
+    """
+    if positions not in CHANGE_POSITIONS:
+        raise TrainingError(f"positions must be one of {CHANGE_POSITIONS}, got {positions!r}")
     changed = []
     with evaluating(model):
         for i in range(0, len(pairs), batch_size):
             batch = interchange_batch(builder, pairs[i : i + batch_size], "clean")
-            where = batch.positions if positions == "aligned" else batch.prompt_mask
+            ids, where = batch.base.inputs["input_ids"], batch.prompt_mask
+            if positions == "aligned":
+                where = batch.positions
+            elif positions in ("image", "text"):
+                where = where & ((ids == builder.image_token_id) == (positions == "image"))
+            elif positions == "last":
+                last = where.long().cumsum(1).argmax(1)  # the first index of the largest count: the last True
+                where = torch.zeros_like(where)
+                where[torch.arange(len(last)), last] = True
             plain = model(**batch.base.inputs, use_cache=False).logits
             patched = interchange_logits(model, interchange, batch, heads, where)
             answer = batch.base.labels[:, 1:] != IGNORE_INDEX
