@@ -5,11 +5,13 @@ training config (a behaviour-only config is unchanged)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import vlmbind as vb
 from vlmbind.errors import TrainingError
@@ -108,6 +110,10 @@ def test_spec_round_trips_through_the_config_and_behaviour_configs_are_unchanged
     ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"9.1": 2}}, "heads.*9.1.*do not exist"),
     ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"x": 2}}, "strict_head_weights: "),
     ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": ["0.1"]}, "must map 'layer.head'"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_sampling": "some"}, "strict_sampling must be one of"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_sampling": "all", "strict_head_weights": {"0.1": 2}},
+     "applies to strict_sampling 'individual'"),
+    ({"alignments": {"id_selection": ["1.0"]}, "single_loss": "no"}, "single_loss must be True or False"),
 ])
 def test_bad_specs_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):
@@ -133,6 +139,25 @@ def test_strictness_draws_unaligned_heads_by_their_weights():
         assert abs(draws.count(head) / len(draws) - share) < 0.015, (head, draws.count(head) / len(draws), share)
 
 
+def test_strictness_can_interchange_several_unaligned_heads_at_once():
+    """``sample_all`` takes each unaligned head with probability 1/2 (never an aligned one, never none), ``all``
+    takes every unaligned head, and ``individual`` is the one-head draw; the spec round-trips either way."""
+    spec = SIITSpec(alignments={"id_selection": ["1.0"], "feature_retrieval": ["1.2"]}, strict_sampling="sample_all")
+    free = spec.unaligned(2, 4)
+    rng = np.random.default_rng(0)
+    draws = [spec.draw_strict_heads(rng, 2, 4) for _ in range(4000)]
+    assert all(draw and set(draw) <= set(free) and len(set(draw)) == len(draw) for draw in draws)
+    for head in free:
+        assert abs(sum(head in d for d in draws) / len(draws) - 0.5) < 0.03, head
+    assert SIITSpec.from_value(spec.to_dict()) == spec and spec.to_dict()["strict_sampling"] == "sample_all"
+    assert replace(spec, strict_sampling="all").draw_strict_heads(rng, 2, 4) == free
+    single = SIITSpec(alignments={"id_selection": ["1.0"]})
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    assert [single.draw_strict_heads(a, 2, 4) for _ in range(20)] == [[single.draw_strict_head(b, 2, 4)]
+                                                                      for _ in range(20)]
+    assert "strict_sampling" not in single.to_dict() and "single_loss" not in single.to_dict()
+
+
 def _planting_config(**overrides):
     fields = dict(
         image_size=112, tasks={"scene": 1.0},
@@ -146,12 +171,14 @@ def _planting_config(**overrides):
     return TrainConfig(**{**fields, **overrides})
 
 
-@pytest.mark.parametrize("readouts", [False, True])
-def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts):
+@pytest.mark.parametrize("readouts, separate", [(False, False), (True, False), (True, True)])
+def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, separate):
     """A run with SIIT logs each step's variable, interchanged unaligned head and loss parts, evaluates interchange
     accuracy beside the unpatched rate of the counterfactual answer, and a run stopped at step 20 and resumed ends
     with the weights and losses of the uninterrupted run (also with the trained position and ID-selection readouts,
-    whose weights and optimizer states travel beside the checkpoint)."""
+    whose weights and optimizer states travel beside the checkpoint). With ``single_loss=False`` and several heads
+    in the strictness loss each training step is three optimiser steps (IIT, strictness, behaviour), and resumes
+    as exactly."""
     from vlmbind.organisms.model import build_organism
     from vlmbind.organisms.train import load_weights, train
 
@@ -161,6 +188,8 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts):
                                 "id_retrieval": ["0.2"]}, aggregation_heads=["0.3"], position_layer=0,
                     position_readout="trained", selection_weight=1.0, selection_attention_weight=1.0,
                     retrieval_attention_weight=1.0, source_grad=True)
+    if separate:
+        siit.update(single_loss=False, strict_sampling="sample_all")
     config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit,
                               attn_implementation="eager")
     result = train(config, tmp_path / "run", progress=False, threads=1)
@@ -168,8 +197,13 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts):
     parts = state["siit_losses"]
     assert len(parts) == 40 and {p["variable"] for p in parts} == set(siit["alignments"])
     aligned = {h for heads in siit["alignments"].values() for h in heads}
-    assert all(math.isfinite(p["iit"]) and math.isfinite(p["strict"]) and p["strict_head"] not in aligned
-               for p in parts)
+    assert all(math.isfinite(p["iit"]) and math.isfinite(p["strict"]) for p in parts)
+    assert all(not set(p["strict_head"].split(",")) & aligned for p in parts)
+    widest = max(len(p["strict_head"].split(",")) for p in parts)
+    assert widest > 1 if separate else widest == 1
+    adam_steps = {float(t) for k, t in load_file(str(result.checkpoint / "optimizer.safetensors")).items()
+                  if k.endswith("/step")}
+    assert adam_steps == {40.0 * (3 if separate else 1)}
     assert len({p["strict_head"] for p in parts}) > 1  # a different unaligned head is interchanged over the steps
     logged = result.evals[-1]["siit"]["feature_retrieval"]
     assert set(logged) == {"interchange_accuracy", "counterfactual_unpatched", "unaligned_changes",

@@ -26,7 +26,8 @@ An alignment maps each variable to heads (``"layer.head"``: the head's slice of 
 Changes from InterpBench's recipe (the ``iit`` library's ``StrictIITModelPair``, weights behaviour 1, IIT 1,
 strict 0.4, used as the defaults): nodes are attention heads at token positions rather than whole hook points; the
 sources are CMA pairs rather than random inputs (a random source would usually give the variable a value with no
-meaning in the base); one loss, one optimiser step; the source run carries no gradient unless ``source_grad``.
+meaning in the base); one loss, one optimiser step by default (``single_loss=False`` takes InterpBench's step per
+loss); the source run carries no gradient unless ``source_grad``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from .data import IGNORE_INDEX, BatchBuilder, answer_correct, answer_loss
 
 VARIABLES = ("id_retrieval", "id_selection", "feature_retrieval")
 STRICT_POSITIONS = ("all", "aligned")
+STRICT_SAMPLING = ("individual", "sample_all", "all")
+SIIT_PARTS = ("iit", "strict")
 CHANGE_POSITIONS = ("all", "aligned", "image", "text", "last")
 LAST_POSITIONS = ("answer", "prompt")
 POSITION_READOUTS = ("trained", "fixed")
@@ -70,7 +73,15 @@ class SIITSpec:
             patch positions).
         strict_head_weights: unaligned head ``"l.h"`` -> how often the strictness loss draws it, relative to an
             unlisted unaligned head (weight 1). Empty: every unaligned head alike. A head that still moves the answer
-            when interchanged can be drawn more often than the many that do not.
+            when interchanged can be drawn more often than the many that do not (``individual`` sampling only).
+        strict_sampling: which unaligned heads the strictness loss interchanges together, named as the ``iit``
+            library's ``siit_sampling``: ``individual`` (one head per step), ``sample_all`` (each unaligned head
+            with probability 1/2, at least one), ``all`` (every unaligned head). Interchanging several at once
+            also penalises a side path that two heads carry redundantly, which a one-head loss cannot see.
+        single_loss: True (vlmbind's default): the behaviour, IIT and strictness losses are summed into one
+            optimiser step. False: one step per loss in InterpBench's order (IIT with the readout and attention
+            losses computed in its graph, then strictness, then behaviour with the position code), each with its
+            own backward pass and gradient clip, as the ``iit`` library's trainer does unless ``use_single_loss``.
         source_grad: let gradients flow through the source run too.
         skip_objects: object counts left out of the pairs (held out, so that a validation can test on them).
         swap: which described object the swap pairs exchange with the target (``random`` by default, so the
@@ -119,6 +130,8 @@ class SIITSpec:
     shapes: tuple[str, ...] | None = None
     strict_positions: str = "all"
     strict_head_weights: Mapping[str, float] = field(default_factory=dict)
+    strict_sampling: str = "individual"
+    single_loss: bool = True
     source_grad: bool = False
     skip_objects: tuple[int, ...] = ()
     swap: str = "random"
@@ -221,6 +234,14 @@ class SIITSpec:
         if self.strict_positions not in STRICT_POSITIONS:
             raise TrainingError(f"siit.strict_positions must be one of {STRICT_POSITIONS}, got "
                                 f"{self.strict_positions!r}")
+        if self.strict_sampling not in STRICT_SAMPLING:
+            raise TrainingError(f"siit.strict_sampling must be one of {STRICT_SAMPLING}, got "
+                                f"{self.strict_sampling!r}")
+        if not isinstance(self.single_loss, bool):
+            raise TrainingError(f"siit.single_loss must be True or False, got {self.single_loss!r}")
+        if self.strict_head_weights and self.strict_sampling != "individual":
+            raise TrainingError(f"siit.strict_head_weights applies to strict_sampling 'individual' (one head a "
+                                f"step), not {self.strict_sampling!r}; drop the weights or sample individually")
         if not isinstance(self.strict_head_weights, Mapping):
             raise TrainingError(f"siit.strict_head_weights must map 'layer.head' to a weight, got "
                                 f"{self.strict_head_weights!r}")
@@ -280,8 +301,20 @@ class SIITSpec:
             raise TrainingError(f"siit.strict_head_weights: heads {bad} do not exist; the organism has layers "
                                 f"0..{n_layers - 1} and heads 0..{n_heads - 1}")
 
+    def draw_strict_heads(self, rng: np.random.Generator, n_layers: int, n_heads: int) -> list[tuple[int, int]]:
+        """The step's unaligned heads for the strictness loss, as ``strict_sampling`` says."""
+        if self.strict_sampling == "individual":
+            return [self.draw_strict_head(rng, n_layers, n_heads)]
+        free = self.unaligned(n_layers, n_heads)
+        if self.strict_sampling == "all":
+            return free
+        chosen = rng.random(len(free)) < 0.5
+        if not chosen.any():  # an empty draw would make the loss the behaviour loss; take one head instead
+            chosen[int(rng.integers(len(free)))] = True
+        return [head for head, keep in zip(free, chosen) if keep]
+
     def draw_strict_head(self, rng: np.random.Generator, n_layers: int, n_heads: int) -> tuple[int, int]:
-        """The step's unaligned head for the strictness loss (uniform unless ``strict_head_weights`` says else)."""
+        """One unaligned head for the strictness loss (uniform unless ``strict_head_weights`` says else)."""
         free = self.unaligned(n_layers, n_heads)
         if not self.strict_head_weights:
             return free[int(rng.integers(len(free)))]
@@ -295,6 +328,8 @@ class SIITSpec:
                 "shapes": None if self.shapes is None else list(self.shapes),
                 "strict_positions": self.strict_positions, "source_grad": self.source_grad,
                 **({"strict_head_weights": dict(self.strict_head_weights)} if self.strict_head_weights else {}),
+                **({"strict_sampling": self.strict_sampling} if self.strict_sampling != "individual" else {}),
+                **({"single_loss": False} if not self.single_loss else {}),
                 "skip_objects": list(self.skip_objects), "swap": self.swap, "recolour": self.recolour,
                 "position_layer": self.position_layer, "position_weight": self.position_weight,
                 "position_readout": self.position_readout, "last_positions": self.last_positions,
@@ -749,21 +784,29 @@ def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBu
 
 def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder, spec: SIITSpec, *, seed: int,
                 step: int, canvas: Canvas, loss_norm: str = "example",
-                selection: SelectionProbe | None = None) -> dict[str, Any]:
+                selection: SelectionProbe | None = None, parts: Sequence[str] = SIIT_PARTS) -> dict[str, Any]:
     """The step's IIT and strictness losses (tensors in the graph) and what they were computed on.
+
+    ``parts`` picks which to compute (``iit`` with its readout and attention losses, ``strict``); a step's variable,
+    pairs and strictness heads depend only on ``seed`` and ``step``, so computing them in two calls (one optimiser
+    step each, ``single_loss=False``) sees the same draws as one call.
 
     Returns:
         ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
-        "variable": v, "strict_head": "l.h"}`` (a loss is None when its weight is 0; the ID-selection and ID-retrieval
-        ones also on steps of another variable, and ``selection`` without a ``selection`` probe).
+        "variable": v, "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
+        asked for; the ID-selection and ID-retrieval ones also on steps of another variable, and ``selection``
+        without a ``selection`` probe).
     """
+    unknown = sorted(set(parts) - set(SIIT_PARTS))
+    if unknown or not parts:
+        raise TrainingError(f"siit_losses parts must be a non-empty subset of {SIIT_PARTS}, got {list(parts)!r}")
     rng = _step_rng(seed, SIIT_STREAM, step)
     variables = sorted(spec.alignments)
     variable = variables[int(rng.integers(len(variables)))]
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
                            "selection_attention": None, "retrieval_attention": None}
-    if spec.iit_weight > 0:
+    if spec.iit_weight > 0 and "iit" in parts:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
             (variable == "id_retrieval" and spec.retrieval_attention_weight > 0)
@@ -787,12 +830,13 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                                                                   batch.positions, tokens)
     if spec.strict_weight > 0:
         a = interchange.adapter
-        head = spec.draw_strict_head(rng, a.n_layers, a.n_heads)
-        batch = interchange_batch(builder, pairs, "clean", spec.last_positions)
-        where = batch.prompt_mask if spec.strict_positions == "all" else batch.positions
-        logits = interchange_logits(model, interchange, batch, [head], where, source_grad=spec.source_grad)
-        out["strict"] = answer_loss(logits, batch.base.labels, loss_norm)
-        out["strict_head"] = f"{head[0]}.{head[1]}"
+        heads = spec.draw_strict_heads(rng, a.n_layers, a.n_heads)  # drawn either way: the rng stays in step
+        out["strict_head"] = ",".join(f"{l}.{h}" for l, h in heads)
+        if "strict" in parts:
+            batch = interchange_batch(builder, pairs, "clean", spec.last_positions)
+            where = batch.prompt_mask if spec.strict_positions == "all" else batch.positions
+            logits = interchange_logits(model, interchange, batch, heads, where, source_grad=spec.source_grad)
+            out["strict"] = answer_loss(logits, batch.base.labels, loss_norm)
     return out
 
 

@@ -58,6 +58,7 @@ from .data import (
 from .model import OrganismSize, build_organism, grid_side
 from .siit import (
     SIIT_EVAL_STREAM,
+    SIIT_PARTS,
     HeadInterchange,
     PositionProbe,
     SelectionProbe,
@@ -99,7 +100,8 @@ class TrainConfig:
             0 leaves the task out.
         task_options: task -> options (``objects`` as ``[lo, hi]``, ``variants``, ``present``, ``colours``,
             ``shapes``; see :class:`~vlmbind.organisms.data.TaskSpec`).
-        steps: optimiser steps of the whole run (the schedule's length).
+        steps: training steps of the whole run (the schedule's length; one optimiser step each, three with
+            ``siit.single_loss=False``).
         batch_size: examples per step.
         lr: peak learning rate.
         warmup: linear warm-up steps from 0 to ``lr``.
@@ -705,43 +707,67 @@ def train(
             lr = lr_at(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batch = builder(mixture.batch(step, config.batch_size))
-            output = model(**batch.inputs, use_cache=False, output_hidden_states=position_layer is not None)
-            loss = answer_loss(output.logits, batch.labels, config.loss_norm)
-            behaviour = float(loss.detach())
-            parts = {}
-            if position_layer is not None:
-                hidden = output.hidden_states[position_layer + 1]
-                code = probe.loss(hidden, batch.inputs["input_ids"], builder.image_token_id) if probe is not None \
-                    else position_code_loss(hidden, batch.inputs["input_ids"], builder.image_token_id, cells)
-                position_value = float(code.detach())
-                loss = loss + siit.position_weight * code
-            del output
-            if siit is not None:
+            parts: dict[str, Any] = {}
+
+            def behaviour_loss() -> torch.Tensor:
+                batch = builder(mixture.batch(step, config.batch_size))
+                output = model(**batch.inputs, use_cache=False, output_hidden_states=position_layer is not None)
+                loss = answer_loss(output.logits, batch.labels, config.loss_norm)
+                parts["behaviour"] = float(loss.detach())
+                if position_layer is not None:
+                    hidden = output.hidden_states[position_layer + 1]
+                    code = probe.loss(hidden, batch.inputs["input_ids"], builder.image_token_id) \
+                        if probe is not None \
+                        else position_code_loss(hidden, batch.inputs["input_ids"], builder.image_token_id, cells)
+                    parts["position"] = float(code.detach())
+                    loss = loss + siit.position_weight * code
+                return loss
+
+            def siit_loss(which: tuple[str, ...], total: torch.Tensor | None = None) -> torch.Tensor | None:
                 extra = siit_losses(model, interchange, builder, siit, seed=config.seed, step=step,
-                                    canvas=mixture.canvas, loss_norm=config.loss_norm, selection=selection)
-                parts = {"behaviour": behaviour, "variable": extra["variable"],
-                         "strict_head": extra["strict_head"]}
+                                    canvas=mixture.canvas, loss_norm=config.loss_norm, selection=selection,
+                                    parts=which)
+                parts.update(variable=extra["variable"], strict_head=extra["strict_head"])
                 for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight),
                                      ("selection", siit.selection_weight),
                                      ("selection_attention", siit.selection_attention_weight),
                                      ("retrieval_attention", siit.retrieval_attention_weight)):
                     if extra[name] is not None:
-                        loss = loss + weight * extra[name]
+                        total = weight * extra[name] if total is None else total + weight * extra[name]
                         parts[name] = float(extra[name].detach())
-                if position_layer is not None:
-                    parts["position"] = position_value
-            loss.backward()
-            if config.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                return total
+
+            def step_on(loss: torch.Tensor) -> float:
+                loss.backward()
+                if config.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                return float(loss.detach())
+
+            if siit is None or siit.single_loss:
+                loss = behaviour_loss()
+                if siit is not None:  # added term by term onto the behaviour loss, as always
+                    loss = siit_loss(SIIT_PARTS, loss)
+                value = step_on(loss)
+            else:  # InterpBench's order, one optimiser step per loss; the readout probes step once, below
+                value = 0.0
+                for which in (("iit",), ("strict",)):
+                    part = siit_loss(which)
+                    if part is not None:
+                        value += step_on(part)
+                value += step_on(behaviour_loss())
+            if siit is None:
+                parts = {}
+            else:  # the log's keys in the order they always had
+                parts = {k: parts[k] for k in ("behaviour", "variable", "strict_head", "iit", "strict", "selection",
+                                               "selection_attention", "retrieval_attention", "position")
+                         if k in parts}
             for _module, opt, _name in readouts:
                 for group in opt.param_groups:
                     group["lr"] = lr
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            value = float(loss.detach())
             if not math.isfinite(value):
                 raise TrainingError(f"the loss became {value} at step {step + 1}; lower lr ({config.lr}) or "
                                     f"keep grad_clip on")
