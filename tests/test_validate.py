@@ -180,6 +180,37 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     assert min(x["interchange_accuracy"] for x in planted["feature_retrieval"]["settings"]) >= 0.95
 
 
+def test_the_strictness_breakers_act_through_the_selection_as_saved():
+    """selection_inputs.json: its heads are the interchange table's strictness breakers, with the table's changed
+    shares; re-measured here for head 0.1 it gives the saved figures; the README shows its table; and it says what
+    the docs say: where a layer-0 head changes the answer, 2.1 stops attending to the missing object and the new
+    colour is a described object's, never a colour only the source has."""
+    from pathlib import Path
+
+    results = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results"
+    runner = _ground_truth_script("selection_inputs")
+    saved = json.loads((results / "selection_inputs.json").read_text())
+    table = next(r for r in json.loads((results / "interchange.json").read_text())["results"]
+                 if r["model"] == "organism-vsm")["variables"]["feature_retrieval"]
+    assert sorted(saved["heads"]) == table["unplanted_heads_above_0.02"]
+    for head, entry in saved["heads"].items():
+        assert entry["changed"] == pytest.approx(table["unplanted_changes"][head], abs=1e-12)
+        assert entry["patched_colour"]["source_colour"] == 0
+        assert entry["patched_colour"]["described_colour"] >= 0.6 * entry["n_changed"]
+        for reader in ("2.1", "4.2"):
+            changed, unchanged = (entry["attention_on_missing"][reader][g] for g in ("changed", "unchanged"))
+            assert changed["plain"] > 0.85 and changed["patched"] < 0.3 and unchanged["patched"] > 0.85
+    readme = (results.parent / "README.md").read_text()
+    assert runner.BEGIN + "\n" + runner.markdown(saved) + "\n" + runner.END in readme
+    again = runner.measure(saved["model"], ["0.1"], recorded_planted("organism-vsm"), saved["n_pairs"] // 6, saved["seed"])
+    assert again["heads"]["0.1"]["n_changed"] == saved["heads"]["0.1"]["n_changed"]
+    assert again["heads"]["0.1"]["patched_colour"] == saved["heads"]["0.1"]["patched_colour"]
+    for reader, groups in saved["heads"]["0.1"]["attention_on_missing"].items():
+        for group, values in groups.items():
+            assert again["heads"]["0.1"]["attention_on_missing"][reader][group]["patched"] == \
+                pytest.approx(values["patched"], abs=1e-4)
+
+
 def test_answer_changes_by_position_matches_hand_built_masks_and_the_saved_checks():
     """``answer_changes(positions=image|text|last)`` equals the share computed with a mask built by hand here (image
     tokens, the prompt's other tokens, the last prompt token), bad positions are named, and the shipped organism-vsm

@@ -33,6 +33,12 @@ OPTIONS = {"id_selection": {"swap": "random"}, "id_retrieval": {"swap": "random"
            "feature_retrieval": {"recolour": "any"}}
 
 
+def fresh_pairs(variable: str, n_pairs: int, seed: int, objects: int, entropy: str, canvas: Canvas) -> list:
+    """The table's pairs of one setting (``seed`` is the table's; each setting draws from its own seed)."""
+    return list(scene_pairs(n_pairs, variable, seed + 7 * objects + (entropy == "low"), n_objects=objects,
+                            entropy=entropy, canvas=canvas, **OPTIONS[variable], **POOLS))
+
+
 def measure(name: str, planted: dict[str, list[str]], n_pairs: int, seed: int) -> dict:
     vlm = vb.load(name)
     builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
@@ -44,9 +50,7 @@ def measure(name: str, planted: dict[str, list[str]], n_pairs: int, seed: int) -
         rows, pooled = [], []
         for objects in (2, 3, 4):
             for entropy in ("high", "low"):
-                pairs = list(scene_pairs(n_pairs, variable, seed + 7 * objects + (entropy == "low"),
-                                         n_objects=objects, entropy=entropy, canvas=canvas, **OPTIONS[variable],
-                                         **POOLS))
+                pairs = fresh_pairs(variable, n_pairs, seed, objects, entropy, canvas)
                 pooled += pairs
                 rows.append({"objects": objects, "entropy": entropy, "n": len(pairs),
                              "interchange_accuracy": interchange_accuracy(vlm.model, interchange, builder, pairs,

@@ -81,8 +81,9 @@ def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
        high-entropy pairs drawn twice as often: the position then moves the answer on high-entropy and held-out
        scenes too.
     5. Strictness 3, with the strictness loss drawing head 0.1 16 times, 0.0 8 times and 0.2, 0.3 twice as often
-       as any other unaligned head: after stage 4, heads 0.0 and 0.1 at the prompt's last tokens still carried some
-       of the missing object's features (a second path beside the feature-retrieval head); entropies drawn evenly.
+       as any other unaligned head: after stage 4, interchanging heads 0.0 and 0.1 at the prompt's text tokens
+       still changed some feature-retrieval answers (they feed the ID-selection head's choice of object; see
+       docs/ground_truth.md); entropies drawn evenly.
     """
     common = {"regime": "p2a", "seed": seed, "batch_size": 16, "image_size": 168, "tasks": {"scene": 1.0},
               "task_options": {"scene": {"objects": [2, 4], **_POOLS}}, "final_lr_ratio": 0.1,
