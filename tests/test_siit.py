@@ -104,7 +104,7 @@ def test_spec_round_trips_through_the_config_and_behaviour_configs_are_unchanged
     ({"alignments": {"id_selection": ["1.0"]}, "recolour": "some"}, "siit.recolour"),
     ({"alignments": {"id_selection": ["1.0"]}, "objects": [3, 3], "skip_objects": [3]}, "leaves no object count"),
     ({"alignments": {"id_selection": ["1.0"]}, "position_layer": 4}, "position_layer 4 does not exist"),
-    ({"alignments": {"id_selection": ["1.0"]}, "position_layer": -1}, "position_layer must be"),
+    ({"alignments": {"id_selection": ["1.0"]}, "position_layer": -2}, "position_layer must be"),
     ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"1.0": 2}}, "which is aligned"),
     ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"0.1": 0}}, r"must be a number > 0"),
     ({"alignments": {"id_selection": ["1.0"]}, "strict_head_weights": {"9.1": 2}}, "heads.*9.1.*do not exist"),
@@ -297,6 +297,32 @@ def test_evaluation_pairs_cover_every_setting_the_spec_trains_on():
     assert [p.id for p in pairs] == [p.id for p in evaluation_pairs(spec, "id_selection", seed=0, canvas=canvas,
                                                                        n=32)]
     assert len(evaluation_pairs(spec, "id_selection", seed=0, canvas=canvas, n=6)) == 6
+
+
+@pytest.mark.parametrize("layer", [-1, 0])
+def test_the_position_code_is_read_where_position_layer_says(tmp_path, layer):
+    """The first step's logged position loss is the trained readout's loss (fresh, from the run's seed) on the
+    image tokens of the decoder's input (-1: the embeddings the vision tower gives) or after decoder layer 0,
+    computed here from the untrained model on step 0's batch, and not the other layer's."""
+    from vlmbind.organisms.model import build_organism
+    from vlmbind.organisms.siit import PositionProbe
+    from vlmbind.organisms.train import train
+
+    siit = {"alignments": {"feature_retrieval": ["1.1"]}, "pairs": 2, "objects": [3, 3], "position_layer": layer,
+            "position_readout": "trained"}
+    config = _planting_config(steps=1, eval_every=0, checkpoint_every=1, siit=siit)
+    result = train(config, tmp_path / "run", progress=False, threads=1)
+    logged = json.loads((result.checkpoint / "trainer_state.json").read_text())["siit_losses"][0]["position"]
+    model, processor = build_organism(seed=config.seed, image_size=config.image_size, **config.model.to_dict())
+    builder = BatchBuilder(processor)
+    batch = builder(config.mixture().batch(0, config.batch_size))
+    probe = PositionProbe(config.model.hidden, 16, config.seed)
+    with torch.no_grad():
+        hidden = model(**batch.inputs, use_cache=False, output_hidden_states=True).hidden_states
+        losses = {l: float(probe.loss(hidden[l + 1], batch.inputs["input_ids"], builder.image_token_id))
+                  for l in (-1, 0)}
+    assert logged == pytest.approx(losses[layer], abs=1e-6)
+    assert abs(logged - losses[-1 - layer]) > 2e-5  # the other layer's loss is not it
 
 
 def test_growing_an_organism_keeps_its_function_exactly():

@@ -171,7 +171,9 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
         if siit.get("position_layer") is not None:
             readout = ("a linear readout trained beside the organism" if siit.get("position_readout") == "trained"
                        else "a fixed random linear readout")
-            lines += ["", f"A position code was trained in too: after decoder layer {siit['position_layer']} every "
+            where = ("in the decoder's input" if siit["position_layer"] == -1
+                     else f"after decoder layer {siit['position_layer']}")
+            lines += ["", f"A position code was trained in too: {where} every "
                       f"image token's grid cell must be read from its residual stream by {readout} (weight "
                       f"{siit.get('position_weight')}). A head can only copy a position the image tokens carry."]
         if siit.get("selection_weight") or siit.get("selection_attention_weight"):

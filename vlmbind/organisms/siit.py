@@ -89,8 +89,9 @@ class SIITSpec:
         recolour: feature-retrieval sources (``any`` new conjunction by default; ``unused`` is VSM's pairs, whose
             counterfactual answer a model can guess from the base scene alone).
         position_layer: when set, the position code: every image token's residual stream after this decoder layer
-            must give the token's grid cell through a fixed random linear readout (cross-entropy, weight
-            ``position_weight``). A head can only copy a position ID that the image tokens carry.
+            (-1: the decoder's input, the image tokens as the vision tower and merger give them) must give the
+            token's grid cell through a linear readout (cross-entropy, weight ``position_weight``). A head can
+            only copy a position ID that the image tokens carry, and a layer-0 head reads the decoder's input.
         position_weight: that loss's weight.
         position_readout: ``trained`` (a linear probe trained with the model, kept beside its checkpoints: the code
             only has to be linearly readable, as a head's keys and values read it) or ``fixed`` (a fixed random
@@ -187,8 +188,9 @@ class SIITSpec:
         if self.recolour not in RECOLOURS:
             raise TrainingError(f"siit.recolour must be one of {RECOLOURS}, got {self.recolour!r}")
         if self.position_layer is not None and (isinstance(self.position_layer, bool)
-                                                or not isinstance(self.position_layer, int) or self.position_layer < 0):
-            raise TrainingError(f"siit.position_layer must be a layer index >= 0 or None, got {self.position_layer!r}")
+                                                or not isinstance(self.position_layer, int) or self.position_layer < -1):
+            raise TrainingError(f"siit.position_layer must be a layer index >= 0, -1 (the decoder's input) or None, "
+                                f"got {self.position_layer!r}")
         if isinstance(self.position_weight, bool) or not isinstance(self.position_weight, (int, float)) \
                 or not self.position_weight >= 0:
             raise TrainingError(f"siit.position_weight must be a number >= 0, got {self.position_weight!r}")
