@@ -202,7 +202,8 @@ def test_the_strictness_breakers_act_through_the_selection_as_saved():
             assert changed["plain"] > 0.85 and changed["patched"] < 0.3 and unchanged["patched"] > 0.85
     readme = (results.parent / "README.md").read_text()
     assert runner.BEGIN + "\n" + runner.markdown(saved) + "\n" + runner.END in readme
-    again = runner.measure(saved["model"], ["0.1"], recorded_planted("organism-vsm"), saved["n_pairs"] // 6, saved["seed"])
+    again = runner.measure(saved["model"], ["0.1"], recorded_planted("organism-vsm"), saved["n_pairs"] // 6,
+                           saved["seed"])
     assert again["heads"]["0.1"]["n_changed"] == saved["heads"]["0.1"]["n_changed"]
     assert again["heads"]["0.1"]["patched_colour"] == saved["heads"]["0.1"]["patched_colour"]
     for reader, groups in saved["heads"]["0.1"]["attention_on_missing"].items():

@@ -102,10 +102,15 @@ def _interval(share: float, n: int, digits: int = 2) -> str:
     return f"[{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
-def update_readme(document: dict, readme: Path = HERE / "README.md") -> None:
+def write_block(body: str, begin: str, end: str, readme: Path = HERE / "README.md") -> None:
+    """Replace what stands between the ``begin`` and ``end`` markers of ``readme`` with ``body``."""
     text = readme.read_text()
-    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
-    write_text_atomic(text[:start] + "\n" + markdown(document) + "\n" + text[stop:], readme)
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    write_text_atomic(text[:start] + "\n" + body + "\n" + text[stop:], readme)
+
+
+def update_readme(document: dict, readme: Path = HERE / "README.md") -> None:
+    write_block(markdown(document), BEGIN, END, readme)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,10 +8,10 @@ that moves more than 2% of the answers there (``results/interchange.json``) is i
 position, as the table does. For the pairs whose answer changes and for the others, it reports where the planted
 heads look at the last prompt token (their attention on the base's missing object's image token, from
 ``output_attentions`` of eager attention, unpatched and patched), where the head itself looks from the prompt's
-text tokens (its attention mass on the image tokens, and on the objects' tokens among them) and, for the changed pairs, what the patched colour
-word is (and how many of those pairs' sources gave the missing object another colour, not only another shape):
-a described object's colour (the selection moved to a described object), the source's colour (the
-missing object's new features reached the answer), a colour that is both (the source's colour is also a described
+text tokens (its attention mass on the image tokens, and on the objects' tokens among them), how many of the
+changed pairs' sources gave the missing object another colour (not only another shape), and what the patched colour
+word is: a described object's colour (the selection moved to a described object), the source's colour (the missing
+object's new features reached the answer), a colour that is both (the source's colour is also a described
 object's), or another.
 """
 
@@ -28,14 +28,14 @@ import torch
 import vlmbind as vb
 from vlmbind.analysis.ablation import wilson_interval
 from vlmbind.analysis.validate import recorded_planted
-from vlmbind.io import write_json_atomic, write_text_atomic
+from vlmbind.io import write_json_atomic
 from vlmbind.organisms.data import IGNORE_INDEX, BatchBuilder
 from vlmbind.organisms.siit import HeadInterchange, evaluating, interchange_batch, target_cells, target_tokens
 from vlmbind.sites import parse_heads
 from vlmbind.stimuli import Canvas
 
 sys.path.insert(0, str(Path(__file__).parent))
-from interchange import fresh_pairs  # noqa: E402  (the table's pairs, so the changed shares must agree with it)
+from interchange import fresh_pairs, write_block  # noqa: E402  (the table's pairs: its shares must agree)
 
 HERE = Path(__file__).parent
 VARIABLE = "feature_retrieval"
@@ -83,7 +83,8 @@ def measure(name: str, heads: list[str], planted: dict[str, list[str]], n_pairs:
                 objects = torch.zeros_like(image)
                 for r, pair in enumerate(chunk):
                     cells = torch.tensor([o.row * canvas.shape[1] + o.col for o in pair.clean.objects])
-                    objects[r, target_tokens(ids[r : r + 1].expand(len(cells), -1), builder.image_token_id, cells)] = True
+                    rows_ids = ids[r : r + 1].expand(len(cells), -1)
+                    objects[r, target_tokens(rows_ids, builder.image_token_id, cells)] = True
                 pattern = plain.attentions[layer][:, index]  # B Q K, the interchanged head's own attention
                 for r in range(len(chunk)):
                     rows_q = pattern[r][text[r]]
@@ -112,7 +113,8 @@ def measure(name: str, heads: list[str], planted: dict[str, list[str]], n_pairs:
                                     "on_objects": float(np.mean(text_on_objects))},
                  "source_recoloured": {"changed": float(recoloured[flags].mean()) if flags.any() else None,
                                        "unchanged": float(recoloured[~flags].mean())},
-                 "patched_colour": {k: kinds.count(k) for k in ("described_colour", "source_colour", "either", "other")},
+                 "patched_colour": {k: kinds.count(k)
+                                    for k in ("described_colour", "source_colour", "either", "other")},
                  "attention_on_missing": {}}
         for reader, sides in attention.items():
             plain_mass, patched_mass = np.array(sides["plain"]), np.array(sides["patched"])
@@ -158,9 +160,7 @@ def markdown(document: dict) -> str:
 
 
 def update_readme(document: dict, readme: Path = HERE / "README.md") -> None:
-    text = readme.read_text()
-    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
-    write_text_atomic(text[:start] + "\n" + markdown(document) + "\n" + text[stop:], readme)
+    write_block(markdown(document), BEGIN, END, readme)
 
 
 def main(argv: list[str] | None = None) -> int:
