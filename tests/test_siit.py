@@ -114,6 +114,8 @@ def test_spec_round_trips_through_the_config_and_behaviour_configs_are_unchanged
     ({"alignments": {"id_selection": ["1.0"]}, "strict_sampling": "all", "strict_head_weights": {"0.1": 2}},
      "applies to strict_sampling 'individual'"),
     ({"alignments": {"id_selection": ["1.0"]}, "single_loss": "no"}, "single_loss must be True or False"),
+    ({"alignments": {"id_selection": ["1.0"]}, "interchanged_selection_weight": 1.0}, "align both variables"),
+    ({"alignments": {"id_selection": ["1.0"]}, "interchanged_selection_weight": -1}, "must be a number >= 0"),
 ])
 def test_bad_specs_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):
@@ -187,7 +189,7 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
         siit.update(alignments={"feature_retrieval": ["1.1"], "id_selection": ["1.0", "0.3"],
                                 "id_retrieval": ["0.2"]}, aggregation_heads=["0.3"], position_layer=0,
                     position_readout="trained", selection_weight=1.0, selection_attention_weight=1.0,
-                    retrieval_attention_weight=1.0, source_grad=True)
+                    retrieval_attention_weight=1.0, interchanged_selection_weight=1.0, source_grad=True)
     if separate:
         siit.update(single_loss=False, strict_sampling="sample_all")
     config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit,
@@ -215,7 +217,7 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
         # the selection readout and attention are loss parts on the id_selection steps only, the retrieval
         # attention on the id_retrieval steps
         for name, variable in (("selection", "id_selection"), ("selection_attention", "id_selection"),
-                               ("retrieval_attention", "id_retrieval")):
+                               ("retrieval_attention", "id_retrieval"), ("interchanged_selection", "id_retrieval")):
             assert all((name in p) == (p["variable"] == variable) for p in parts)
             assert all(math.isfinite(p[name]) for p in parts if name in p)
         readout = result.evals[-1]["selection"]
@@ -470,6 +472,40 @@ def test_retrieval_and_aggregation_targets():
     patterns = {0: torch.full((1, 1, 7, 7), 1 / 7)}
     assert attention_on_targets(patterns, [(0, 0)], [[6]], [[2, 4]]).tolist() == [pytest.approx(2 / 7)]
     assert float(selection_attention_loss(patterns, [(0, 0)], [[6]], [[2, 4]])) == pytest.approx(math.log(7 / 2))
+
+
+def test_the_interchanged_runs_selection_target_and_patterns():
+    """The interchanged-run selection target of an id_retrieval pair is the patched object's own cell in the base
+    (where the missing object sits in the source); asking for the interchanged run's patterns leaves its logits and
+    the source run's stored values as they were, and the patterns are HF's eager ``output_attentions`` of the
+    interchanged base run."""
+    from vlmbind.organisms.data import BatchBuilder
+    from vlmbind.organisms.siit import last_prompt_positions, own_cells, target_cells
+
+    vlm = vb.load("organism-vsm")
+    vlm.model.set_attn_implementation("eager")
+    builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
+    canvas = Canvas(image_size=168, grid=6)
+    pairs = list(scene_pairs(6, "id_retrieval", 5, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
+    own, moved = own_cells(pairs, canvas), target_cells(pairs, canvas)
+    for p, cell, source_missing in zip(pairs, own.tolist(), moved.tolist()):
+        j = p.clean.objects[p.patch["object"]]
+        assert cell == j.row * 6 + j.col == source_missing
+    with pytest.raises(TrainingError, match="patches no described object"):
+        own_cells(list(scene_pairs(1, "id_selection", 3, canvas=canvas, **POOLS)), canvas)
+    batch = interchange_batch(builder, pairs, "counterfactual", "answer")
+    assert [[int(batch.prompt_mask[r].nonzero().max())] for r in range(len(pairs))] == \
+        last_prompt_positions(batch.prompt_mask)
+    with torch.no_grad():
+        plain = interchange_logits(vlm.model, interchange, batch, [(0, 2)], batch.positions)
+        stored = {k: v.clone() for k, v in interchange.stored.items()}
+        logits = interchange_logits(vlm.model, interchange, batch, [(0, 2)], batch.positions, base_patterns=[2])
+        assert torch.equal(plain, logits) and interchange.stored.keys() == stored.keys()
+        assert all(torch.equal(interchange.stored[k], v) for k, v in stored.items())
+        masks = interchange.mask([(0, 2)], batch.positions, tuple(stored[0].shape))
+        with interchange.patch(masks, stored):
+            reference = vlm.model(**batch.base.inputs, use_cache=False, output_attentions=True).attentions[2]
+    assert torch.allclose(interchange.base_patterns[2], reference, atol=1e-6)
 
 
 def test_selection_attention_needs_eager_attention(tmp_path):

@@ -109,6 +109,12 @@ class SIITSpec:
         retrieval_attention_weight: when > 0, the ``id_retrieval`` heads' attention at their patch positions (the
             described object's name) in the source run must fall on that object's image token (cross-entropy, this
             weight; needs ``source_grad`` and eager attention). The head is told where its position comes from.
+        interchanged_selection_weight: when > 0, on the ``id_retrieval`` steps the selecting ``id_selection`` heads'
+            attention at the last prompt token of the interchanged base run must fall on the image token of the
+            object whose name was patched (cross-entropy, this weight; eager attention). That is the high-level
+            selection there: the names now claim every cell but that object's own. In a source run a selection by
+            the objects' features and one by the retrieved positions pick the same object, so the source-run losses
+            cannot tell them apart; the interchanged run can.
         aggregation_heads: ``id_selection`` heads that gather the described objects' positions at the last token
             rather than read the missing object: their attention target (with ``selection_attention_weight``) is the
             described objects' name tokens, where ``id_retrieval`` heads wrote their positions; the other
@@ -143,6 +149,7 @@ class SIITSpec:
     selection_weight: float = 0.0
     selection_attention_weight: float = 0.0
     retrieval_attention_weight: float = 0.0
+    interchanged_selection_weight: float = 0.0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
 
@@ -216,6 +223,15 @@ class SIITSpec:
         if value > 0 and not (self.iit_weight > 0 and self.source_grad):
             raise TrainingError("siit.retrieval_attention_weight > 0 trains the id_retrieval heads through the IIT "
                                 "loss's source run; set iit_weight above 0 and source_grad to true")
+        value = self.interchanged_selection_weight
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise TrainingError(f"siit.interchanged_selection_weight must be a number >= 0, got {value!r}")
+        if value > 0 and not {"id_retrieval", "id_selection"} <= set(aligned):
+            raise TrainingError("siit.interchanged_selection_weight > 0 trains the id_selection heads on the "
+                                "id_retrieval steps; align both variables or set the weight to 0")
+        if value > 0 and not self.iit_weight > 0:
+            raise TrainingError("siit.interchanged_selection_weight > 0 reads the IIT loss's interchanged run; set "
+                                "iit_weight above 0")
         try:
             aggregation = tuple(f"{l}.{h}" for l, h in parse_heads(list(self.aggregation_heads)))
         except Exception as exc:  # noqa: BLE001 - re-raised as a named training error
@@ -340,6 +356,8 @@ class SIITSpec:
                    if self.selection_attention_weight else {}),
                 **({"retrieval_attention_weight": self.retrieval_attention_weight}
                    if self.retrieval_attention_weight else {}),
+                **({"interchanged_selection_weight": self.interchanged_selection_weight}
+                   if self.interchanged_selection_weight else {}),
                 **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
 
     @classmethod
@@ -460,6 +478,7 @@ class HeadInterchange:
         self.d_head = self.adapter.d_head
         self.stored: dict[int, torch.Tensor] = {}
         self.patterns: dict[int, torch.Tensor] = {}
+        self.base_patterns: dict[int, torch.Tensor] = {}
 
     def _modules(self, layers: Sequence[int]) -> dict[int, Any]:
         return {l: self.adapter.o_proj_module(l) for l in sorted(set(layers))}
@@ -532,20 +551,28 @@ class HeadInterchange:
 
 def interchange_logits(model: Any, interchange: HeadInterchange, batch: InterchangeBatch,
                        heads: Sequence[tuple[int, int]], where: Sequence[Sequence[int]] | torch.Tensor, *,
-                       source_grad: bool = False, patterns: bool = False) -> torch.Tensor:
+                       source_grad: bool = False, patterns: bool = False,
+                       base_patterns: Sequence[int] = ()) -> torch.Tensor:
     """Logits of the base rows with ``heads``' outputs at ``where`` taken from the source rows (the source run's
-    outputs, and with ``patterns`` its attention, stay in ``interchange.stored`` / ``patterns``)."""
+    outputs, and with ``patterns`` its attention, stay in ``interchange.stored`` / ``patterns``; the attention of
+    the interchanged base run at layers ``base_patterns``, in the graph, in ``interchange.base_patterns``)."""
     layers = sorted({l for l, _ in heads})
     with contextlib.ExitStack() as stack:
         if not source_grad:
             stack.enter_context(torch.no_grad())
         with interchange.capture(layers, grad=source_grad, patterns=patterns):
             model(**batch.source.inputs, use_cache=False)
-    values = interchange.stored
+    values, source_patterns = interchange.stored, interchange.patterns
     b, p, width = values[layers[0]].shape
     masks = interchange.mask(heads, where, (b, p, width))
     with interchange.patch(masks, values):
-        return model(**batch.base.inputs, use_cache=False).logits
+        if not base_patterns:
+            return model(**batch.base.inputs, use_cache=False).logits
+        with interchange.capture(base_patterns, grad=True, patterns=True):
+            logits = model(**batch.base.inputs, use_cache=False).logits
+    interchange.base_patterns = interchange.patterns
+    interchange.stored, interchange.patterns = values, source_patterns
+    return logits
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -674,6 +701,23 @@ def patched_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas) -> torch.
     return torch.tensor(cells, dtype=torch.long)
 
 
+def own_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas) -> torch.Tensor:
+    """Per ``id_retrieval`` pair, the grid cell of the patched described object in the base scene: the object the
+    high-level model selects once that object's name carries the source's position."""
+    cells = []
+    for p in pairs:
+        if p.patch.get("kind") != "span" or "object" not in p.patch:
+            raise TrainingError(f"pair {p.id!r} patches no described object's span; id_retrieval pairs do")
+        o = p.clean.objects[int(p.patch["object"])]
+        cells.append(o.row * canvas.shape[1] + o.col)
+    return torch.tensor(cells, dtype=torch.long)
+
+
+def last_prompt_positions(prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Per row, ``[index of the last prompt token]``."""
+    return [[int(i)] for i in prompt_mask.long().cumsum(1).argmax(1)]
+
+
 class SelectionProbe(torch.nn.Module):
     """A linear readout of the missing object's grid cell from the ``id_selection`` heads' outputs (their ``o_proj``
     input slices, concatenated), trained beside the organism (never part of it)."""
@@ -795,6 +839,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
 
     Returns:
         ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
+        "interchanged_selection": loss,
         "variable": v, "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
         asked for; the ID-selection and ID-retrieval ones also on steps of another variable, and ``selection``
         without a ``selection`` probe).
@@ -807,14 +852,20 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     variable = variables[int(rng.integers(len(variables)))]
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
-                           "selection_attention": None, "retrieval_attention": None}
+                           "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None}
     if spec.iit_weight > 0 and "iit" in parts:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
             (variable == "id_retrieval" and spec.retrieval_attention_weight > 0)
+        judge = variable == "id_retrieval" and spec.interchanged_selection_weight > 0
         logits = interchange_logits(model, interchange, batch, spec.heads(variable), batch.positions,
-                                    source_grad=spec.source_grad, patterns=attend)
+                                    source_grad=spec.source_grad, patterns=attend,
+                                    base_patterns=sorted({l for l, _ in spec.selecting_heads()}) if judge else ())
         out["iit"] = answer_loss(logits, batch.base.labels, loss_norm)
+        if judge:
+            own = target_tokens(batch.base.inputs["input_ids"], builder.image_token_id, own_cells(pairs, canvas))
+            out["interchanged_selection"] = selection_attention_loss(
+                interchange.base_patterns, spec.selecting_heads(), last_prompt_positions(batch.prompt_mask), own)
         # interchange.stored / patterns still hold the source run's, in the graph (source_grad)
         source_ids = batch.source.inputs["input_ids"]
         if variable == "id_selection" and (selection is not None and spec.selection_weight > 0 or attend):
