@@ -212,6 +212,28 @@ def test_the_strictness_breakers_act_through_the_selection_as_saved():
                 pytest.approx(values["patched"], abs=1e-4)
 
 
+def test_the_id_retrieval_attempts_record_what_the_docs_say():
+    """docs/ground_truth.md on the two id_retrieval attempts, against their saved curves: the parts took, the
+    interchange accuracy never left ~0, and the patch at the names did not move 2.1's attention."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    first = json.loads((runs / "9-id-retrieval-attempt.json").read_text())
+    second = json.loads((runs / "10-interchanged-selection-attempt.json").read_text())
+    for run in (first, second):
+        assert max(e["siit"]["id_retrieval"]["interchange_accuracy"] for e in run["evals"]) <= 0.05
+        after = run["after"]
+        for target in ("attention_2.1_on_t", "attention_2.1_on_j"):
+            assert abs(after[target]["patched"] - after[target]["unpatched"]) < 0.01
+    end = first["evals"][-1]
+    assert end["position_code_accuracy"] >= 0.9 and end["aggregation"]["attention_mass"] >= 0.99
+    assert round(end["retrieval"]["attention_mass"], 2) == 0.78
+    assert first["after"]["attention_2.1_on_t"]["patched"] > 0.99
+    assert round(second["evals"][-1]["siit"]["id_selection"]["interchange_accuracy"], 2) == 0.59
+    assert round(second["after"]["attention_2.1_on_t"]["patched"], 2) == 0.60
+    assert round(second["after"]["attention_2.1_on_j"]["patched"], 2) == 0.22
+
+
 def test_answer_changes_by_position_matches_hand_built_masks_and_the_saved_checks():
     """``answer_changes(positions=image|text|last)`` equals the share computed with a mask built by hand here (image
     tokens, the prompt's other tokens, the last prompt token), bad positions are named, and the shipped organism-vsm

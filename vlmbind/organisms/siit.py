@@ -194,8 +194,8 @@ class SIITSpec:
             raise TrainingError(f"siit.swap must be one of {SWAPS}, got {self.swap!r}")
         if self.recolour not in RECOLOURS:
             raise TrainingError(f"siit.recolour must be one of {RECOLOURS}, got {self.recolour!r}")
-        if self.position_layer is not None and (isinstance(self.position_layer, bool)
-                                                or not isinstance(self.position_layer, int) or self.position_layer < -1):
+        layer = self.position_layer
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < -1):
             raise TrainingError(f"siit.position_layer must be a layer index >= 0, -1 (the decoder's input) or None, "
                                 f"got {self.position_layer!r}")
         if isinstance(self.position_weight, bool) or not isinstance(self.position_weight, (int, float)) \
