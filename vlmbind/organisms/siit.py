@@ -692,23 +692,21 @@ def target_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas, side: str 
 def patched_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas) -> torch.Tensor:
     """Per ``id_retrieval`` pair, the grid cell of the patched described object (``patch["object"]``) in the source
     scene: the ``id_retrieval`` variable's value at that object's name tokens there."""
-    cells = []
-    for p in pairs:
-        if p.patch.get("kind") != "span" or "object" not in p.patch:
-            raise TrainingError(f"pair {p.id!r} patches no described object's span; id_retrieval pairs do")
-        o = p.counterfactual.objects[int(p.patch["object"])]
-        cells.append(o.row * canvas.shape[1] + o.col)
-    return torch.tensor(cells, dtype=torch.long)
+    return _patched_object_cells(pairs, canvas, "counterfactual")
 
 
 def own_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas) -> torch.Tensor:
     """Per ``id_retrieval`` pair, the grid cell of the patched described object in the base scene: the object the
     high-level model selects once that object's name carries the source's position."""
+    return _patched_object_cells(pairs, canvas, "clean")
+
+
+def _patched_object_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas, side: str) -> torch.Tensor:
     cells = []
     for p in pairs:
         if p.patch.get("kind") != "span" or "object" not in p.patch:
             raise TrainingError(f"pair {p.id!r} patches no described object's span; id_retrieval pairs do")
-        o = p.clean.objects[int(p.patch["object"])]
+        o = getattr(p, side).objects[int(p.patch["object"])]
         cells.append(o.row * canvas.shape[1] + o.col)
     return torch.tensor(cells, dtype=torch.long)
 
