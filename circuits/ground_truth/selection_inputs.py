@@ -30,7 +30,14 @@ from vlmbind.analysis.ablation import wilson_interval
 from vlmbind.analysis.validate import recorded_planted
 from vlmbind.io import write_json_atomic
 from vlmbind.organisms.data import IGNORE_INDEX, BatchBuilder
-from vlmbind.organisms.siit import HeadInterchange, evaluating, interchange_batch, target_cells, target_tokens
+from vlmbind.organisms.siit import (
+    HeadInterchange,
+    evaluating,
+    interchange_batch,
+    last_prompt_index,
+    target_cells,
+    target_tokens,
+)
 from vlmbind.sites import parse_heads
 from vlmbind.stimuli import Canvas
 
@@ -70,7 +77,7 @@ def measure(name: str, heads: list[str], planted: dict[str, list[str]], n_pairs:
                 batch = interchange_batch(builder, chunk, "clean")
                 ids = batch.base.inputs["input_ids"]
                 missing = target_tokens(ids, builder.image_token_id, target_cells(chunk, canvas, side="clean"))
-                last = batch.prompt_mask.long().cumsum(1).argmax(1)
+                last = last_prompt_index(batch.prompt_mask)
                 plain = model(**batch.base.inputs, use_cache=False, output_attentions=True)
                 with interchange.capture([layer]):
                     model(**batch.source.inputs, use_cache=False)

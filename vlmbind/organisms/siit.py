@@ -711,9 +711,14 @@ def _patched_object_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas, s
     return torch.tensor(cells, dtype=torch.long)
 
 
+def last_prompt_index(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the index of the last prompt token (the first index of the largest running count: the last True)."""
+    return prompt_mask.long().cumsum(1).argmax(1)
+
+
 def last_prompt_positions(prompt_mask: torch.Tensor) -> list[list[int]]:
     """Per row, ``[index of the last prompt token]``."""
-    return [[int(i)] for i in prompt_mask.long().cumsum(1).argmax(1)]
+    return [[int(i)] for i in last_prompt_index(prompt_mask)]
 
 
 class SelectionProbe(torch.nn.Module):
@@ -955,7 +960,7 @@ def answer_changes(model: Any, interchange: HeadInterchange, builder: BatchBuild
             elif positions in ("image", "text"):
                 where = where & ((ids == builder.image_token_id) == (positions == "image"))
             elif positions == "last":
-                last = where.long().cumsum(1).argmax(1)  # the first index of the largest count: the last True
+                last = last_prompt_index(where)
                 where = torch.zeros_like(where)
                 where[torch.arange(len(last)), last] = True
             plain = model(**batch.base.inputs, use_cache=False).logits
