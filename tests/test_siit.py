@@ -116,6 +116,10 @@ def test_spec_round_trips_through_the_config_and_behaviour_configs_are_unchanged
     ({"alignments": {"id_selection": ["1.0"]}, "single_loss": "no"}, "single_loss must be True or False"),
     ({"alignments": {"id_selection": ["1.0"]}, "interchanged_selection_weight": 1.0}, "align both variables"),
     ({"alignments": {"id_selection": ["1.0"]}, "interchanged_selection_weight": -1}, "must be a number >= 0"),
+    ({"alignments": {"feature_retrieval": ["1.0"]}, "strict_selection_weight": 1.0}, "align id_selection"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_selection_weight": 1.0, "strict_weight": 0},
+     "set strict_weight above 0"),
+    ({"alignments": {"id_selection": ["1.0"]}, "strict_selection_weight": True}, "must be a number >= 0"),
 ])
 def test_bad_specs_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):
@@ -191,7 +195,7 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
                     position_readout="trained", selection_weight=1.0, selection_attention_weight=1.0,
                     retrieval_attention_weight=1.0, interchanged_selection_weight=1.0, source_grad=True)
     if separate:
-        siit.update(single_loss=False, strict_sampling="sample_all")
+        siit.update(single_loss=False, strict_sampling="sample_all", strict_selection_weight=float(readouts))
     config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit,
                               attn_implementation="eager")
     result = train(config, tmp_path / "run", progress=False, threads=1)
@@ -220,6 +224,8 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
                                ("retrieval_attention", "id_retrieval"), ("interchanged_selection", "id_retrieval")):
             assert all((name in p) == (p["variable"] == variable) for p in parts)
             assert all(math.isfinite(p[name]) for p in parts if name in p)
+        # every step has a strictness run
+        assert all(math.isfinite(p["strict_selection"]) if separate else "strict_selection" not in p for p in parts)
         readout = result.evals[-1]["selection"]
         assert 0.0 <= readout["accuracy"] <= 1.0 and 0.0 < readout["attention_mass"] <= 1.0
         for name in ("aggregation", "retrieval"):
@@ -506,6 +512,50 @@ def test_the_interchanged_runs_selection_target_and_patterns():
         with interchange.patch(masks, stored):
             reference = vlm.model(**batch.base.inputs, use_cache=False, output_attentions=True).attentions[2]
     assert torch.allclose(interchange.base_patterns[2], reference, atol=1e-6)
+
+
+@pytest.mark.parametrize("variable", ["id_retrieval", "feature_retrieval"])
+def test_the_strictness_runs_selection_loss_is_hfs_attention_on_the_bases_missing_object(variable):
+    """The strict-selection loss is -log of the selecting head's attention (HF's eager ``output_attentions``, with
+    the drawn unaligned head interchanged at every prompt token) from the last prompt token to the image token of
+    the base scene's missing object, which on an id_retrieval pair is not the interchanged run's target."""
+    from vlmbind.organisms.siit import SIIT_STREAM, draw_pairs, siit_losses
+
+    vlm = vb.load("organism-vsm")
+    vlm.model.set_attn_implementation("eager")
+    builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
+    canvas = Canvas(image_size=168, grid=6)
+    spec = SIITSpec(alignments={"id_retrieval": ["0.2"], "id_selection": ["1.3", "2.1"],
+                                "feature_retrieval": ["4.2"]}, aggregation_heads=("1.3",), pairs=3, objects=(3, 4),
+                    strict_selection_weight=1.0, swap="random", **POOLS)
+    with torch.no_grad():
+        for step in range(30):  # the first step that draws the variable
+            out = siit_losses(vlm.model, interchange, builder, spec, seed=0, step=step, canvas=canvas,
+                              parts=("strict",))
+            if out["variable"] == variable:
+                break
+    assert out["variable"] == variable and out["iit"] is None
+    (layer, head), = [tuple(map(int, h.split("."))) for h in out["strict_head"].split(",")]
+    pairs = draw_pairs(spec, variable, seed=0, stream=SIIT_STREAM, step=step, canvas=canvas)
+    batch = interchange_batch(builder, pairs, "clean", "answer")
+    with torch.no_grad():
+        with interchange.capture([layer]):
+            vlm.model(**batch.source.inputs, use_cache=False)
+        masks = interchange.mask([(layer, head)], batch.prompt_mask, tuple(interchange.stored[layer].shape))
+        with interchange.patch(masks, interchange.stored):
+            attention = vlm.model(**batch.base.inputs, use_cache=False, output_attentions=True).attentions[2]
+    ids = batch.base.inputs["input_ids"]
+    expected = []
+    for r, p in enumerate(pairs):
+        missing = p.clean.objects[p.clean.fields["target"]]
+        image = torch.nonzero(ids[r] == builder.image_token_id).flatten()
+        last = int(batch.prompt_mask[r].nonzero().max())
+        expected.append(float(attention[r, 1, last, image[missing.row * 6 + missing.col]]))
+        if variable == "id_retrieval":
+            own = p.clean.objects[p.patch["object"]]
+            assert (own.row, own.col) != (missing.row, missing.col)
+    assert float(out["strict_selection"]) == pytest.approx(float(-torch.log(torch.tensor(expected)).mean()),
+                                                           rel=1e-5)
 
 
 def test_selection_attention_needs_eager_attention(tmp_path):

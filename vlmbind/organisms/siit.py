@@ -115,6 +115,12 @@ class SIITSpec:
             selection there: the names now claim every cell but that object's own. In a source run a selection by
             the objects' features and one by the retrieved positions pick the same object, so the source-run losses
             cannot tell them apart; the interchanged run can.
+        strict_selection_weight: when > 0, in the strictness loss's run (the base scene with unaligned heads
+            interchanged) the selecting ``id_selection`` heads' attention at the last prompt token must stay on the
+            base's missing object (cross-entropy, this weight; eager attention). The high-level selection does not
+            move when an unaligned head does, so neither may the heads that carry it; on the ``id_retrieval`` steps
+            it is also the unpatched contrast of ``interchanged_selection_weight`` on the same scenes, so a selection
+            that ignores the patched names is no longer free.
         aggregation_heads: ``id_selection`` heads that gather the described objects' positions at the last token
             rather than read the missing object: their attention target (with ``selection_attention_weight``) is the
             described objects' name tokens, where ``id_retrieval`` heads wrote their positions; the other
@@ -150,6 +156,7 @@ class SIITSpec:
     selection_attention_weight: float = 0.0
     retrieval_attention_weight: float = 0.0
     interchanged_selection_weight: float = 0.0
+    strict_selection_weight: float = 0.0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
 
@@ -232,6 +239,15 @@ class SIITSpec:
         if value > 0 and not self.iit_weight > 0:
             raise TrainingError("siit.interchanged_selection_weight > 0 reads the IIT loss's interchanged run; set "
                                 "iit_weight above 0")
+        value = self.strict_selection_weight
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise TrainingError(f"siit.strict_selection_weight must be a number >= 0, got {value!r}")
+        if value > 0 and "id_selection" not in aligned:
+            raise TrainingError("siit.strict_selection_weight > 0 trains the id_selection heads in the strictness "
+                                "run; align id_selection or set the weight to 0")
+        if value > 0 and not self.strict_weight > 0:
+            raise TrainingError("siit.strict_selection_weight > 0 reads the strictness loss's run; set strict_weight "
+                                "above 0")
         try:
             aggregation = tuple(f"{l}.{h}" for l, h in parse_heads(list(self.aggregation_heads)))
         except Exception as exc:  # noqa: BLE001 - re-raised as a named training error
@@ -358,6 +374,8 @@ class SIITSpec:
                    if self.retrieval_attention_weight else {}),
                 **({"interchanged_selection_weight": self.interchanged_selection_weight}
                    if self.interchanged_selection_weight else {}),
+                **({"strict_selection_weight": self.strict_selection_weight}
+                   if self.strict_selection_weight else {}),
                 **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
 
     @classmethod
@@ -842,7 +860,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
 
     Returns:
         ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
-        "interchanged_selection": loss,
+        "interchanged_selection": loss, "strict_selection": loss,
         "variable": v, "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
         asked for; the ID-selection and ID-retrieval ones also on steps of another variable, and ``selection``
         without a ``selection`` probe).
@@ -855,7 +873,8 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     variable = variables[int(rng.integers(len(variables)))]
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
-                           "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None}
+                           "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None,
+                           "strict_selection": None}
     if spec.iit_weight > 0 and "iit" in parts:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
@@ -891,8 +910,16 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
         if "strict" in parts:
             batch = interchange_batch(builder, pairs, "clean", spec.last_positions)
             where = batch.prompt_mask if spec.strict_positions == "all" else batch.positions
-            logits = interchange_logits(model, interchange, batch, heads, where, source_grad=spec.source_grad)
+            hold = spec.strict_selection_weight > 0
+            logits = interchange_logits(model, interchange, batch, heads, where, source_grad=spec.source_grad,
+                                        base_patterns=sorted({l for l, _ in spec.selecting_heads()}) if hold else ())
             out["strict"] = answer_loss(logits, batch.base.labels, loss_norm)
+            if hold:
+                missing = target_tokens(batch.base.inputs["input_ids"], builder.image_token_id,
+                                        target_cells(pairs, canvas, side="clean"))
+                out["strict_selection"] = selection_attention_loss(
+                    interchange.base_patterns, spec.selecting_heads(), last_prompt_positions(batch.prompt_mask),
+                    missing)
     return out
 
 

@@ -732,7 +732,8 @@ def train(
                                      ("selection", siit.selection_weight),
                                      ("selection_attention", siit.selection_attention_weight),
                                      ("retrieval_attention", siit.retrieval_attention_weight),
-                                     ("interchanged_selection", siit.interchanged_selection_weight)):
+                                     ("interchanged_selection", siit.interchanged_selection_weight),
+                                     ("strict_selection", siit.strict_selection_weight)):
                     if extra[name] is not None:
                         total = weight * extra[name] if total is None else total + weight * extra[name]
                         parts[name] = float(extra[name].detach())
@@ -763,7 +764,7 @@ def train(
             else:  # the log's keys in the order they always had
                 parts = {k: parts[k] for k in ("behaviour", "variable", "strict_head", "iit", "strict", "selection",
                                                "selection_attention", "retrieval_attention",
-                                               "interchanged_selection", "position")
+                                               "interchanged_selection", "strict_selection", "position")
                          if k in parts}
             for _module, opt, _name in readouts:
                 for group in opt.param_groups:
