@@ -195,7 +195,8 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
                     position_readout="trained", selection_weight=1.0, selection_attention_weight=1.0,
                     retrieval_attention_weight=1.0, interchanged_selection_weight=1.0, source_grad=True)
     if separate:
-        siit.update(single_loss=False, strict_sampling="sample_all", strict_selection_weight=float(readouts))
+        siit.update(single_loss=False, strict_sampling="sample_all", strict_selection_weight=float(readouts),
+                    retrieval_readout_weight=float(readouts), gather_readout_weight=float(readouts))
     config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit,
                               attn_implementation="eager")
     result = train(config, tmp_path / "run", progress=False, threads=1)
@@ -224,8 +225,14 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
                                ("retrieval_attention", "id_retrieval"), ("interchanged_selection", "id_retrieval")):
             assert all((name in p) == (p["variable"] == variable) for p in parts)
             assert all(math.isfinite(p[name]) for p in parts if name in p)
-        # every step has a strictness run
+        # every step has a strictness run; the retrieval readout is read on the id_retrieval steps, the gathered
+        # positions on the id_selection ones
         assert all(math.isfinite(p["strict_selection"]) if separate else "strict_selection" not in p for p in parts)
+        for name, variable in (("retrieval_readout", "id_retrieval"), ("gather_readout", "id_selection")):
+            assert all((name in p) == (separate and p["variable"] == variable) for p in parts)
+        for name, file in (("retrieval", "retrieval_probe"), ("aggregation", "gather_probe")):
+            assert ("accuracy" in result.evals[-1][name]) == separate
+            assert (result.checkpoint / f"{file}.safetensors").is_file() == separate
         readout = result.evals[-1]["selection"]
         assert 0.0 <= readout["accuracy"] <= 1.0 and 0.0 < readout["attention_mass"] <= 1.0
         for name in ("aggregation", "retrieval"):
@@ -428,6 +435,41 @@ def test_selection_readout_reads_the_missing_objects_cell_from_the_aligned_heads
     assert float(probe.loss(stored, positions, targets).detach()) > 0
 
 
+def test_the_gather_readout_reads_the_described_objects_cells():
+    """The gathered-positions target is the described objects' cells in the source scene (for a swap pair, the
+    swapped object now sits at the missing object's base cell); the probe's loss is binary cross-entropy summed over
+    the cells (the closed form) and a row counts as read only when its positive logits are exactly the described
+    cells."""
+    from vlmbind.organisms.siit import GatherProbe, described_cells
+
+    canvas = Canvas(image_size=168, grid=6)
+    pairs = list(scene_pairs(12, "id_selection", 3, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
+    source, base = described_cells(pairs, canvas), described_cells(pairs, canvas, "clean")
+    for p, s, b in zip(pairs, source, base):
+        j, t = p.counterfactual.fields["swapped"]
+        cell = {k: o.row * 6 + o.col for k, o in enumerate(p.clean.objects)}
+        want = {cell[k] for k in p.clean.fields["described"] if k != j} | {cell[t]}
+        assert set(torch.nonzero(s).flatten().tolist()) == want
+        assert set(torch.nonzero(b).flatten().tolist()) == {cell[k] for k in p.clean.fields["described"]}
+
+    probe = GatherProbe([(1, 3)], 4, 36, seed=0)
+    stored = {1: torch.randn(2, 7, 16)}
+    positions = [[6], [4, 5]]
+    targets = torch.zeros(2, 36)
+    targets[0, [2, 9]] = 1.0
+    targets[1, 30] = 1.0
+    with torch.no_grad():
+        probe.linear.weight.zero_()
+        probe.linear.bias.fill_(-3.0)
+        probe.linear.bias[[2, 9]] = 3.0
+    assert probe.accuracy(stored, positions, targets) == pytest.approx(1 / 3)  # row 0 read, row 1 (twice) not
+    logits = probe.linear.bias.detach()
+    rows = torch.stack([targets[0], targets[1], targets[1]])
+    sig = torch.sigmoid(logits)[None]
+    expected = -(rows * torch.log(sig) + (1 - rows) * torch.log(1 - sig)).sum(-1).mean()
+    assert float(probe.loss(stored, positions, targets).detach()) == pytest.approx(float(expected), rel=1e-6)
+
+
 def test_selection_attention_is_read_at_the_target_objects_token():
     """The attention loss reads each aligned head's pattern at the row's patch positions on the image token of the
     row's target cell (image tokens in raster order); a perfectly attending head has loss 0."""
@@ -579,6 +621,12 @@ def test_selection_attention_needs_eager_attention(tmp_path):
     ({"alignments": {"id_retrieval": ["0.0"]}, "retrieval_attention_weight": 1.0}, "source_grad"),
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.2"]}, "not id_selection heads"),
     ({"alignments": {"id_selection": ["1.0"]}, "aggregation_heads": ["1.0"]}, "at least one must read"),
+    ({"alignments": {"id_selection": ["1.0"]}, "retrieval_readout_weight": 1.0, "source_grad": True},
+     "id_retrieval is not aligned"),
+    ({"alignments": {"id_retrieval": ["0.0"]}, "retrieval_readout_weight": 1.0}, "source_grad to true"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "gather_readout_weight": 1.0, "source_grad": True},
+     "list them in siit.aggregation_heads"),
+    ({"alignments": {"id_selection": ["1.0"]}, "gather_readout_weight": -0.5}, "must be a number >= 0"),
 ])
 def test_bad_selection_readouts_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):

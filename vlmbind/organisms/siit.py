@@ -121,6 +121,15 @@ class SIITSpec:
             move when an unaligned head does, so neither may the heads that carry it; on the ``id_retrieval`` steps
             it is also the unpatched contrast of ``interchanged_selection_weight`` on the same scenes, so a selection
             that ignores the patched names is no longer free.
+        retrieval_readout_weight: when > 0, on the ``id_retrieval`` steps a linear probe, trained beside the
+            organism, must read the patched object's grid cell from the ``id_retrieval`` heads' outputs at its name
+            in the source run (cross-entropy, this weight; needs ``source_grad``). The attention loss says where the
+            head looks; this says that what it writes is the position.
+        gather_readout_weight: when > 0, on the ``id_selection`` steps a linear probe must read the set of the
+            described objects' cells from the ``aggregation_heads``' outputs at their patch positions in the source
+            run (binary cross-entropy summed over the cells, this weight; needs ``source_grad``). A selection by the retrieved
+            positions can only read what the gathering head carries, and an attention loss alone let the
+            gathering head pass on almost none of it (its output changed by about 2% when a name's position did).
         aggregation_heads: ``id_selection`` heads that gather the described objects' positions at the last token
             rather than read the missing object: their attention target (with ``selection_attention_weight``) is the
             described objects' name tokens, where ``id_retrieval`` heads wrote their positions; the other
@@ -157,6 +166,8 @@ class SIITSpec:
     retrieval_attention_weight: float = 0.0
     interchanged_selection_weight: float = 0.0
     strict_selection_weight: float = 0.0
+    retrieval_readout_weight: float = 0.0
+    gather_readout_weight: float = 0.0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
 
@@ -260,6 +271,19 @@ class SIITSpec:
             raise TrainingError("siit.aggregation_heads lists every id_selection head; at least one must read the "
                                 "missing object")
         object.__setattr__(self, "aggregation_heads", aggregation)
+        for name, needs in (("retrieval_readout_weight", "id_retrieval"), ("gather_readout_weight", "id_selection")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise TrainingError(f"siit.{name} must be a number >= 0, got {value!r}")
+            if value > 0 and needs not in aligned:
+                raise TrainingError(f"siit.{name} > 0 reads the {needs} heads, but {needs} is not aligned; align it "
+                                    f"or set {name} to 0")
+            if value > 0 and not (self.iit_weight > 0 and self.source_grad):
+                raise TrainingError(f"siit.{name} > 0 trains heads through the IIT loss's source run; set iit_weight "
+                                    "above 0 and source_grad to true")
+        if self.gather_readout_weight > 0 and not aggregation:
+            raise TrainingError("siit.gather_readout_weight > 0 reads the aggregation heads; list them in "
+                                "siit.aggregation_heads")
         if self.position_readout not in POSITION_READOUTS:
             raise TrainingError(f"siit.position_readout must be one of {POSITION_READOUTS}, got "
                                 f"{self.position_readout!r}")
@@ -376,6 +400,9 @@ class SIITSpec:
                    if self.interchanged_selection_weight else {}),
                 **({"strict_selection_weight": self.strict_selection_weight}
                    if self.strict_selection_weight else {}),
+                **({"retrieval_readout_weight": self.retrieval_readout_weight}
+                   if self.retrieval_readout_weight else {}),
+                **({"gather_readout_weight": self.gather_readout_weight} if self.gather_readout_weight else {}),
                 **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
 
     @classmethod
@@ -774,6 +801,40 @@ class SelectionProbe(torch.nn.Module):
         return float((pred == self._targets(targets, positions)).float().mean())
 
 
+class GatherProbe(SelectionProbe):
+    """A linear readout of the set of the described objects' cells (one logit per cell, multi-label) from the
+    aggregation heads' outputs, trained beside the organism (never part of it)."""
+
+    def loss(self, stored: Mapping[int, torch.Tensor], positions: Sequence[Sequence[int]],
+             targets: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(self.features(stored, positions))
+        per_cell = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, self._targets(targets, positions).to(logits.device, logits.dtype), reduction="none")
+        return per_cell.sum(-1).mean()  # the set's negative log-likelihood, as a cross-entropy is a cell's
+
+    def accuracy(self, stored: Mapping[int, torch.Tensor], positions: Sequence[Sequence[int]],
+                 targets: torch.Tensor) -> float:
+        """The share of (row, position)s where the cells with a positive logit are exactly the described ones."""
+        with torch.no_grad():
+            pred = self.linear(self.features(stored, positions)).cpu() > 0
+        return float((pred == self._targets(targets, positions).bool()).all(-1).float().mean())
+
+    def _targets(self, targets: torch.Tensor, positions: Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.cat([targets[r][None].expand(len(pos), -1) for r, pos in enumerate(positions)])
+
+
+def described_cells(pairs: Sequence[CounterfactualPair], canvas: Canvas, side: str = "counterfactual") -> torch.Tensor:
+    """``pairs x cells``: 1 at the grid cells of the described objects in the source (``counterfactual``) or base
+    (``clean``) scene, the positions the ``id_retrieval`` heads write at their names."""
+    out = torch.zeros(len(pairs), canvas.shape[0] * canvas.shape[1])
+    for r, p in enumerate(pairs):
+        example = p.counterfactual if side == "counterfactual" else p.clean
+        for k in example.fields["described"]:
+            o = example.objects[k]
+            out[r, o.row * canvas.shape[1] + o.col] = 1.0
+    return out
+
+
 def target_tokens(input_ids: torch.Tensor, image_token_id: int, cells: torch.Tensor) -> torch.Tensor:
     """Per row, the sequence position of the image token of grid cell ``cells[row]`` (one image per row, its tokens
     in raster order)."""
@@ -817,11 +878,11 @@ def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBu
 
     ``target``: ``missing`` (the missing object's cell and image token: ``id_selection`` pairs), ``patched`` (the
     patched described object's: ``id_retrieval`` pairs) or ``described`` (attention summed over the described
-    objects' names: aggregation heads; no probe)."""
+    objects' names: aggregation heads, with a :class:`GatherProbe` reading their cells)."""
     if target not in READOUT_TARGETS:
         raise TrainingError(f"target must be one of {READOUT_TARGETS}, got {target!r}")
-    if target == "described" and probe is not None:
-        raise TrainingError("the described objects' names are attention targets only; pass no probe")
+    if (target == "described") != isinstance(probe, GatherProbe) and probe is not None:
+        raise TrainingError("a GatherProbe reads the described objects' cells (target 'described'), and only it")
     hits, mass, total, attended = 0.0, 0.0, 0, 0
     layers = sorted({l for l, _ in heads} | ({l for l, _ in probe.heads} if probe is not None else set()))
     with evaluating(model):
@@ -834,7 +895,8 @@ def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBu
             cells = None if target == "described" else (
                 target_cells(chunk, canvas) if target == "missing" else patched_cells(chunk, canvas))
             if probe is not None:
-                hits += probe.accuracy(interchange.stored, batch.positions, cells) * n
+                read = described_cells(chunk, canvas) if cells is None else cells
+                hits += probe.accuracy(interchange.stored, batch.positions, read) * n
             if patterns:
                 goal = described_name_tokens(builder, chunk) if cells is None else \
                     target_tokens(batch.source.inputs["input_ids"], builder.image_token_id, cells)
@@ -851,7 +913,8 @@ def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBu
 
 def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder, spec: SIITSpec, *, seed: int,
                 step: int, canvas: Canvas, loss_norm: str = "example",
-                selection: SelectionProbe | None = None, parts: Sequence[str] = SIIT_PARTS) -> dict[str, Any]:
+                selection: SelectionProbe | None = None, parts: Sequence[str] = SIIT_PARTS,
+                retrieval: SelectionProbe | None = None, gather: GatherProbe | None = None) -> dict[str, Any]:
     """The step's IIT and strictness losses (tensors in the graph) and what they were computed on.
 
     ``parts`` picks which to compute (``iit`` with its readout and attention losses, ``strict``); a step's variable,
@@ -860,10 +923,10 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
 
     Returns:
         ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
-        "interchanged_selection": loss, "strict_selection": loss,
+        "interchanged_selection": loss, "strict_selection": loss, "retrieval_readout": loss, "gather_readout": loss,
         "variable": v, "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
         asked for; the ID-selection and ID-retrieval ones also on steps of another variable, and ``selection``
-        without a ``selection`` probe).
+        without a ``selection`` probe; the readouts without their ``retrieval`` / ``gather`` probe).
     """
     unknown = sorted(set(parts) - set(SIIT_PARTS))
     if unknown or not parts:
@@ -874,7 +937,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
                            "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None,
-                           "strict_selection": None}
+                           "strict_selection": None, "retrieval_readout": None, "gather_readout": None}
     if spec.iit_weight > 0 and "iit" in parts:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
@@ -899,6 +962,11 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                                                                   target_tokens(source_ids, builder.image_token_id,
                                                                                 cells),
                                                                   described_name_tokens(builder, pairs))
+        if variable == "id_retrieval" and retrieval is not None and spec.retrieval_readout_weight > 0:
+            out["retrieval_readout"] = retrieval.loss(interchange.stored, batch.positions,
+                                                      patched_cells(pairs, canvas))
+        if variable == "id_selection" and gather is not None and spec.gather_readout_weight > 0:
+            out["gather_readout"] = gather.loss(interchange.stored, batch.positions, described_cells(pairs, canvas))
         if variable == "id_retrieval" and attend:
             tokens = target_tokens(source_ids, builder.image_token_id, patched_cells(pairs, canvas))
             out["retrieval_attention"] = selection_attention_loss(interchange.patterns, spec.heads(variable),

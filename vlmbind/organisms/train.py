@@ -60,6 +60,7 @@ from .siit import (
     SIIT_EVAL_STREAM,
     SIIT_PARTS,
     HeadInterchange,
+    GatherProbe,
     PositionProbe,
     SelectionProbe,
     SIITSpec,
@@ -539,6 +540,8 @@ def _evaluate_position(model: torch.nn.Module, batches: dict[str, list[TrainBatc
 
 PROBE_FILE = "position_probe.safetensors"
 SELECTION_PROBE_FILE = "selection_probe.safetensors"
+RETRIEVAL_PROBE_FILE = "retrieval_probe.safetensors"
+GATHER_PROBE_FILE = "gather_probe.safetensors"
 
 
 def _save_probe(directory: Path, probe: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -669,6 +672,15 @@ def train(
         selection = SelectionProbe(siit.heads("id_selection"), interchange.d_head, cells, config.seed)
         readouts.append((selection, torch.optim.AdamW(selection.parameters(), lr=config.lr, weight_decay=0.0),
                          SELECTION_PROBE_FILE))
+    retrieval = gather = None
+    if siit is not None and siit.retrieval_readout_weight > 0:
+        retrieval = SelectionProbe(siit.heads("id_retrieval"), interchange.d_head, cells, config.seed + 1)
+        readouts.append((retrieval, torch.optim.AdamW(retrieval.parameters(), lr=config.lr, weight_decay=0.0),
+                         RETRIEVAL_PROBE_FILE))
+    if siit is not None and siit.gather_readout_weight > 0:
+        gather = GatherProbe(parse_heads(list(siit.aggregation_heads)), interchange.d_head, cells, config.seed + 2)
+        readouts.append((gather, torch.optim.AdamW(gather.parameters(), lr=config.lr, weight_decay=0.0),
+                         GATHER_PROBE_FILE))
     if readouts:
         if resume:
             for module, opt, name in readouts:
@@ -726,14 +738,16 @@ def train(
             def siit_loss(which: tuple[str, ...], total: torch.Tensor | None = None) -> torch.Tensor | None:
                 extra = siit_losses(model, interchange, builder, siit, seed=config.seed, step=step,
                                     canvas=mixture.canvas, loss_norm=config.loss_norm, selection=selection,
-                                    parts=which)
+                                    parts=which, retrieval=retrieval, gather=gather)
                 parts.update(variable=extra["variable"], strict_head=extra["strict_head"])
                 for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight),
                                      ("selection", siit.selection_weight),
                                      ("selection_attention", siit.selection_attention_weight),
                                      ("retrieval_attention", siit.retrieval_attention_weight),
                                      ("interchanged_selection", siit.interchanged_selection_weight),
-                                     ("strict_selection", siit.strict_selection_weight)):
+                                     ("strict_selection", siit.strict_selection_weight),
+                                     ("retrieval_readout", siit.retrieval_readout_weight),
+                                     ("gather_readout", siit.gather_readout_weight)):
                     if extra[name] is not None:
                         total = weight * extra[name] if total is None else total + weight * extra[name]
                         parts[name] = float(extra[name].detach())
@@ -764,7 +778,8 @@ def train(
             else:  # the log's keys in the order they always had
                 parts = {k: parts[k] for k in ("behaviour", "variable", "strict_head", "iit", "strict", "selection",
                                                "selection_attention", "retrieval_attention",
-                                               "interchanged_selection", "strict_selection", "position")
+                                               "interchanged_selection", "strict_selection", "retrieval_readout",
+                                               "gather_readout", "position")
                          if k in parts}
             for _module, opt, _name in readouts:
                 for group in opt.param_groups:
@@ -786,7 +801,7 @@ def train(
                 if siit_eval:
                     entry["siit"] = _evaluate_siit(model, interchange, builder, siit, siit_eval, config.batch_size)
                     entry.update(_evaluate_readouts(model, interchange, builder, siit, siit_eval, mixture.canvas,
-                                                    selection, config.batch_size))
+                                                    selection, config.batch_size, retrieval, gather))
                     if position_layer is not None:
                         entry["position_code_accuracy"] = _evaluate_position(
                             model, eval_batches, position_layer, builder.image_token_id, cells, probe)
@@ -818,10 +833,12 @@ def train(
 
 def _evaluate_readouts(model: Any, interchange: HeadInterchange, builder: BatchBuilder, siit: SIITSpec,
                        pairs: dict[str, list[Any]], canvas: Any, selection: SelectionProbe | None,
-                       batch_size: int) -> dict[str, Any]:
+                       batch_size: int, retrieval: SelectionProbe | None = None,
+                       gather: GatherProbe | None = None) -> dict[str, Any]:
     """What the ID heads read in the evaluation pairs' source runs: ``selection`` (the readout's accuracy and the
     selecting heads' attention on the missing object), ``aggregation`` (the aggregation heads' attention on the
-    described names) and ``retrieval`` (the id_retrieval heads' attention on their object), each where trained."""
+    described names, and its readout's exact-set accuracy of their cells) and ``retrieval`` (the id_retrieval heads'
+    attention on their object, and its readout's accuracy of the object's cell), each where trained."""
     out: dict[str, Any] = {}
     common = {"batch_size": batch_size, "last_positions": siit.last_positions}
     attend = siit.selection_attention_weight > 0
@@ -829,13 +846,14 @@ def _evaluate_readouts(model: Any, interchange: HeadInterchange, builder: BatchB
         out["selection"] = selection_readout(model, interchange, builder, pairs["id_selection"],
                                              siit.selecting_heads(), canvas, probe=selection, patterns=attend,
                                              **common)
-        if attend and siit.aggregation_heads:
-            out["aggregation"] = selection_readout(model, interchange, builder, pairs["id_selection"],
-                                                   parse_heads(list(siit.aggregation_heads)), canvas, patterns=True,
-                                                   target="described", **common)
-    if siit.retrieval_attention_weight > 0:
+    if (attend or gather is not None) and siit.aggregation_heads:
+        out["aggregation"] = selection_readout(model, interchange, builder, pairs["id_selection"],
+                                               parse_heads(list(siit.aggregation_heads)), canvas, probe=gather,
+                                               patterns=attend, target="described", **common)
+    if siit.retrieval_attention_weight > 0 or retrieval is not None:
         out["retrieval"] = selection_readout(model, interchange, builder, pairs["id_retrieval"],
-                                             siit.heads("id_retrieval"), canvas, patterns=True, target="patched",
+                                             siit.heads("id_retrieval"), canvas, probe=retrieval,
+                                             patterns=siit.retrieval_attention_weight > 0, target="patched",
                                              **common)
     return out
 
