@@ -234,6 +234,37 @@ def test_the_id_retrieval_attempts_record_what_the_docs_say():
     assert round(second["after"]["attention_2.1_on_j"]["patched"], 2) == 0.22
 
 
+def test_the_link_by_link_figures_of_the_later_id_retrieval_attempts_are_the_docs():
+    """docs/ground_truth.md on attempts 3 and 4 (retrieval_links.py's ``after`` fields and the curves): interchange
+    accuracy ~0, 2.1 unmoved by the patch, the layer-0 retrieval head split between lookalikes, and the change that
+    reaches the last token."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    third = json.loads((runs / "11-strict-selection-attempt.json").read_text())
+    fourth = json.loads((runs / "12-retrieval-readouts-attempt.json").read_text())
+    docs = (Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text()
+    for run, minutes in ((third, "8.7"), (fourth, "12.9")):
+        assert max(e["siit"]["id_retrieval"]["interchange_accuracy"] for e in run["evals"]) <= 0.05
+        after = run["after"]
+        assert after["n_pairs"] == 64
+        for target in ("attention_2.1_on_t", "attention_2.1_on_j"):
+            assert abs(after[target]["patched"] - after[target]["unpatched"]) < 0.001
+        assert f"{run['wall_time_s'] / 60:.1f}" == minutes and f"({minutes} min)" in docs
+    assert third["step"] == 500 and fourth["step"] == 750
+    assert [round(third["after"][f"attention_2.1_on_{x}"]["patched"], 2) for x in "tj"] == [0.79, 0.12]
+    after, end = fourth["after"], fourth["evals"][-1]
+    assert round(end["retrieval"]["accuracy"], 2) == 0.11 and end["aggregation"]["accuracy"] == 0.0
+    attention = {k: round(v, 2) for k, v in after["retrieval_attention"].items()}
+    assert attention == {"high_first": 0.96, "high_last": 0.94, "low_first": 0.55, "low_last": 0.60}
+    assert {k: round(v, 2) for k, v in after["retrieval_attention_on_lookalikes"].items()} == {"first": 0.50,
+                                                                                               "last": 0.50}
+    assert after["names_with_a_lookalike"] == {"first": 28, "last": 24}
+    change = after["relative_change"]
+    assert [round(100 * change[k], 1) for k in ("retrieval_output_at_name", "aggregation_output_at_last",
+                                                 "residual_into_selection_layer")] == [42.4, 0.7, 0.2]
+
+
 def test_answer_changes_by_position_matches_hand_built_masks_and_the_saved_checks():
     """``answer_changes(positions=image|text|last)`` equals the share computed with a mask built by hand here (image
     tokens, the prompt's other tokens, the last prompt token), bad positions are named, and the shipped organism-vsm
