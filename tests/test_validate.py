@@ -265,6 +265,27 @@ def test_the_link_by_link_figures_of_the_later_id_retrieval_attempts_are_the_doc
                                                  "residual_into_selection_layer")] == [42.4, 0.7, 0.2]
 
 
+def test_the_strict_selection_attempt_is_recorded_as_the_docs_say():
+    """docs/ground_truth.md on the strict-selection attempt: the check file's shares by object count add up to the
+    overall share (32 pairs per count), and the figures the docs quote are the saved ones."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    checks = json.loads((runs / "checkpoint_checks.json").read_text())["checks"]
+    curve = json.loads((runs / "13-strict-selection-attempt.json").read_text())
+    docs = " ".join((Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text().split())
+    for label in ("strict-selection-1000", "stage-5-1000"):
+        for head, shares in checks[label]["answer_changes_by_objects"].items():
+            assert sum(shares.values()) / 3 == pytest.approx(checks[label]["answer_changes"][head])
+    attempt, shipped = checks["strict-selection-1000"], checks["stage-5-1000"]
+    overall = [f"{attempt['answer_changes'][h]:.2f}" for h in ("0.1", "0.0")]
+    three = [f"{c['answer_changes_by_objects'][h]['3']:.2f}" for c in (attempt, shipped) for h in ("0.1", "0.0")]
+    assert overall == ["0.05", "0.02"] and three == ["0.12", "0.06", "0.16", "0.09"]
+    assert (f"0.1 went to {overall[0]} and 0.0 to {overall[1]} on the check pairs" in docs
+            and f"{three[0]} and {three[1]} of the answers, against {three[2]} and {three[3]}" in docs)
+    assert curve["config"]["siit"]["strict_selection_weight"] == 2.0 and f"{curve['wall_time_s'] / 60:.1f} min" in docs
+
+
 def test_answer_changes_by_position_matches_hand_built_masks_and_the_saved_checks():
     """``answer_changes(positions=image|text|last)`` equals the share computed with a mask built by hand here (image
     tokens, the prompt's other tokens, the last prompt token), bad positions are named, and the shipped organism-vsm

@@ -1,6 +1,7 @@
 """Quick checks of organism-vsm training checkpoints: ID selection on held-out three-object scenes, feature
 retrieval, and how often single heads (the layer-0 heads that kept a side path, and two controls) change the answer
-on feature-retrieval pairs. Used to follow a stage while it trains; the checkpoints themselves stay outside git.
+on feature-retrieval pairs (for the first two also by where they are interchanged and by the scene's object count,
+32 pairs each). Used to follow a stage while it trains; the checkpoints themselves stay outside git.
 
     python circuits/ground_truth/checkpoint_checks.py LABEL=CHECKPOINT_DIR [...] [--out results/...json]
 """
@@ -52,6 +53,10 @@ def check(path: str) -> dict:
     out["answer_changes_by_position"] = {
         f"{l}.{h}": {where: answer_changes(vlm.model, interchange, builder, pairs, [(l, h)], positions=where)
                      for where in ("image", "text", "last")} for l, h in HEADS[:2]}
+    by_count = {objects: [p for p in pairs if len(p.clean.objects) == objects] for objects in (2, 3, 4)}
+    out["answer_changes_by_objects"] = {
+        f"{l}.{h}": {str(objects): answer_changes(vlm.model, interchange, builder, chunk, [(l, h)])
+                     for objects, chunk in by_count.items()} for l, h in HEADS[:2]}
     return out
 
 
