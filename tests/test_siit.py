@@ -489,6 +489,43 @@ def test_selection_attention_is_read_at_the_target_objects_token():
     assert float(selection_attention_loss(patterns, [(1, 0)], positions, tokens)) == pytest.approx(math.log(7))
 
 
+def test_span_variables_can_be_interchanged_at_the_names_last_token():
+    """``span_positions="last"`` keeps, of an id_retrieval pair's span, its last token (the shape word, which
+    decodes to the object's shape), leaves last-token pairs as they were, and moves the aggregation target to each
+    described name's last token; a bad value is named."""
+    from vlmbind.organisms.data import BatchBuilder
+    from vlmbind.organisms.siit import described_name_tokens
+
+    vlm = vb.load("organism-p2a")
+    builder = BatchBuilder(vlm.processor)
+    canvas = Canvas(image_size=168, grid=6)
+    pairs = list(scene_pairs(8, "id_retrieval", 3, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
+    pairs += list(scene_pairs(2, "id_selection", 4, n_objects=3, canvas=canvas, **POOLS))
+    names = interchange_batch(builder, pairs, "counterfactual", "answer")
+    last = interchange_batch(builder, pairs, "counterfactual", "answer", span_positions="last")
+    ids = names.base.inputs["input_ids"]
+    for p, r, full, kept in zip(pairs, ids, names.positions, last.positions):
+        if p.patch["kind"] == "span":
+            assert len(full) >= 2 and kept == full[-1:]
+            shape = p.clean.objects[p.patch["object"]].shape
+            assert builder.tokenizer.decode(r[kept]).strip() == shape
+        else:
+            assert kept == full
+    retrieval = pairs[:8]
+    for p, r, everything, ends in zip(retrieval, ids, described_name_tokens(builder, retrieval),
+                                      described_name_tokens(builder, retrieval, "last")):
+        assert len(ends) == len(p.clean.fields["described"]) and set(ends) < set(everything)
+        shapes = sorted(p.clean.objects[k].shape for k in p.clean.fields["described"])
+        assert sorted(builder.tokenizer.decode(r[q]).strip() for q in ends) == shapes
+    with pytest.raises(TrainingError, match="span_positions must be one of"):
+        interchange_batch(builder, pairs[:1], "clean", span_positions="first")
+    with pytest.raises(TrainingError, match="siit.span_positions"):
+        SIITSpec(alignments={"id_retrieval": ["0.2"]}, span_positions="shape")
+    spec = SIITSpec(alignments={"id_retrieval": ["0.2"]}, span_positions="last")
+    assert SIITSpec.from_value(spec.to_dict()) == spec and "span_positions" not in SIITSpec(
+        alignments={"id_retrieval": ["0.2"]}).to_dict()
+
+
 def test_retrieval_and_aggregation_targets():
     """An id_retrieval pair's target is the patched described object's cell in the source (the missing object's
     cell in the base); the aggregation target is every described object's name tokens; attention on a set of

@@ -9,8 +9,9 @@ script reports, from eager attention (``output_attentions``) and the heads' ``o_
 
 - ``retrieval_attention``: the retrieval head's attention on j's image token from the first and the last token of
   j's name, per entropy, and from the same tokens on the other objects that share that token's word (j's colour at
-  the first token, its shape at the last; only low-entropy scenes have them): a head that reads one token of the name
-  cannot tell those objects apart;
+  the first token, its shape at the last; only low-entropy scenes have them), and from the last token on the objects
+  that share j's colour (``last_same_colour``): a head that reads one token of the name cannot tell those objects
+  apart, and at the colour word no head can (the shape comes later);
 - ``relative_change``: how much the patch moves the retrieval head's output at the name, the aggregation head's
   output at the last prompt token and the residual stream entering the selecting head's layer there (norm of the
   change over the unpatched norm, mean over pairs): a selection by the retrieved positions can only read what
@@ -64,7 +65,7 @@ def measure(checkpoint: str, retrieval: str, aggregation: str, selection: str, n
         return x[..., h * d:(h + 1) * d]
 
     attention = {f"{e}_{which}": [] for e in ("high", "low") for which in ("first", "last")}
-    lookalike = {"first": [], "last": []}
+    lookalike = {"first": [], "last": [], "last_same_colour": []}
     change = {"retrieval_output_at_name": [], "aggregation_output_at_last": [], "residual_into_selection_layer": []}
     on = {k: {"unpatched": [], "patched": []} for k in ("t", "j")}
     for entropy in ("high", "low"):
@@ -90,7 +91,8 @@ def measure(checkpoint: str, retrieval: str, aggregation: str, selection: str, n
                     attention[f"{entropy}_last"].append(float(source_pattern[r, rh, pos[-1], j_in_source[r]]))
                     oj = p.counterfactual.objects[p.patch["object"]]
                     image = torch.nonzero(ids[r] == builder.image_token_id).flatten()
-                    for which, q, word in (("first", pos[0], "colour"), ("last", pos[-1], "shape")):
+                    for which, q, word in (("first", pos[0], "colour"), ("last", pos[-1], "shape"),
+                                           ("last_same_colour", pos[-1], "colour")):
                         alike = [image[_cell(o, canvas)] for k, o in enumerate(p.counterfactual.objects)
                                  if k != p.patch["object"] and getattr(o, word) == getattr(oj, word)]
                         if alike:

@@ -53,6 +53,7 @@ STRICT_SAMPLING = ("individual", "sample_all", "all")
 SIIT_PARTS = ("iit", "strict")
 CHANGE_POSITIONS = ("all", "aligned", "image", "text", "last")
 LAST_POSITIONS = ("answer", "prompt")
+SPAN_POSITIONS = ("name", "last")
 POSITION_READOUTS = ("trained", "fixed")
 # random streams of SIIT: training pairs and evaluation pairs never share a seed (the mixture uses 0 and 1)
 SIIT_STREAM, SIIT_EVAL_STREAM = 2, 3
@@ -140,6 +141,9 @@ class SIITSpec:
             word, the shape, is predicted at the colour word's position, which is where CMA patches and scores when
             the two answers share their colour) or ``prompt`` (the last prompt token only; the shape must then be
             carried forward by later layers).
+        span_positions: where a span variable (``id_retrieval``) is interchanged and its readouts and attention are
+            read: ``name`` (every token of the described object's name) or ``last`` (its last token, the shape word:
+            at the colour word no causal model can know which of two objects of that colour the name means).
     """
 
     alignments: Mapping[str, Sequence[str]]
@@ -170,6 +174,7 @@ class SIITSpec:
     gather_readout_weight: float = 0.0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
+    span_positions: str = "name"
 
     def __post_init__(self) -> None:
         if not self.alignments:
@@ -287,6 +292,8 @@ class SIITSpec:
         if self.position_readout not in POSITION_READOUTS:
             raise TrainingError(f"siit.position_readout must be one of {POSITION_READOUTS}, got "
                                 f"{self.position_readout!r}")
+        if self.span_positions not in SPAN_POSITIONS:
+            raise TrainingError(f"siit.span_positions must be one of {SPAN_POSITIONS}, got {self.span_positions!r}")
         if self.last_positions not in LAST_POSITIONS:
             raise TrainingError(f"siit.last_positions must be one of {LAST_POSITIONS}, got {self.last_positions!r}")
         if self.strict_positions not in STRICT_POSITIONS:
@@ -391,6 +398,7 @@ class SIITSpec:
                 "skip_objects": list(self.skip_objects), "swap": self.swap, "recolour": self.recolour,
                 "position_layer": self.position_layer, "position_weight": self.position_weight,
                 "position_readout": self.position_readout, "last_positions": self.last_positions,
+                **({"span_positions": self.span_positions} if self.span_positions != "name" else {}),
                 **({"selection_weight": self.selection_weight} if self.selection_weight else {}),
                 **({"selection_attention_weight": self.selection_attention_weight}
                    if self.selection_attention_weight else {}),
@@ -473,24 +481,30 @@ def _span_tokens(builder: BatchBuilder, pair_id: str, prompt: str, text: str, oc
     return covered
 
 
-def described_name_tokens(builder: BatchBuilder, pairs: Sequence[CounterfactualPair]) -> list[list[int]]:
+def described_name_tokens(builder: BatchBuilder, pairs: Sequence[CounterfactualPair],
+                          span_positions: str = "name") -> list[list[int]]:
     """Per pair, the row positions of every described object's name in the prompt (each named once: the
-    conjunctions of a scene are distinct), where ``id_retrieval`` heads write the described objects' positions."""
+    conjunctions of a scene are distinct), or with ``span_positions="last"`` of each name's last token: where
+    ``id_retrieval`` heads write the described objects' positions."""
     out = []
     for p in pairs:
         names = [p.clean.objects[k].name for k in p.clean.fields["described"]]
-        out.append(sorted({q for name in names for q in _span_tokens(builder, p.id, p.clean.prompt, name, -1)}))
+        spans = [_span_tokens(builder, p.id, p.clean.prompt, name, -1) for name in names]
+        out.append(sorted({q for span in spans for q in (span[-1:] if span_positions == "last" else span)}))
     return out
 
 
 def interchange_batch(builder: BatchBuilder, pairs: Sequence[CounterfactualPair], answer: str,
-                      last_positions: str = "prompt") -> InterchangeBatch:
+                      last_positions: str = "prompt", span_positions: str = "name") -> InterchangeBatch:
     """Rows for ``pairs``: base = the clean scene, source = the counterfactual scene, both teacher-forced with
     ``answer`` (``"counterfactual"``: a*, the IIT target; ``"clean"``: a, the strictness target). A last-token pair
     patches the last prompt token, and with ``last_positions="answer"`` also every answer position that predicts a
-    token (see :class:`SIITSpec`)."""
+    token; a span pair patches its span's tokens, or with ``span_positions="last"`` the span's last token (see
+    :class:`SIITSpec`)."""
     if answer not in ("counterfactual", "clean"):
         raise TrainingError(f"answer must be 'counterfactual' or 'clean', got {answer!r}")
+    if span_positions not in SPAN_POSITIONS:
+        raise TrainingError(f"span_positions must be one of {SPAN_POSITIONS}, got {span_positions!r}")
     texts = [p.answer_counterfactual if answer == "counterfactual" else p.answer for p in pairs]
     base = builder([(p.clean.image, p.clean.prompt, t) for p, t in zip(pairs, texts)])
     source = builder([(p.counterfactual.image, p.counterfactual.prompt, t) for p, t in zip(pairs, texts)])
@@ -499,6 +513,8 @@ def interchange_batch(builder: BatchBuilder, pairs: Sequence[CounterfactualPair]
     first_answer = (base.labels != IGNORE_INDEX).int().argmax(1)  # the first answer token of each row
     prompt_mask = torch.arange(base.labels.shape[1])[None] < first_answer[:, None]
     positions = [patch_positions(builder, p) for p in pairs]
+    if span_positions == "last":
+        positions = [pos[-1:] if p.patch["kind"] == "span" else pos for p, pos in zip(pairs, positions)]
     if last_positions == "answer":
         for r, p in enumerate(pairs):
             if p.patch["kind"] == "last":
@@ -872,7 +888,8 @@ READOUT_TARGETS = ("missing", "patched", "described")
 def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                       pairs: Sequence[CounterfactualPair], heads: Sequence[tuple[int, int]], canvas: Canvas, *,
                       probe: SelectionProbe | None = None, patterns: bool = False, batch_size: int = 32,
-                      last_positions: str = "answer", target: str = "missing") -> dict[str, float]:
+                      last_positions: str = "answer", target: str = "missing",
+                      span_positions: str = "name") -> dict[str, float]:
     """On the source runs' patch positions: the share where ``probe`` reads the target cell from its heads
     (``accuracy``), and with ``patterns`` the heads' mean attention on the target (``attention_mass``).
 
@@ -888,7 +905,7 @@ def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBu
     with evaluating(model):
         for i in range(0, len(pairs), batch_size):
             chunk = pairs[i : i + batch_size]
-            batch = interchange_batch(builder, chunk, "counterfactual", last_positions)
+            batch = interchange_batch(builder, chunk, "counterfactual", last_positions, span_positions)
             with interchange.capture(layers, patterns=patterns):
                 model(**batch.source.inputs, use_cache=False)
             n = sum(len(p) for p in batch.positions)
@@ -898,7 +915,7 @@ def selection_readout(model: Any, interchange: HeadInterchange, builder: BatchBu
                 read = described_cells(chunk, canvas) if cells is None else cells
                 hits += probe.accuracy(interchange.stored, batch.positions, read) * n
             if patterns:
-                goal = described_name_tokens(builder, chunk) if cells is None else \
+                goal = described_name_tokens(builder, chunk, span_positions) if cells is None else \
                     target_tokens(batch.source.inputs["input_ids"], builder.image_token_id, cells)
                 mass += float(attention_on_targets(interchange.patterns, heads, batch.positions, goal).sum())
                 attended += n * len(heads)
@@ -939,7 +956,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                            "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None,
                            "strict_selection": None, "retrieval_readout": None, "gather_readout": None}
     if spec.iit_weight > 0 and "iit" in parts:
-        batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions)
+        batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions, spec.span_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
             (variable == "id_retrieval" and spec.retrieval_attention_weight > 0)
         judge = variable == "id_retrieval" and spec.interchanged_selection_weight > 0
@@ -961,7 +978,8 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                 out["selection_attention"] = _selection_attention(spec, interchange.patterns, batch.positions,
                                                                   target_tokens(source_ids, builder.image_token_id,
                                                                                 cells),
-                                                                  described_name_tokens(builder, pairs))
+                                                                  described_name_tokens(builder, pairs,
+                                                                                        spec.span_positions))
         if variable == "id_retrieval" and retrieval is not None and spec.retrieval_readout_weight > 0:
             out["retrieval_readout"] = retrieval.loss(interchange.stored, batch.positions,
                                                       patched_cells(pairs, canvas))
@@ -976,7 +994,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
         heads = spec.draw_strict_heads(rng, a.n_layers, a.n_heads)  # drawn either way: the rng stays in step
         out["strict_head"] = ",".join(f"{l}.{h}" for l, h in heads)
         if "strict" in parts:
-            batch = interchange_batch(builder, pairs, "clean", spec.last_positions)
+            batch = interchange_batch(builder, pairs, "clean", spec.last_positions, spec.span_positions)
             where = batch.prompt_mask if spec.strict_positions == "all" else batch.positions
             hold = spec.strict_selection_weight > 0
             logits = interchange_logits(model, interchange, batch, heads, where, source_grad=spec.source_grad,
@@ -1017,7 +1035,7 @@ def evaluating(model: Any) -> Iterator[None]:
 def interchange_accuracy(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                          pairs: Sequence[CounterfactualPair], heads: Sequence[tuple[int, int]], *,
                          target: str = "counterfactual", positions: str = "aligned", batch_size: int = 32,
-                         last_positions: str = "prompt") -> float:
+                         last_positions: str = "prompt", span_positions: str = "name") -> float:
     """Share of pairs whose base run, with ``heads`` interchanged from the source, gives ``target``'s answer on every
     answer token (``counterfactual``: interchange accuracy; ``clean``: the answer did not move, strictness).
 
@@ -1026,7 +1044,7 @@ def interchange_accuracy(model: Any, interchange: HeadInterchange, builder: Batc
     correct = []
     with evaluating(model):
         for i in range(0, len(pairs), batch_size):
-            batch = interchange_batch(builder, pairs[i : i + batch_size], target, last_positions)
+            batch = interchange_batch(builder, pairs[i : i + batch_size], target, last_positions, span_positions)
             where = batch.positions if positions == "aligned" else batch.prompt_mask
             logits = interchange_logits(model, interchange, batch, heads, where)
             correct += answer_correct(logits, batch.base.labels).tolist()

@@ -516,7 +516,7 @@ def _evaluate_siit(model: torch.nn.Module, interchange: HeadInterchange, builder
     out = {}
     for variable, rows in pairs.items():
         iia = interchange_accuracy(model, interchange, builder, rows, spec.heads(variable), batch_size=batch_size,
-                                   last_positions=spec.last_positions)
+                                   last_positions=spec.last_positions, span_positions=spec.span_positions)
         changes = [answer_changes(model, interchange, builder, rows, [h], batch_size=batch_size) for h in sample]
         out[variable] = {"interchange_accuracy": iia,
                          "counterfactual_unpatched": unpatched_accuracy(model, builder, rows, batch_size=batch_size),
@@ -840,7 +840,7 @@ def _evaluate_readouts(model: Any, interchange: HeadInterchange, builder: BatchB
     described names, and its readout's exact-set accuracy of their cells) and ``retrieval`` (the id_retrieval heads'
     attention on their object, and its readout's accuracy of the object's cell), each where trained."""
     out: dict[str, Any] = {}
-    common = {"batch_size": batch_size, "last_positions": siit.last_positions}
+    common = {"batch_size": batch_size, "last_positions": siit.last_positions, "span_positions": siit.span_positions}
     attend = siit.selection_attention_weight > 0
     if selection is not None or attend:
         out["selection"] = selection_readout(model, interchange, builder, pairs["id_selection"],
