@@ -265,6 +265,35 @@ def test_the_link_by_link_figures_of_the_later_id_retrieval_attempts_are_the_doc
                                                  "residual_into_selection_layer")] == [42.4, 0.7, 0.2]
 
 
+def test_the_first_links_table_is_the_saved_link_figures():
+    """docs/ground_truth.md's table of the first link trained alone: each row's figures are its run's saved ones
+    (retrieval_links.py's ``after`` and the training evaluation's readout), and the claims made of them hold."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    docs = (Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text()
+    rows = [line for line in docs.splitlines() if line.startswith("| 0.2 (layer 0)") or line.startswith("| 1.0 (a new")]
+    assert len(rows) == 3
+    for row, name in zip(rows, ("15-retrieval-link-layer0", "16-retrieval-link-layer1",
+                                "17-retrieval-link-layer1-last-token")):
+        run = json.loads((runs / f"{name}.json").read_text())
+        a, cells = run["after"], [c.strip() for c in row.strip("|").split("|")]
+        attention, alike = a["retrieval_attention"], a["retrieval_attention_on_lookalikes"]
+        last_only = run["config"]["siit"].get("span_positions") == "last"
+        first = ("-", "-") if last_only else (f"{attention['high_first']:.2f}", f"{attention['low_first']:.2f}")
+        assert cells[2] == f"{run['step']:,} ({run['wall_time_s'] / 60:.1f})"
+        assert cells[3] == (f"{first[0]}, {attention['high_last']:.2f} / {first[1]}, {attention['low_last']:.2f}")
+        assert cells[4] == f"{alike['last']:.2f} / {alike['last_same_colour']:.2f}"
+        assert cells[5] == f"{run['evals'][-1]['retrieval']['accuracy']:.2f}"
+        assert a["n_pairs"] == 64 and run["config"]["siit"]["strict_weight"] == 0.0
+    layer0, layer1, last = (json.loads((runs / f"{n}.json").read_text())["after"]["retrieval_attention_on_lookalikes"]
+                            for n in ("15-retrieval-link-layer0", "16-retrieval-link-layer1",
+                                      "17-retrieval-link-layer1-last-token"))
+    assert layer0["last"] > 0.4 > layer0["last_same_colour"]  # one word: the one it stands on
+    assert layer1["last_same_colour"] > 0.4 > layer1["last"]  # one word: the colour
+    assert max(last["last"], last["last_same_colour"]) < 0.1  # both words
+
+
 def test_the_strict_selection_attempt_is_recorded_as_the_docs_say():
     """docs/ground_truth.md on the strict-selection attempt: the check file's shares by object count add up to the
     overall share (32 pairs per count), and the figures the docs quote are the saved ones."""
