@@ -292,6 +292,17 @@ def test_the_first_links_table_is_the_saved_link_figures():
     assert layer0["last"] > 0.4 > layer0["last_same_colour"]  # one word: the one it stands on
     assert layer1["last_same_colour"] > 0.4 > layer1["last"]  # one word: the colour
     assert max(last["last"], last["last_same_colour"]) < 0.1  # both words
+    gather = json.loads((runs / "18-gather-link.json").read_text())
+    before = json.loads((runs / "17-retrieval-link-layer1-last-token.json").read_text())["after"]["relative_change"]
+    after, end = gather["after"], gather["evals"][-1]
+    moved = [round(100 * c[k], 1) for c in (before, after["relative_change"])
+             for k in ("aggregation_output_at_last", "residual_into_selection_layer")]
+    assert moved == [1.9, 0.2, 34.6, 7.2]
+    assert f"{gather['wall_time_s'] / 60:.1f} min" in docs and gather["step"] == 1000
+    assert round(end["aggregation"]["accuracy"], 2) == 0.06 and round(end["siit"]["id_selection"][
+        "interchange_accuracy"], 2) == 0.16
+    assert abs(after["attention_3.1_on_t"]["patched"] - after["attention_3.1_on_t"]["unpatched"]) < 0.001
+    assert round(after["attention_3.1_on_t"]["patched"], 3) == 0.997
 
 
 def test_the_strict_selection_attempt_is_recorded_as_the_docs_say():
