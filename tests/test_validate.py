@@ -265,9 +265,10 @@ def test_the_link_by_link_figures_of_the_later_id_retrieval_attempts_are_the_doc
                                                  "residual_into_selection_layer")] == [42.4, 0.7, 0.2]
 
 
-def test_the_first_links_table_is_the_saved_link_figures():
-    """docs/ground_truth.md's table of the first link trained alone: each row's figures are its run's saved ones
-    (retrieval_links.py's ``after`` and the training evaluation's readout), and the claims made of them hold."""
+def test_the_link_runs_are_recorded_as_the_docs_say():
+    """docs/ground_truth.md on the link runs: the first link's table rows are their runs' saved figures
+    (retrieval_links.py's ``after`` and the training evaluation's readout), and what the docs say of the gathering
+    and selection links is what their runs saved."""
     from pathlib import Path
 
     runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
@@ -303,6 +304,15 @@ def test_the_first_links_table_is_the_saved_link_figures():
         "interchange_accuracy"], 2) == 0.16
     assert abs(after["attention_3.1_on_t"]["patched"] - after["attention_3.1_on_t"]["unpatched"]) < 0.001
     assert round(after["attention_3.1_on_t"]["patched"], 3) == 0.997
+    selection = json.loads((runs / "19-selection-link-attempt.json").read_text())
+    after, end = selection["after"], selection["evals"][-1]
+    assert f"{selection['wall_time_s'] / 60:.1f} min" in docs and selection["step"] == 800
+    assert [round(end["siit"][v]["interchange_accuracy"], 2) for v in ("id_selection", "feature_retrieval",
+                                                                       "id_retrieval")] == [0.97, 0.97, 0.0]
+    assert round(end["aggregation"]["accuracy"], 2) == 0.12
+    assert [round(after["retrieval_attention"][k], 2) for k in ("high_last", "low_last")] == [0.99, 0.95]
+    moved = [round(after[f"attention_3.1_on_{x}"][side], 3) for x in "jt" for side in ("unpatched", "patched")]
+    assert moved == [0.081, 0.097, 0.841, 0.823] and moved[1] > moved[0]
 
 
 def test_the_strict_selection_attempt_is_recorded_as_the_docs_say():
