@@ -193,7 +193,8 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
         siit.update(alignments={"feature_retrieval": ["1.1"], "id_selection": ["1.0", "0.3"],
                                 "id_retrieval": ["0.2"]}, aggregation_heads=["0.3"], position_layer=0,
                     position_readout="trained", selection_weight=1.0, selection_attention_weight=1.0,
-                    retrieval_attention_weight=1.0, interchanged_selection_weight=1.0, source_grad=True)
+                    retrieval_attention_weight=1.0, interchanged_selection_weight=1.0, source_grad=True,
+                    gather_interchange_weight=1.0, gather_selection_weight=1.0)
     if separate:
         siit.update(single_loss=False, strict_sampling="sample_all", strict_selection_weight=float(readouts),
                     retrieval_readout_weight=float(readouts), gather_readout_weight=float(readouts))
@@ -222,7 +223,8 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
         # the selection readout and attention are loss parts on the id_selection steps only, the retrieval
         # attention on the id_retrieval steps
         for name, variable in (("selection", "id_selection"), ("selection_attention", "id_selection"),
-                               ("retrieval_attention", "id_retrieval"), ("interchanged_selection", "id_retrieval")):
+                               ("retrieval_attention", "id_retrieval"), ("interchanged_selection", "id_retrieval"),
+                               ("gather_interchange", "id_selection"), ("gather_selection", "id_selection")):
             assert all((name in p) == (p["variable"] == variable) for p in parts)
             assert all(math.isfinite(p[name]) for p in parts if name in p)
         # every step has a strictness run; the retrieval readout is read on the id_retrieval steps, the gathered
@@ -237,6 +239,7 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
         assert 0.0 <= readout["accuracy"] <= 1.0 and 0.0 < readout["attention_mass"] <= 1.0
         for name in ("aggregation", "retrieval"):
             assert 0.0 < result.evals[-1][name]["attention_mass"] <= 1.0
+        assert 0.0 <= result.evals[-1]["aggregation"]["interchange_accuracy"] <= 1.0
         assert (result.checkpoint / "selection_probe.safetensors").is_file()
 
     stopped = train(config, tmp_path / "resumed", progress=False, threads=1, until=20)
@@ -470,6 +473,40 @@ def test_the_gather_readout_reads_the_described_objects_cells():
     assert float(probe.loss(stored, positions, targets).detach()) == pytest.approx(float(expected), rel=1e-6)
 
 
+def test_the_gathering_interchange_reuses_the_source_run_exactly(organism):
+    """The gathering interchange patches the aggregation heads from the source run the IIT loss already made: the
+    logits equal a fresh interchange of those heads alone, patching the base's own values is the identity (exactly),
+    and the selection it asks for is the swapped object's base cell, where the source's names leave no claim."""
+    from vlmbind.organisms.siit import described_cells, patched_logits, target_cells
+
+    vlm, builder, canvas = organism
+    pairs = list(scene_pairs(4, "id_selection", 7, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
+    batch = interchange_batch(builder, pairs, "counterfactual", "answer")
+    interchange = HeadInterchange(vlm.model, vlm.processor)
+    with torch.no_grad():
+        interchange_logits(vlm.model, interchange, batch, [(2, 1), (1, 3)], batch.positions)
+        source_values = dict(interchange.stored)
+        reused = patched_logits(vlm.model, interchange, batch, [(1, 3)], batch.positions, source_values)
+        assert interchange.stored.keys() == source_values.keys()  # left as the IIT loss's readouts need them
+        fresh = interchange_logits(vlm.model, interchange, batch, [(1, 3)], batch.positions)
+        plain = vlm.model(**batch.base.inputs, use_cache=False).logits
+        with interchange.capture([1]):
+            vlm.model(**batch.base.inputs, use_cache=False)
+        own = patched_logits(vlm.model, interchange, batch, [(1, 3)], batch.positions, dict(interchange.stored))
+    assert torch.equal(reused, fresh)
+    assert torch.equal(own, plain)
+    assert not torch.allclose(reused, plain)  # the patch does something
+    with pytest.raises(TrainingError, match="no stored source values for layers \\[3\\]"):
+        patched_logits(vlm.model, interchange, batch, [(3, 0)], batch.positions, source_values)
+    unclaimed, gathered = target_cells(pairs, canvas), described_cells(pairs, canvas)
+    for p, cell, claimed in zip(pairs, unclaimed.tolist(), gathered):
+        j, t = p.counterfactual.fields["swapped"]
+        o = p.clean.objects[j]
+        assert cell == o.row * canvas.shape[1] + o.col and p.answer_counterfactual == o.name
+        base_cells = {q.row * canvas.shape[1] + q.col for q in p.clean.objects}
+        assert base_cells - set(torch.nonzero(claimed).flatten().tolist()) == {cell}
+
+
 def test_selection_attention_is_read_at_the_target_objects_token():
     """The attention loss reads each aligned head's pattern at the row's patch positions on the image token of the
     row's target cell (image tokens in raster order); a perfectly attending head has loss 0."""
@@ -664,6 +701,14 @@ def test_selection_attention_needs_eager_attention(tmp_path):
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "gather_readout_weight": 1.0, "source_grad": True},
      "list them in siit.aggregation_heads"),
     ({"alignments": {"id_selection": ["1.0"]}, "gather_readout_weight": -0.5}, "must be a number >= 0"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "gather_interchange_weight": 1.0},
+     "gather_interchange_weight > 0 interchanges the aggregation heads"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"], "gather_interchange_weight": 1.0,
+      "iit_weight": 0}, "reuses the IIT loss's source run"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"], "gather_selection_weight": 1.0},
+     "set siit.gather_interchange_weight above 0"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"], "gather_interchange_weight": "1"},
+     "gather_interchange_weight must be a number >= 0"),
 ])
 def test_bad_selection_readouts_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):

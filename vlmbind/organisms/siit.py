@@ -131,6 +131,15 @@ class SIITSpec:
             run (binary cross-entropy summed over the cells, this weight; needs ``source_grad``). A selection by the retrieved
             positions can only read what the gathering head carries, and an attention loss alone let the
             gathering head pass on almost none of it (its output changed by about 2% when a name's position did).
+        gather_interchange_weight: when > 0, on the ``id_selection`` steps a second interchanged run patches the
+            ``aggregation_heads`` alone (at the variable's positions, from the same source) and must give the
+            pair's counterfactual answer (this weight). In a swap pair the source's names claim the base's missing
+            cell and leave the swapped object's cell unclaimed, so a selection by the gathered positions names the
+            swapped object; a selection that finds the missing object another way does not move. The same
+            high-level answer as the ``id_retrieval`` interchange, with the whole gathered set patched instead of
+            one name's position.
+        gather_selection_weight: when > 0, in that run the selecting heads' attention at the last prompt token must
+            fall on the swapped object's image token (cross-entropy, this weight; eager attention).
         aggregation_heads: ``id_selection`` heads that gather the described objects' positions at the last token
             rather than read the missing object: their attention target (with ``selection_attention_weight``) is the
             described objects' name tokens, where ``id_retrieval`` heads wrote their positions; the other
@@ -172,6 +181,8 @@ class SIITSpec:
     strict_selection_weight: float = 0.0
     retrieval_readout_weight: float = 0.0
     gather_readout_weight: float = 0.0
+    gather_interchange_weight: float = 0.0
+    gather_selection_weight: float = 0.0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
     span_positions: str = "name"
@@ -286,6 +297,18 @@ class SIITSpec:
             if value > 0 and not (self.iit_weight > 0 and self.source_grad):
                 raise TrainingError(f"siit.{name} > 0 trains heads through the IIT loss's source run; set iit_weight "
                                     "above 0 and source_grad to true")
+        for name in ("gather_interchange_weight", "gather_selection_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise TrainingError(f"siit.{name} must be a number >= 0, got {value!r}")
+            if value > 0 and not aggregation:
+                raise TrainingError(f"siit.{name} > 0 interchanges the aggregation heads; list them in "
+                                    "siit.aggregation_heads")
+            if value > 0 and not self.iit_weight > 0:
+                raise TrainingError(f"siit.{name} > 0 reuses the IIT loss's source run; set iit_weight above 0")
+        if self.gather_selection_weight > 0 and not self.gather_interchange_weight > 0:
+            raise TrainingError("siit.gather_selection_weight > 0 reads the gathering interchange's run; set "
+                                "siit.gather_interchange_weight above 0")
         if self.gather_readout_weight > 0 and not aggregation:
             raise TrainingError("siit.gather_readout_weight > 0 reads the aggregation heads; list them in "
                                 "siit.aggregation_heads")
@@ -411,6 +434,10 @@ class SIITSpec:
                 **({"retrieval_readout_weight": self.retrieval_readout_weight}
                    if self.retrieval_readout_weight else {}),
                 **({"gather_readout_weight": self.gather_readout_weight} if self.gather_readout_weight else {}),
+                **({"gather_interchange_weight": self.gather_interchange_weight}
+                   if self.gather_interchange_weight else {}),
+                **({"gather_selection_weight": self.gather_selection_weight}
+                   if self.gather_selection_weight else {}),
                 **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
 
     @classmethod
@@ -623,16 +650,30 @@ def interchange_logits(model: Any, interchange: HeadInterchange, batch: Intercha
             stack.enter_context(torch.no_grad())
         with interchange.capture(layers, grad=source_grad, patterns=patterns):
             model(**batch.source.inputs, use_cache=False)
-    values, source_patterns = interchange.stored, interchange.patterns
+    return patched_logits(model, interchange, batch, heads, where, interchange.stored, base_patterns=base_patterns)
+
+
+def patched_logits(model: Any, interchange: HeadInterchange, batch: InterchangeBatch,
+                   heads: Sequence[tuple[int, int]], where: Sequence[Sequence[int]] | torch.Tensor,
+                   values: Mapping[int, torch.Tensor], *, base_patterns: Sequence[int] = ()) -> torch.Tensor:
+    """Logits of the base rows with ``heads``' outputs at ``where`` taken from ``values`` (a source run's stored
+    ``o_proj`` inputs, per layer: a second interchange from one source run needs no second source run);
+    ``interchange.stored`` and ``patterns`` are left as they were, and the base run's attention at
+    ``base_patterns`` goes to ``interchange.base_patterns``."""
+    layers = sorted({l for l, _ in heads})
+    missing = [l for l in layers if l not in values]
+    if missing:
+        raise TrainingError(f"no stored source values for layers {missing}; capture them in the source run")
+    stored, source_patterns = interchange.stored, interchange.patterns
     b, p, width = values[layers[0]].shape
     masks = interchange.mask(heads, where, (b, p, width))
-    with interchange.patch(masks, values):
+    with interchange.patch(masks, {l: values[l] for l in layers}):
         if not base_patterns:
             return model(**batch.base.inputs, use_cache=False).logits
         with interchange.capture(base_patterns, grad=True, patterns=True):
             logits = model(**batch.base.inputs, use_cache=False).logits
     interchange.base_patterns = interchange.patterns
-    interchange.stored, interchange.patterns = values, source_patterns
+    interchange.stored, interchange.patterns = stored, source_patterns
     return logits
 
 
@@ -941,7 +982,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     Returns:
         ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
         "interchanged_selection": loss, "strict_selection": loss, "retrieval_readout": loss, "gather_readout": loss,
-        "variable": v, "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
+        "gather_interchange": loss, "gather_selection": loss, "variable": v, "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
         asked for; the ID-selection and ID-retrieval ones also on steps of another variable, and ``selection``
         without a ``selection`` probe; the readouts without their ``retrieval`` / ``gather`` probe).
     """
@@ -954,7 +995,8 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     pairs = draw_pairs(spec, variable, seed=seed, stream=SIIT_STREAM, step=step, canvas=canvas)
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
                            "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None,
-                           "strict_selection": None, "retrieval_readout": None, "gather_readout": None}
+                           "strict_selection": None, "retrieval_readout": None, "gather_readout": None,
+                           "gather_interchange": None, "gather_selection": None}
     if spec.iit_weight > 0 and "iit" in parts:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions, spec.span_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
@@ -985,6 +1027,20 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                                                       patched_cells(pairs, canvas))
         if variable == "id_selection" and gather is not None and spec.gather_readout_weight > 0:
             out["gather_readout"] = gather.loss(interchange.stored, batch.positions, described_cells(pairs, canvas))
+        if variable == "id_selection" and spec.gather_interchange_weight > 0:
+            # the aggregation heads alone, from the same source run: the selection must follow the gathered cells
+            judge_gather = spec.gather_selection_weight > 0
+            gathered = patched_logits(model, interchange, batch, parse_heads(list(spec.aggregation_heads)),
+                                      batch.positions, interchange.stored,
+                                      base_patterns=sorted({l for l, _ in spec.selecting_heads()})
+                                      if judge_gather else ())
+            out["gather_interchange"] = answer_loss(gathered, batch.base.labels, loss_norm)
+            if judge_gather:
+                unclaimed = target_tokens(batch.base.inputs["input_ids"], builder.image_token_id,
+                                          target_cells(pairs, canvas))
+                out["gather_selection"] = selection_attention_loss(
+                    interchange.base_patterns, spec.selecting_heads(), last_prompt_positions(batch.prompt_mask),
+                    unclaimed)
         if variable == "id_retrieval" and attend:
             tokens = target_tokens(source_ids, builder.image_token_id, patched_cells(pairs, canvas))
             out["retrieval_attention"] = selection_attention_loss(interchange.patterns, spec.heads(variable),

@@ -747,7 +747,9 @@ def train(
                                      ("interchanged_selection", siit.interchanged_selection_weight),
                                      ("strict_selection", siit.strict_selection_weight),
                                      ("retrieval_readout", siit.retrieval_readout_weight),
-                                     ("gather_readout", siit.gather_readout_weight)):
+                                     ("gather_readout", siit.gather_readout_weight),
+                                     ("gather_interchange", siit.gather_interchange_weight),
+                                     ("gather_selection", siit.gather_selection_weight)):
                     if extra[name] is not None:
                         total = weight * extra[name] if total is None else total + weight * extra[name]
                         parts[name] = float(extra[name].detach())
@@ -779,7 +781,8 @@ def train(
                 parts = {k: parts[k] for k in ("behaviour", "variable", "strict_head", "iit", "strict", "selection",
                                                "selection_attention", "retrieval_attention",
                                                "interchanged_selection", "strict_selection", "retrieval_readout",
-                                               "gather_readout", "position")
+                                               "gather_readout", "gather_interchange", "gather_selection",
+                                               "position")
                          if k in parts}
             for _module, opt, _name in readouts:
                 for group in opt.param_groups:
@@ -837,7 +840,8 @@ def _evaluate_readouts(model: Any, interchange: HeadInterchange, builder: BatchB
                        gather: GatherProbe | None = None) -> dict[str, Any]:
     """What the ID heads read in the evaluation pairs' source runs: ``selection`` (the readout's accuracy and the
     selecting heads' attention on the missing object), ``aggregation`` (the aggregation heads' attention on the
-    described names, and its readout's exact-set accuracy of their cells) and ``retrieval`` (the id_retrieval heads'
+    described names, its readout's exact-set accuracy of their cells, and with ``gather_interchange_weight`` the
+    interchange accuracy of the aggregation heads alone) and ``retrieval`` (the id_retrieval heads'
     attention on their object, and its readout's accuracy of the object's cell), each where trained."""
     out: dict[str, Any] = {}
     common = {"batch_size": batch_size, "last_positions": siit.last_positions, "span_positions": siit.span_positions}
@@ -850,6 +854,9 @@ def _evaluate_readouts(model: Any, interchange: HeadInterchange, builder: BatchB
         out["aggregation"] = selection_readout(model, interchange, builder, pairs["id_selection"],
                                                parse_heads(list(siit.aggregation_heads)), canvas, probe=gather,
                                                patterns=attend, target="described", **common)
+    if siit.gather_interchange_weight > 0:  # the aggregation heads alone: does the selection follow them?
+        out.setdefault("aggregation", {})["interchange_accuracy"] = interchange_accuracy(
+            model, interchange, builder, pairs["id_selection"], parse_heads(list(siit.aggregation_heads)), **common)
     if siit.retrieval_attention_weight > 0 or retrieval is not None:
         out["retrieval"] = selection_readout(model, interchange, builder, pairs["id_retrieval"],
                                              siit.heads("id_retrieval"), canvas, probe=retrieval,
