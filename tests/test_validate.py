@@ -315,6 +315,34 @@ def test_the_link_runs_are_recorded_as_the_docs_say():
     assert moved == [0.081, 0.097, 0.841, 0.823] and moved[1] > moved[0]
 
 
+def test_the_gathering_interchange_runs_are_the_docs_table():
+    """docs/ground_truth.md's table of the gathering-interchange runs: every row is its run's saved figures (the last
+    training evaluation and retrieval_links.py's ``after``), and the patch at a name now moves the selection."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    docs = (Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text()
+    by_number = {path.name.split("-")[0]: path for path in runs.glob("2[0-9]-gathering-*.json")}
+    rows = [line for line in docs.splitlines() if line[:5].strip("| ") in by_number and line.count("|") == 12]
+    assert len(rows) == len(by_number) >= 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        run = json.loads(by_number[cells[0]].read_text())
+        end, after, siit = run["evals"][-1], run["after"], run["evals"][-1]["siit"]
+        assert run["config"]["siit"]["gather_interchange_weight"] > 0 and after["n_pairs"] == 64
+        expected = [f"{run['config']['lr']:g}", f"{run['step']:,} ({run['wall_time_s'] / 60:.1f})"]
+        expected += [f"{siit[v]['interchange_accuracy']:.2f}" for v in ("id_retrieval", "id_selection",
+                                                                         "feature_retrieval")]
+        expected += [f"{end['aggregation']['interchange_accuracy']:.2f}",
+                     f"{end['tasks']['scene/high']['accuracy']:.2f} / {end['tasks']['scene/low']['accuracy']:.2f}"]
+        expected += [f"{after[f'attention_3.1_on_{x}']['unpatched']:.3f} -> {after[f'attention_3.1_on_{x}']['patched']:.3f}"
+                     for x in "jt"]
+        expected.append(f"{100 * after['relative_change']['residual_into_selection_layer']:.1f}%")
+        assert cells[1:] == expected
+        assert after["attention_3.1_on_j"]["patched"] > 2 * after["attention_3.1_on_j"]["unpatched"]
+        assert siit["id_retrieval"]["interchange_accuracy"] >= 0.5 > siit["id_retrieval"]["counterfactual_unpatched"]
+
+
 def test_the_strict_selection_attempt_is_recorded_as_the_docs_say():
     """docs/ground_truth.md on the strict-selection attempt: the check file's shares by object count add up to the
     overall share (32 pairs per count), and the figures the docs quote are the saved ones."""
