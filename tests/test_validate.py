@@ -403,3 +403,27 @@ def test_answer_changes_by_position_matches_hand_built_masks_and_the_saved_check
                 assert measured == by_hand == saved[head][where], (head, where, measured, by_hand)
     with pytest.raises(TrainingError, match="positions must be one of"):
         answer_changes(vlm.model, interchange, builder, pairs[:2], [(0, 1)], positions="images")
+
+
+def test_the_gathering_runs_by_object_count_are_the_docs_figures():
+    """docs/ground_truth.md quotes run 24's interchange accuracy by object count and entropy (and 25's at three
+    objects) from the ``by_objects`` field of their curve files."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    docs = " ".join((Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text().split())
+    by = json.loads((runs / "24-gathering-interchange-heavier-continued.json").read_text())["by_objects"]
+    slow = json.loads((runs / "25-gathering-interchange-heavier-slow.json").read_text())["by_objects"]
+    assert by["n_per_cell"] == slow["n_per_cell"] == 64
+
+    def cells(acc, k):
+        return f"{acc[f'{k}h']:.2f} / {acc[f'{k}l']:.2f}"
+
+    acc = by["accuracy"]
+    r, s, f = acc["id_retrieval@1.0"], acc["id_selection@2.3+3.1"], acc["feature_retrieval@5.2"]
+    quoted = (f"24 gives id_retrieval {cells(r, 2)} (2 objects, high / low entropy), {cells(r, 3)} (3), "
+              f"{cells(r, 4)} (4); id_selection (2.3 and 3.1) {cells(s, 2)}, {cells(s, 3)}, {cells(s, 4)}; "
+              f"feature_retrieval {cells(f, 2)}, {cells(f, 3)}, {cells(f, 4)}. 25 is weaker on held-out scenes "
+              f"(id_retrieval {cells(slow['accuracy']['id_retrieval@1.0'], 3)} at three objects)")
+    assert quoted in docs
+    assert min(r.values()) >= 0.9 and min(f.values()) >= 0.95
