@@ -132,12 +132,16 @@ def validation_sections(result: Any, model: str) -> str:
 
 
 def _edit_line(result: Any) -> str:
-    edit, esc = result.edit_summary(), html.escape
-    if edit:
+    esc = html.escape
+    if result.edit_heads():
         where = " and every answer position" if result.params.get("edit_positions") == "answer" else ""
-        return (f"<p>Position-ID edit at the ID-selection heads (the prompt's last position{where}): efficacy "
-                f"{edit['efficacy']:.2f} at alpha {edit['alpha']:g}, against {edit['control'] or 0:.2f} for the "
-                f"empty-cell control (n={edit['n']}).</p>")
+        parts = []
+        for heads in result.edit_heads():
+            edit = result.edit_summary(heads)
+            parts.append(f"at {esc(heads)}: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g}, against "
+                         f"{edit['control'] or 0:.2f} for the empty-cell control (n={edit['n']})")
+        return (f"<p>Position-ID edit at the ID-selection heads (the prompt's last position{where}; together, then "
+                f"each alone): {'; '.join(parts)}.</p>")
     if result.skipped.get("edit"):
         return f"<p>Position-ID edit skipped: {esc(result.skipped['edit'])}</p>"
     return ""

@@ -44,16 +44,17 @@ def headline(result: ValidationResult) -> list[dict]:
                          "condition": mode, "method": arm, "value": arms[arm],
                          "n": next(a["n"] for a in result.ablation if a["mode"] == mode),
                          "seeds": arms["random_seeds"] if arm.startswith("random") else None})
-    best = (result.edit_summary() or {}).get("alpha")
-    for r in result.edit:
-        if r["arm"] != "edit" or r["alpha"] == 0:
-            continue
-        control = next((c["efficacy"] for c in result.edit if c["arm"] == "control" and c["alpha"] == r["alpha"]),
-                       None)
-        rows.append({"model": result.model, "reference": result.reference, "part": "edit",
-                     "condition": "id_selection" + (" (best)" if r["alpha"] == best else ""),
-                     "method": f"alpha {r['alpha']:g}", "value": r["efficacy"], "control": control, "n": r["n"],
-                     "heads": " ".join(result.heads["id_selection"])})
+    for heads in result.edit_heads():
+        best = result.edit_summary(heads)["alpha"]
+        at = [r for r in result.edit if r.get("heads", heads) == heads]
+        for r in at:
+            if r["arm"] != "edit" or r["alpha"] == 0:
+                continue
+            control = next((c["efficacy"] for c in at if c["arm"] == "control" and c["alpha"] == r["alpha"]), None)
+            rows.append({"model": result.model, "reference": result.reference, "part": "edit",
+                         "condition": "id_selection" + (" (best)" if r["alpha"] == best else ""),
+                         "method": f"alpha {r['alpha']:g}", "value": r["efficacy"], "control": control, "n": r["n"],
+                         "heads": heads})
     for p in result.probes:
         rows.append({"model": result.model, "reference": result.reference, "part": "probe", "condition": p["target"],
                      "method": "logistic", "heads": p["head"], "value": p["accuracy"], "chance": p["chance"],

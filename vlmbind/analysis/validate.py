@@ -131,7 +131,8 @@ class ValidationResult(Result):
         scores: one row per (condition, method, head): mean score, standard error, n, whether a reference head.
         naive_check: per condition, the largest |exact - naive| over the sampled heads and pairs, and the heads.
         ablation: one row per (mode, arm, seed): heads, accuracy, n.
-        edit: one row per (alpha, arm) of the position-ID edit (efficacy, n), or empty.
+        edit: one row per (heads, alpha, arm) of the position-ID edit (efficacy, n), or empty: every reference
+            ID-selection head together, then each alone where there are several.
         probes: one row per (head, target): held-out accuracy, chance (the majority class), train / test sizes.
         pca: per reference head, the first two principal components of its last-token output with labels.
         params: pairs, seeds, object count, entropy, alphas, ig steps.
@@ -181,14 +182,26 @@ class ValidationResult(Result):
             out[mode]["random_seeds"] = len(random)
         return out
 
-    def edit_summary(self) -> dict[str, Any] | None:
-        """The alpha with the highest edit efficacy, its efficacy and the control's at that alpha."""
-        edits = [r for r in self.edit if r["arm"] == "edit" and r["alpha"] != 0]
+    def edit_heads(self) -> list[str]:
+        """The head sets the edit was run at (``"2.3 3.1"``): every reference ID-selection head together first, then
+        each alone where there are several."""
+        together = " ".join(self.heads.get("id_selection", []))
+        return list(dict.fromkeys(r.get("heads", together) for r in self.edit))
+
+    def edit_summary(self, heads: str | None = None) -> dict[str, Any] | None:
+        """The alpha with the highest edit efficacy, its efficacy and the control's at that alpha, for the edit at
+        ``heads`` (default: every reference ID-selection head together)."""
+        sets = self.edit_heads()
+        if not sets:
+            return None
+        heads = sets[0] if heads is None else heads
+        rows = [r for r in self.edit if r.get("heads", sets[0]) == heads]
+        edits = [r for r in rows if r["arm"] == "edit" and r["alpha"] != 0]
         if not edits:
             return None
         best = max(edits, key=lambda r: r["efficacy"])
-        control = [r for r in self.edit if r["arm"] == "control" and r["alpha"] == best["alpha"]]
-        return {"alpha": best["alpha"], "efficacy": best["efficacy"], "n": best["n"],
+        control = [r for r in rows if r["arm"] == "control" and r["alpha"] == best["alpha"]]
+        return {"heads": heads, "alpha": best["alpha"], "efficacy": best["efficacy"], "n": best["n"],
                 "control": control[0]["efficacy"] if control else None}
 
     def summary(self) -> dict[str, Any]:
@@ -210,8 +223,8 @@ class ValidationResult(Result):
                     "scores": self.scores, "naive_check": self.naive_check, "ablation": self.ablation,
                     "edit": self.edit, "probes": self.probes, "pca": self.pca, "params": self.params,
                     "seconds": self.seconds, "skipped": self.skipped,
-                    "summary": {"ablation": self.ablation_summary(),
-                                                         "edit": self.edit_summary()}}
+                    "summary": {"ablation": self.ablation_summary(), "edit": self.edit_summary(),
+                                "edit_by_heads": [self.edit_summary(h) for h in self.edit_heads()]}}
         write_json_atomic(document, out / "validation.json")
         _, tables = self.exports()
         for name, frame in tables.items():
@@ -422,14 +435,18 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
     selection = heads.get("id_selection")
     if selection:
         start = time.perf_counter()
-        try:
-            edit = edit_study(vlm, selection, list(alphas), n_estimate=n_estimate, n_eval=n_eval, seed=seed,
-                              n_objects=objects, entropy=entropy, progress=progress, positions=edit_positions)
-        except TooFewEstimatesError as exc:
-            result.skipped["edit"] = f"{n_estimate} estimation scenes: {exc}"
-        else:
-            result.edit = [{"alpha": r["alpha"], "arm": r["arm"], "efficacy": r["efficacy"], "n": r["n"]}
-                           for r in edit.rows]
+        # together, and each alone where several share the role: a set can hold a head that carries the position
+        # and one that only feeds it, and the edit's direction is estimated per head
+        for edited in [selection] + ([[h] for h in selection] if len(selection) > 1 else []):
+            try:
+                edit = edit_study(vlm, edited, list(alphas), n_estimate=n_estimate, n_eval=n_eval, seed=seed,
+                                  n_objects=objects, entropy=entropy, progress=progress, positions=edit_positions)
+            except TooFewEstimatesError as exc:
+                result.skipped["edit"] = f"{n_estimate} estimation scenes: {exc}"
+                result.edit = []
+                break
+            result.edit += [{"heads": " ".join(f"{l}.{h}" for l, h in edited), "alpha": r["alpha"], "arm": r["arm"],
+                             "efficacy": r["efficacy"], "n": r["n"]} for r in edit.rows]
         result.seconds["edit"] = time.perf_counter() - start
     probe_set = list(dict.fromkeys(h for hs in heads.values() for h in hs))
     if probe_set:

@@ -121,10 +121,10 @@ def render_text(result: Any, out: Any) -> str:
         lines.append(f"  ablation ({mode}): clean {arms['clean']:.3f}, top-k {arms['top']:.3f}, random-k "
                      f"{arms['random']:.3f} (lowest of {arms['random_seeds']} seeds {arms['random_min']:.3f}), "
                      f"bottom-k by |score| {arms['bottom']:.3f}")
-    edit = result.edit_summary()
-    if edit:
-        lines.append(f"  position-ID edit: efficacy {edit['efficacy']:.3f} at alpha {edit['alpha']:g} (n={edit['n']}), "
-                     f"control {_number(edit['control'])}")
+    for heads in result.edit_heads():
+        edit = result.edit_summary(heads)
+        lines.append(f"  position-ID edit at {heads}: efficacy {edit['efficacy']:.3f} at alpha {edit['alpha']:g} "
+                     f"(n={edit['n']}), control {_number(edit['control'])}")
     for r in result.probes:
         lines.append(f"  probe {r['head']} -> {r['target']}: {r['accuracy']:.3f} held out (chance {r['chance']:.3f}, "
                      f"n={r['n_test']})")
