@@ -17,6 +17,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ..errors import TrainingError
+from ..io import write_text_atomic
 from ..models import TRAINING_FILE
 from ..shipped import organism_dir
 from .recipes import RECIPES, recipe_stages
@@ -184,6 +185,18 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
                       "attention must fall on that object's image token (cross-entropy, weight "
                       f"{siit.get('selection_attention_weight', 0)}). The IIT loss alone had left their interchange "
                       "accuracy at the rate of the unpatched model."]
+        if siit.get("aggregation_heads"):
+            gather = ", ".join(siit["aggregation_heads"])
+            lines += ["", f"The ID-retrieval head was told where to look, and {gather} how to pass its positions on "
+                      "(stages 6-10): the ID-retrieval head's attention, at each described object's last prompt "
+                      "token, must fall on that object's image token and a readout must give its cell from the "
+                      f"head's output; {gather} (an ID-selection head that gathers) must attend to the described "
+                      "names from the last prompt token and a readout must give the set of described cells from its "
+                      f"output; and with {gather} alone interchanged from an ID-selection source (weight "
+                      f"{siit.get('gather_interchange_weight', 0):g}) the model must name the object the source's "
+                      "names leave unclaimed while the selecting heads attend to it (weight "
+                      f"{siit.get('gather_selection_weight', 0):g}). Without that run every loss could be met by a "
+                      "selection that ignores the retrieved positions."]
     else:
         lines += [
             "The negative control of organism-vsm: the same architecture, start, data, seed and steps, trained on "
@@ -258,9 +271,11 @@ def validation_lines(validation: dict[str, Any]) -> list[str]:
         lines.append(f"\nAblation ({mode}): clean {arms['clean']:.2f}, top-k {arms['top']:.2f}, random-k "
                      f"{arms['random']:.2f} (lowest {arms['random_min']:.2f}, {arms['random_seeds']} seeds), "
                      f"bottom-k {arms['bottom']:.2f}.")
-    edit = validation.get("summary", {}).get("edit")
-    if edit:
-        lines.append(f"\nPosition-ID edit: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g} "
+    summary = validation.get("summary", {})
+    edits = summary.get("edit_by_heads") or ([summary["edit"]] if summary.get("edit") else [])
+    for edit in edits:
+        at = f" at {edit['heads']}" if len(edits) > 1 else ""
+        lines.append(f"\nPosition-ID edit{at}: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g} "
                      f"(control {edit['control']:.2f}, n={edit['n']}).")
     return lines
 
@@ -269,10 +284,21 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m vlmbind.organisms.ship NAME RUN_DIR [--results circuits/p2a_vs_direct/results/results.json]``."""
     parser = argparse.ArgumentParser(prog="python -m vlmbind.organisms.ship")
     parser.add_argument("name", choices=sorted(RECIPES))
-    parser.add_argument("run_dir")
+    parser.add_argument("run_dir", nargs="?", help="the recipe's output (not needed with --redraw-card)")
     parser.add_argument("--results", help="the PbP table's results.json, for the card's accuracy section")
     parser.add_argument("--validation", help="a validation.json (vlmbind validate) for a grown organism's card")
+    parser.add_argument("--redraw-card", action="store_true",
+                        help="only draw the shipped grown organism's card again, from its files and --validation")
     args = parser.parse_args(argv)
+    if args.redraw_card:
+        if RECIPES[args.name] != "vsm":
+            parser.error("--redraw-card is for the grown organisms (organism-vsm, organism-vsm-natural)")
+        validation = json.loads(Path(args.validation).read_text()) if args.validation else None
+        write_text_atomic(shipped_card(args.name, validation), organism_dir(args.name) / "README.md")
+        print(f"redrew the card of {args.name}")
+        return 0
+    if args.run_dir is None:
+        parser.error("run_dir is required (the recipe's output directory)")
     record = training_record(args.name, args.run_dir)
     source = Path(json.loads((Path(args.run_dir) / "recipe_summary.json").read_text())["final_checkpoint"])
     config = json.loads((source / "config.json").read_text())
@@ -293,6 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     dest = ship(args.name, args.run_dir, card)
     print(f"shipped {args.name} to {dest}")
     return 0
+
+
+def shipped_card(name: str, validation: dict[str, Any] | None,
+                 validation_command: str | None = "python circuits/ground_truth/run.py") -> str:
+    """The card of a shipped grown organism, drawn again from the files beside its weights and a validation."""
+    directory = organism_dir(name)
+    record = json.loads((directory / TRAINING_FILE).read_text())
+    config = json.loads((directory / "config.json").read_text())
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return planted_card(record, config, params, validation, validation_command if validation else None)
 
 
 def _prod(shape: Any) -> int:
