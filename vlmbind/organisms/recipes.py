@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TrainingError
+from ..models import TRAINING_FILE
 from ..shipped import organism_dir
 from .train import CHECKPOINT_PREFIX, TrainConfig, train
 
@@ -60,6 +61,9 @@ def stages(regime: str, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
 # trained on scene description with VSM's ID-selection and feature-retrieval steps planted by SIIT from the first step;
 # organism-vsm-natural: the same stages, data, seed and steps, behaviour loss only. See docs/ground_truth.md.
 VSM_PLANT = {"id_selection": ["2.1"], "feature_retrieval": ["4.2"]}
+# after stage 6 inserts a layer after layer 0: VSM's three steps, the heads each condition should find
+VSM_GROWN_PLANT = {"id_retrieval": ["1.0"], "id_selection": ["2.3", "3.1"], "feature_retrieval": ["5.2"]}
+VSM_GROWN_PLANT_LINK = {"id_retrieval": ["1.0"], "id_selection": ["2.3", "3.1"]}
 VSM_SIIT = {"alignments": VSM_PLANT, "iit_weight": 1.0, "strict_weight": 0.4, "pairs": 8, "objects": [2, 4],
             "skip_objects": [3], "entropies": ["high", "low"], "colours": list(COLOURS), "shapes": list(SHAPES),
             "strict_positions": "all", "swap": "random", "recolour": "any", "position_layer": 0,
@@ -108,7 +112,48 @@ def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
                          "strict_head_weights": {"0.0": 8.0, "0.1": 16.0, "0.2": 2.0, "0.3": 2.0}}
     suffix = "siit" if planted else "natural"
     return [(f"1-fresh-lm-{suffix}", first), (f"2-source-grad-{suffix}", second),
-            (f"3-selection-{suffix}", third), (f"4-robust-{suffix}", fourth), (f"5-strict-{suffix}", fifth)]
+            (f"3-selection-{suffix}", third), (f"4-robust-{suffix}", fourth), (f"5-strict-{suffix}", fifth),
+            *_grown_stages(common, planted, suffix)]
+
+
+def _grown_stages(common: dict[str, Any], planted: bool, suffix: str) -> list[tuple[str, dict[str, Any]]]:
+    """Stages 6-10: a seventh decoder layer inserted after layer 0 and the ID-retrieval step planted in it.
+
+    6. Layers [0, new, 1, 2, 3, 4, 5]: the new layer's head 1.0 must attend from each described object's last prompt
+       token to that object's image token and carry its cell (a readout of the cell from its output), weights 1,
+       with the IIT loss at 0.01 and no strictness, so the old heads are left alone (they move one layer down:
+       ID selection 2.1 -> 3.1, feature retrieval 4.2 -> 5.2).
+    7. Head 2.3 learns to gather the described objects' positions from head 1.0 at the last prompt token (a
+       readout of their cells from its output) while 3.1 keeps its attention on the missing object: the link
+       between ID retrieval and ID selection.
+    8. Every variable at once with the full IIT and strictness losses of stage 5, plus the gathering interchange
+       (on ID-selection pairs, 2.3 alone patched from the source must make the model name the swapped object and
+       3.1 attend to it), weights 2.
+    9. and 10. The gathering interchange at weight 4, 1,500 steps twice (10 continues 9 with a fresh schedule).
+    """
+    grown = {**common, "model": {**common["model"], "layers": 7}, "lr": 1e-3, "warmup": 50,
+             "attn_implementation": "eager"}
+    sixth = {**grown, "steps": 1500, "init_layers": [0, None, 1, 2, 3, 4, 5]}
+    seventh = {**grown, "steps": 1000}
+    eighth = {**grown, "steps": 1000}
+    ninth = {**grown, "steps": 1500}
+    tenth = {**grown, "steps": 1500}
+    if planted:
+        link = {**VSM_SIIT, "iit_weight": 0.01, "strict_weight": 0.0, "pairs": 12, "source_grad": True,
+                "span_positions": "last", "retrieval_attention_weight": 1.0, "retrieval_readout_weight": 1.0}
+        sixth["siit"] = {**link, "alignments": {"id_retrieval": ["1.0"]}}
+        seventh["siit"] = {**link, "alignments": VSM_GROWN_PLANT_LINK, "selection_attention_weight": 1.0,
+                           "gather_readout_weight": 1.0, "aggregation_heads": ["2.3"]}
+        eighth["siit"] = {**seventh["siit"], "alignments": VSM_GROWN_PLANT, "iit_weight": 2.0, "strict_weight": 3.0,
+                          "strict_head_weights": {"0.0": 8.0, "0.1": 16.0, "0.2": 2.0, "0.3": 2.0},
+                          "selection_weight": 1.0, "interchanged_selection_weight": 2.0,
+                          "strict_selection_weight": 1.0, "gather_interchange_weight": 2.0,
+                          "gather_selection_weight": 2.0}
+        ninth["siit"] = {**eighth["siit"], "gather_interchange_weight": 4.0, "gather_selection_weight": 4.0}
+        tenth["siit"] = dict(ninth["siit"])
+    return [(f"6-grown-retrieval-{suffix}", sixth), (f"7-gather-{suffix}", seventh),
+            (f"8-gathering-interchange-{suffix}", eighth), (f"9-gathering-heavier-{suffix}", ninth),
+            (f"10-gathering-heavier-continued-{suffix}", tenth)]
 
 
 RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct", "organism-vsm": "vsm", "organism-vsm-natural": "vsm"}
@@ -142,16 +187,32 @@ def _finished(stage_dir: Path, steps: int) -> Path | None:
 
 
 def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int = 0,
-               progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) every stage of organism ``name`` into ``out/<stage>``; returns a summary with wall times."""
+               progress: bool = True, start_from: str | Path | None = None) -> dict[str, Any]:
+    """Run (or resume) every stage of organism ``name`` into ``out/<stage>``; returns a summary with wall times.
+
+    ``start_from``: a shipped organism of the same recipe (its directory): the stages its training record lists as
+    done are taken from it (their results copied from the record) and the next stage starts from its weights, so a
+    recipe that grew new stages continues from the last release instead of training the first stages again.
+    A stage found finished in ``out`` must have been trained with the recipe's configuration (bar where it started).
+
+    Raises:
+        TrainingError: no such recipe; ``start_from`` is not a release of this recipe; a finished stage in ``out``
+            was trained with another configuration.
+    """
     if name not in RECIPES:
         raise TrainingError(f"unknown organism recipe {name!r}; recipes: {', '.join(RECIPES)}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    previous: Path | None = None
     recipe = recipe_stages(name, seed)
+    taken = _taken_stages(name, recipe, Path(start_from), seed) if start_from is not None else {}
+    out.mkdir(parents=True, exist_ok=True)
+    previous: Path | None = Path(start_from) if taken else None
     summary: dict[str, Any] = {"organism": name, "regime": recipe[0][1]["regime"], "seed": seed, "stages": []}
+    if taken:
+        summary["started_from"] = str(start_from)
     for stage, fields in recipe:
+        if stage in taken:
+            summary["stages"].append({**taken[stage], "taken_from": str(start_from)})
+            continue
         config, until = stage_config(fields, str(previous) if previous else fields.get("init_from"))
         stage_dir = out / stage
         done = _finished(stage_dir, until or config.steps)
@@ -162,6 +223,7 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
             done = result.checkpoint
             info = {"wall_time_s": result.wall_time_s, "last_eval": result.evals[-1] if result.evals else None}
         else:
+            _check_finished(done, config, stage)
             state = json.loads((done / "trainer_state.json").read_text())
             info = {"wall_time_s": state.get("wall_time_s"), "last_eval": (state.get("evals") or [None])[-1]}
         summary["stages"].append({"stage": stage, "checkpoint": str(done), "steps": until or config.steps,
@@ -173,6 +235,36 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
     return summary
 
 
+def _taken_stages(name: str, recipe: list[tuple[str, dict[str, Any]]], start: Path, seed: int) -> dict[str, Any]:
+    """The stage results a release of ``name``'s recipe already holds (checked against the recipe)."""
+    path = start / TRAINING_FILE
+    if not path.is_file():
+        raise TrainingError(f"{start} has no {TRAINING_FILE}: --start-from takes a shipped organism's directory")
+    record = json.loads(path.read_text())
+    done = [s["stage"] for s in record.get("stage_results", [])]
+    if record.get("organism") != name or record.get("seed") != seed:
+        raise TrainingError(f"{start} holds {record.get('organism')} (seed {record.get('seed')}), not {name} "
+                            f"(seed {seed}); start from a release of the same organism")
+    names = [stage for stage, _ in recipe]
+    if not done or names[:len(done)] != done or len(done) >= len(names):
+        raise TrainingError(f"{start} has stages {done}; the recipe of {name} is {names}: nothing to continue")
+    for stage, fields in zip(record["stages"], recipe):
+        mine = {k: v for k, v in fields[1].items() if k != "init_from"}
+        if {k: v for k, v in stage.items() if k not in ("stage", "init_from")} != mine:
+            raise TrainingError(f"stage {stage['stage']} of {start} was trained with another configuration than "
+                                f"the recipe's; run the whole recipe instead")
+    return {s["stage"]: s for s in record["stage_results"]}
+
+
+def _check_finished(checkpoint: Path, config: TrainConfig, stage: str) -> None:
+    saved = json.loads((checkpoint / "train_config.json").read_text())
+    mine = json.loads(json.dumps(config.to_dict(), default=str))
+    differ = sorted(k for k in set(saved) | set(mine) if k != "init_from" and saved.get(k) != mine.get(k))
+    if differ:
+        raise TrainingError(f"{checkpoint} (stage {stage}) was trained with other {', '.join(differ)} than the "
+                            "recipe; remove it or use another --out")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlmbind.organisms.recipes")
     parser.add_argument("name", choices=sorted(RECIPES))
@@ -180,9 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--start-from", help="a shipped organism of this recipe: continue after the stages it holds")
     args = parser.parse_args(argv)
     try:
-        summary = run_recipe(args.name, args.out, threads=args.threads, seed=args.seed, progress=not args.quiet)
+        summary = run_recipe(args.name, args.out, threads=args.threads, seed=args.seed, progress=not args.quiet,
+                             start_from=args.start_from)
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
