@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 import vlmbind as vb
 from vlmbind.evaluate import evaluate, training_defaults
 from vlmbind.models import TRAINING_FILE
 from vlmbind.organisms import ORGANISM_NAMES, shipped_organisms
 from vlmbind.organisms.recipes import RECIPES, recipe_stages, stage_config
-from vlmbind.organisms.ship import _prod, planted_card, ship
+from vlmbind.organisms.ship import ship
 from vlmbind.organisms.train import TrainConfig, train
 from vlmbind.shipped import organism_dir
 
@@ -39,10 +38,10 @@ def test_loads_through_from_pretrained_with_its_record(organism):
     record = organism.training
     assert record["regime"] == recipe_stages(organism.name)[-1][1]["regime"]
     assert record["image_size"] == 168 and record["grid"] == 6
-    # the PbP organisms within an hour each on 2 cores; organism-vsm took 196 min on one thread, 46 over the 2.5 hours
-    # SIIT was given (its fourth stage for ID selection, its fifth for strictness; docs/ground_truth.md); the bound
-    # below keeps it from growing further
-    budget = 200 if RECIPES[organism.name] == "vsm" else 60
+    # the PbP organisms within an hour each on 2 cores; organism-vsm took 295 min on one thread, about twice the 2.5
+    # hours SIIT was given: 196 for stages 1-5 (ID selection and feature retrieval, with strictness) and 100 for
+    # stages 6-10 (the ID-retrieval layer and its link to ID selection; docs/ground_truth.md); the bound keeps it there
+    budget = 300 if RECIPES[organism.name] == "vsm" else 60
     assert record["wall_time_s"] <= budget * 60, f"{organism.name} must train within {budget} min on 2 cores"
 
 
@@ -67,10 +66,82 @@ def test_solves_binding_tasks_on_a_fixed_sample(name, task, kwargs):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipes_are_valid_configs(name):
-    configs = [stage_config(fields)[0] for _, fields in recipe_stages(name)]
+    # a stage without its own start continues the previous one's checkpoint (named here by a placeholder)
+    configs = [stage_config(fields, fields.get("init_from") or "previous/checkpoint")[0]
+               for _, fields in recipe_stages(name)]
     assert configs[-1].image_size == 168
     assert all(c.regime == configs[0].regime for c in configs)
     assert configs[0].regime == (RECIPES[name] if RECIPES[name] != "vsm" else "p2a")
+
+
+GROWN_RUNS = ("17-retrieval-link-layer1-last-token", "18-gather-link", "21-gathering-interchange-fast",
+              "23-gathering-interchange-heavier", "24-gathering-interchange-heavier-continued")
+
+
+def test_the_grown_stages_are_the_recorded_runs():
+    """Stages 6-10 of organism-vsm's recipe are, field for field, the configurations of the runs docs/ground_truth.md
+    reports (saved with their curves), bar where each started; the natural twin's are the same without SIIT."""
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    planted, natural = recipe_stages("organism-vsm")[5:], recipe_stages("organism-vsm-natural")[5:]
+    assert len(planted) == len(GROWN_RUNS) == len(natural)
+    for (stage, fields), (twin, twin_fields), run in zip(planted, natural, GROWN_RUNS):
+        saved = json.loads((runs / f"{run}.json").read_text())["config"]
+        mine = json.loads(json.dumps(stage_config(fields, "previous/checkpoint")[0].to_dict(), default=str))
+        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        assert differ == ["init_from"], (stage, run, differ)
+        assert twin.rsplit("-", 1)[0] == stage.rsplit("-", 1)[0] and "siit" not in twin_fields
+        assert {k: v for k, v in twin_fields.items()} == {k: v for k, v in fields.items() if k != "siit"}
+    assert planted[0][1]["init_layers"] == [0, None, 1, 2, 3, 4, 5]
+    # the shipped organism trained them again from the five-stage release: stage 10 evaluates as run 24 did
+    shipped = json.loads((organism_dir("organism-vsm") / TRAINING_FILE).read_text())["stage_results"]
+    assert shipped[-1]["last_eval"] == json.loads((runs / f"{GROWN_RUNS[-1]}.json").read_text())["evals"][-1]
+
+
+def _release(path: Path, organism: str, stages: list[tuple[str, dict]], seed: int = 0) -> Path:
+    path.mkdir(parents=True)
+    (path / TRAINING_FILE).write_text(json.dumps({
+        "organism": organism, "seed": seed, "stages": [{"stage": s, **f} for s, f in stages],
+        "stage_results": [{"stage": s, "checkpoint": "x", "steps": f["steps"]} for s, f in stages]}))
+    return path
+
+
+def test_start_from_refuses_what_is_not_a_release_of_the_recipe(tmp_path, capsys):
+    from vlmbind.errors import TrainingError
+    from vlmbind.organisms.recipes import main, run_recipe
+
+    recipe = recipe_stages("organism-vsm")
+    with pytest.raises(TrainingError, match="has no vlmbind_training.json"):
+        run_recipe("organism-vsm", tmp_path / "out", start_from=tmp_path)
+    other = _release(tmp_path / "natural", "organism-vsm-natural", recipe_stages("organism-vsm-natural")[:5])
+    with pytest.raises(TrainingError, match="not organism-vsm"):
+        run_recipe("organism-vsm", tmp_path / "out", start_from=other)
+    seed = _release(tmp_path / "seed", "organism-vsm", recipe[:5], seed=3)
+    with pytest.raises(TrainingError, match=r"seed 3\), not organism-vsm \(seed 0"):
+        run_recipe("organism-vsm", tmp_path / "out", start_from=seed)
+    done = _release(tmp_path / "done", "organism-vsm", recipe)
+    with pytest.raises(TrainingError, match="nothing to continue"):
+        run_recipe("organism-vsm", tmp_path / "out", start_from=done)
+    changed = _release(tmp_path / "changed", "organism-vsm", [(s, {**f, "lr": 1.0}) for s, f in recipe[:5]])
+    with pytest.raises(TrainingError, match="another configuration"):
+        run_recipe("organism-vsm", tmp_path / "out", start_from=changed)
+    assert main(["organism-vsm", "--out", str(tmp_path / "out"), "--start-from", str(changed), "--quiet"]) == 2
+    assert "another configuration" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_a_finished_stage_trained_otherwise_is_refused(tmp_path):
+    """A resumed recipe takes a finished stage only if it was trained with the recipe's configuration."""
+    from vlmbind.errors import TrainingError
+    from vlmbind.organisms.recipes import run_recipe
+    from vlmbind.organisms.train import CHECKPOINT_PREFIX
+
+    stage, fields = recipe_stages("organism-direct")[0]
+    config = stage_config({**fields, "lr": fields["lr"] * 2})[0]
+    checkpoint = tmp_path / stage / f"{CHECKPOINT_PREFIX}{config.steps:06d}"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "train_config.json").write_text(json.dumps(config.to_dict(), default=str))
+    with pytest.raises(TrainingError, match=f"stage {stage}\\) was trained with other lr"):
+        run_recipe("organism-direct", tmp_path, progress=False)
 
 
 def test_ship_gives_a_loadable_directory(tmp_path):
@@ -104,7 +175,8 @@ def test_organism_vsm_and_its_twin_differ_only_by_the_plant():
     """organism-vsm records its planted heads (machine-readable); organism-vsm-natural was trained from the same start
     with the same data, seed, steps and learning rates, and plants nothing."""
     planted, natural = vb.load("organism-vsm").training, vb.load("organism-vsm-natural").training
-    assert planted["planted"] == {"id_selection": ["2.1"], "feature_retrieval": ["4.2"]} and "planted" not in natural
+    assert planted["planted"] == {"id_retrieval": ["1.0"], "id_selection": ["2.3", "3.1"],
+                                  "feature_retrieval": ["5.2"]} and "planted" not in natural
     assert planted["grown_from"] == natural["grown_from"] == {"organism": "organism-p2a", "init_layers": [None] * 6}
     assert [s["steps"] for s in planted["stage_results"]] == [s["steps"] for s in natural["stage_results"]]
     for a, b in zip(planted["stages"], natural["stages"], strict=True):
@@ -112,15 +184,19 @@ def test_organism_vsm_and_its_twin_differ_only_by_the_plant():
         assert {k: v for k, v in a.items() if k != "stage"} == {k: v for k, v in b.items() if k != "stage"}
 
 
-@pytest.mark.parametrize("condition,head,objects,floor", [("id_selection", (2, 1), 3, 0.85),
-                                                       ("feature_retrieval", (4, 2), 3, 0.9)])
-def test_the_planted_heads_carry_their_variables(condition, head, objects, floor):
-    """On fresh pairs, interchanging the planted head from the source makes organism-vsm give the high-level model's
-    counterfactual answer (id_selection: the object at the missing object's cell in the source, a described one;
-    feature_retrieval: the source's new features); in the twin the same head does nothing. Both on three-object
+@pytest.mark.parametrize("condition,objects,floor", [("id_retrieval", 3, 0.85), ("id_selection", 3, 0.85),
+                                                    ("feature_retrieval", 3, 0.9)])
+def test_the_planted_heads_carry_their_variables(condition, objects, floor):
+    """On fresh pairs, interchanging the planted heads from the source makes organism-vsm give the high-level model's
+    counterfactual answer (id_retrieval: the patched name now claims the missing object's cell, so the object it left
+    is named; id_selection: the object at the missing object's cell in the source, a described one;
+    feature_retrieval: the source's new features); in the twin the same heads do nothing. All on three-object
     scenes, the count held out of the planting (circuits/ground_truth's interchange table has every setting)."""
     from vlmbind.organisms.data import BatchBuilder
     from vlmbind.organisms.siit import HeadInterchange, interchange_accuracy, unpatched_accuracy
+    from vlmbind.sites import parse_heads
+
+    heads = parse_heads(vb.load("organism-vsm").training["planted"][condition])
 
     pools = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
     options = {"recolour": "any"} if condition == "feature_retrieval" else {"swap": "random"}
@@ -132,7 +208,7 @@ def test_the_planted_heads_carry_their_variables(condition, head, objects, floor
         vlm = vb.load(name)
         builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
         assert unpatched_accuracy(vlm.model, builder, pairs) <= 0.1  # a* is not what the clean scene gives
-        accuracy[name] = interchange_accuracy(vlm.model, interchange, builder, pairs, [head],
+        accuracy[name] = interchange_accuracy(vlm.model, interchange, builder, pairs, heads,
                                               last_positions="answer")
     assert accuracy["organism-vsm"] >= floor and accuracy["organism-vsm-natural"] <= 0.1, accuracy
 
@@ -142,15 +218,17 @@ def test_the_grown_organisms_cards_are_drawn_from_their_records_and_saved_valida
     """The model card next to the weights is the one ``ship`` writes from the training record and the validation
     saved in circuits/ground_truth (no number typed by hand); the planted organism's card names every stage's SIIT
     settings, the strictness draw's weighted heads among them."""
+    from vlmbind.organisms.ship import shipped_card
+
     directory = organism_dir(name)
     record = json.loads((directory / TRAINING_FILE).read_text())
-    config = json.loads((directory / "config.json").read_text())
-    with safe_open(str(directory / "model.safetensors"), "pt") as f:
-        params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
     validation_file = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / name / "validation.json"
-    expected = planted_card(record, config, params, json.loads(validation_file.read_text()),
-                            "python circuits/ground_truth/run.py")
+    validation = json.loads(validation_file.read_text())
+    expected = shipped_card(name, validation)
     assert (directory / "README.md").read_text() == expected
+    assert "## Validation (fresh pairs)" in expected and "python circuits/ground_truth/run.py" in expected
+    # one edit line per head set the validation edited: every ID-selection head together, then each alone
+    assert expected.count("Position-ID edit") == len(validation["summary"]["edit_by_heads"]) >= 1
     if name == "organism-vsm":
         assert any(s["siit"].get("strict_head_weights") for s in record["stages"])
         assert "strictness drawing 0.0 8 times as often, 0.1 16 times as often, 0.2 0.3 2 times as often" in expected

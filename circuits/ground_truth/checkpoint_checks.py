@@ -17,6 +17,7 @@ import vlmbind as vb
 from vlmbind.io import write_json_atomic
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.siit import HeadInterchange, answer_changes, interchange_accuracy
+from vlmbind.sites import parse_heads
 from vlmbind.stimuli import Canvas, scene_pairs
 
 HERE = Path(__file__).parent
@@ -38,15 +39,18 @@ def check(path: str) -> dict:
     vlm = vb.load(path)
     builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
     canvas = Canvas(image_size=168, grid=6)
-    out: dict = {"id_selection_3_objects": {}, "n_id_selection": 64}
+    # the checkpoint's own planted heads (the organism grew a layer at stage 6); stages 1-5 planted 2.1 and 4.2
+    planted = (vlm.training or {}).get("planted") or {"id_selection": ["2.1"], "feature_retrieval": ["4.2"]}
+    selection, retrieval = parse_heads(planted["id_selection"]), parse_heads(planted["feature_retrieval"])
+    out: dict = {"id_selection_3_objects": {}, "n_id_selection": 64, "planted": planted}
     for entropy in ("high", "low"):
         pairs = list(scene_pairs(64, "id_selection", 2000 + (entropy == "low"), n_objects=3, entropy=entropy,
                                  canvas=canvas, swap="random", **POOLS))
-        out["id_selection_3_objects"][entropy] = interchange_accuracy(vlm.model, interchange, builder, pairs, [(2, 1)],
+        out["id_selection_3_objects"][entropy] = interchange_accuracy(vlm.model, interchange, builder, pairs, selection,
                                                                       last_positions="answer")
     pairs = feature_pairs(canvas)
     out["n_feature_retrieval"] = len(pairs)
-    out["feature_retrieval"] = interchange_accuracy(vlm.model, interchange, builder, pairs, [(4, 2)],
+    out["feature_retrieval"] = interchange_accuracy(vlm.model, interchange, builder, pairs, retrieval,
                                                     last_positions="answer")
     out["answer_changes"] = {f"{l}.{h}": answer_changes(vlm.model, interchange, builder, pairs, [(l, h)])
                              for l, h in HEADS}
