@@ -224,6 +224,24 @@ def test_single_head_ablation_is_saved_as_the_readme_says():
         assert vb.evaluate(vlm, scenes).accuracy == zero["0.2"]
 
 
+def test_scene_accuracy_is_saved_as_the_readme_shows():
+    """scene_accuracy.json: the README's table is drawn from it, organism-vsm does the task in every setting (the
+    issue asks >= 0.97), and one setting re-measured here gives the saved figure."""
+    from pathlib import Path
+
+    results = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results"
+    runner = _ground_truth_script("scene_accuracy")
+    saved = json.loads((results / "scene_accuracy.json").read_text())
+    assert runner.BEGIN + "\n" + runner.markdown(saved) + "\n" + runner.END in (results.parent / "README.md").read_text()
+    vsm = next(r for r in saved["results"] if r["model"] == "organism-vsm")
+    assert len(vsm["settings"]) == 6 and round(min(x["accuracy"] for x in vsm["settings"]), 2) == 0.98  # ">= 0.97"
+    vlm = vb.load("organism-vsm")
+    low = next(x for x in vsm["settings"] if (x["objects"], x["entropy"]) == (4, "low"))
+    scenes = runner.scene_description(low["n"], vsm["seed"] + 7 * 4 + 1, **runner.training_defaults(
+        vlm, "scene", {"n_objects": 4, "entropy": "low"}))
+    assert vb.evaluate(vlm, scenes).accuracy == low["accuracy"] < 1  # the one setting with errors bites
+
+
 def test_the_strictness_breakers_of_stage_5_acted_through_the_selection_as_saved():
     """The stage-5 record (results/organism-vsm_training/stage-5/): selection_inputs.json's heads are that interchange
     table's strictness breakers, with its changed shares; the README shows its table; and it says what the docs say:
