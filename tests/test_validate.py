@@ -194,6 +194,9 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     assert [round(low[v], 2) for v in ("feature_retrieval", "id_selection", "id_retrieval")] == [0.98, 0.95, 0.94]
     short = [(x["objects"], x["entropy"]) for x in planted["id_retrieval"]["settings"] if x["interchange_accuracy"] < 0.95]
     assert short == [(3, "high"), (4, "high")]
+    retrieved = planted["id_retrieval"]["settings"]
+    pooled = sum(x["interchange_accuracy"] * x["n"] for x in retrieved) / sum(x["n"] for x in retrieved)
+    assert round(pooled, 3) == 0.974 and "0.974 [0.953, 0.986]" in readme  # "over all six settings"
     assert all(planted[v]["unplanted_heads_above_0.02"] == [] for v in planted)  # strictness holds
     assert max(planted[v]["unplanted_changes_max"] for v in planted) * 384 == pytest.approx(1)  # "one of 384"
     assert all(planted[v]["unplanted_changes"][h] == 0 for v in planted for h in ("0.2", "0.3"))

@@ -75,13 +75,14 @@ def markdown(document: dict) -> str:
     """The README's interchange table, from ``interchange.json``."""
     out = ["Interchange accuracy of the planted heads (interchanged together at the variable's positions) on "
            f"{document['results'][0]['n_pairs']} fresh pairs per setting (seed {document['results'][0]['seed']}; "
-           "3 objects were held out of training), beside the rate at which the unpatched model already gives the "
-           "counterfactual answer; and, over all settings pooled, the largest share of answers that one unplanted "
+           "3 objects were held out of training): per setting, the lowest setting and all settings pooled, beside "
+           "the rate at which the unpatched model already gives the counterfactual answer; and, over all settings "
+           "pooled, the largest share of answers that one unplanted "
            "head changes when interchanged alone at every prompt position (strictness asks <= 0.02); intervals are "
            "Wilson 95%:", "",
            "| model | variable | heads | 2 high | 2 low | 3 high | 3 low | 4 high | 4 low | lowest setting [95%] | "
-           "unpatched (max) | worst unplanted head [95%] | heads above 0.02 | pooled n |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "all settings [95%] | unpatched (max) | worst unplanted head [95%] | heads above 0.02 | pooled n |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in document["results"]:
         for variable, v in r["variables"].items():
             cells = {(x["objects"], x["entropy"]): x for x in v["settings"]}
@@ -89,8 +90,11 @@ def markdown(document: dict) -> str:
             unpatched = max(x["unpatched"] for x in v["settings"])
             low = min(v["settings"], key=lambda x: x["interchange_accuracy"])
             worst = v["unplanted_changes_max"]
+            n = sum(x["n"] for x in v["settings"])
+            pooled = sum(x["interchange_accuracy"] * x["n"] for x in v["settings"]) / n
             out.append(f"| {r['model']} | {variable} | {' '.join(r['planted'][variable])} | {accs} | "
                        f"{low['interchange_accuracy']:.2f} {_interval(low['interchange_accuracy'], low['n'])} | "
+                       f"{pooled:.3f} {_interval(pooled, n, 3)} | "
                        f"{unpatched:.2f} | {v['unplanted_worst_head']} ({worst:.3f} "
                        f"{_interval(worst, v['n_pooled'], 3)}) | "
                        f"{len(v['unplanted_heads_above_0.02'])} of {len(v['unplanted_changes'])} | {v['n_pooled']} |")
