@@ -113,6 +113,25 @@ def write_block(body: str, begin: str, end: str, readme: Path = HERE / "README.m
     write_text_atomic(text[:start] + "\n" + body + "\n" + text[stop:], readme)
 
 
+def per_model_script(script: str, description: str, argv: list[str] | None, measure, markdown, begin: str,
+                     end: str, n_default: int, seed_default: int) -> int:
+    """The main of a script here that measures each of ``--models`` (``measure(model, n, seed)``), saves one JSON
+    document to ``--out`` and, at the default ``--out``, draws its README table from it."""
+    name = Path(script).stem
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--models", default="organism-vsm,organism-vsm-natural")
+    p.add_argument("--n", type=int, default=n_default)
+    p.add_argument("--seed", type=int, default=seed_default)
+    p.add_argument("--out", default=str(HERE / "results" / f"{name}.json"))
+    args = p.parse_args(argv)
+    document = {"command": f"python circuits/ground_truth/{name}.py " + " ".join(argv or sys.argv[1:]),
+                "results": [measure(m.strip(), args.n, args.seed) for m in args.models.split(",") if m.strip()]}
+    write_json_atomic(document, Path(args.out))
+    if Path(args.out) == HERE / "results" / f"{name}.json":
+        write_block(markdown(document), begin, end)
+    return 0
+
+
 def update_readme(document: dict, readme: Path = HERE / "README.md") -> None:
     write_block(markdown(document), BEGIN, END, readme)
 

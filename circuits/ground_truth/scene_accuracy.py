@@ -1,7 +1,8 @@
 """Scene description on fresh scenes, by object count and entropy: does the planted organism still do the task?
 
     python circuits/ground_truth/scene_accuracy.py [--models organism-vsm,organism-vsm-natural] [--n 128]
-                                                   [--seed 1005] [--out circuits/ground_truth/results/scene_accuracy.json]
+                                                   [--seed 1005]
+                                                   [--out circuits/ground_truth/results/scene_accuracy.json]
 
 Each setting draws its own scenes from ``seed`` (away from training's seeds; 3 objects were held out of training);
 an answer counts when the greedy decoding gives the missing object's colour and shape.
@@ -9,17 +10,15 @@ an answer counts when the greedy decoding gives the missing object's colour and 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import vlmbind as vb
 from vlmbind.evaluate import training_defaults
-from vlmbind.io import write_json_atomic
 from vlmbind.stimuli import scene_description
 
 sys.path.insert(0, str(Path(__file__).parent))
-from interchange import _interval, write_block  # noqa: E402  (the README helpers of the scripts here)
+from interchange import _interval, per_model_script  # noqa: E402  (the README helpers of the scripts here)
 
 HERE = Path(__file__).parent
 SETTINGS = [(objects, entropy) for objects in (2, 3, 4) for entropy in ("high", "low")]
@@ -53,18 +52,8 @@ def markdown(document: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="organism-vsm,organism-vsm-natural")
-    p.add_argument("--n", type=int, default=128)
-    p.add_argument("--seed", type=int, default=1005)
-    p.add_argument("--out", default=str(HERE / "results" / "scene_accuracy.json"))
-    args = p.parse_args(argv)
-    document = {"command": "python circuits/ground_truth/scene_accuracy.py " + " ".join(argv or sys.argv[1:]),
-                "results": [measure(m.strip(), args.n, args.seed) for m in args.models.split(",") if m.strip()]}
-    write_json_atomic(document, Path(args.out))
-    if Path(args.out) == HERE / "results" / "scene_accuracy.json":
-        write_block(markdown(document), BEGIN, END)
-    return 0
+    return per_model_script(__file__, __doc__.splitlines()[0], argv, measure, markdown, BEGIN, END,
+                            n_default=128, seed_default=1005)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,16 @@ variable: necessity (ablation) and the variable (interchange, mediation) are dif
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import vlmbind as vb
 from vlmbind.analysis.validate import held_out_objects
 from vlmbind.evaluate import training_defaults
-from vlmbind.io import write_json_atomic
 from vlmbind.stimuli import scene_description
 
 sys.path.insert(0, str(Path(__file__).parent))
-from interchange import _interval, write_block  # noqa: E402  (the README helpers of the scripts here)
+from interchange import _interval, per_model_script  # noqa: E402  (the README helpers of the scripts here)
 
 HERE = Path(__file__).parent
 MODES = ("zero", "image_attention")
@@ -56,7 +54,8 @@ def markdown(document: dict) -> str:
     out = [f"Scene description with one head ablated alone, on the validation's {first['n']} ablation scenes "
            f"(seed {first['seed']} + 2): the heads that leave under {NEEDED_BELOW:.2f} of the answers (Wilson 95%), "
            "planted heads marked *:", "",
-           "| model | mode | clean | heads needed alone: accuracy [95%] | heads that are not |", "|---|---|---|---|---|"]
+           "| model | mode | clean | heads needed alone: accuracy [95%] | heads that are not |",
+           "|---|---|---|---|---|"]
     for r in document["results"]:
         planted = {h for heads in (r["planted"] or {}).values() for h in heads}
         for mode, rows in r["modes"].items():
@@ -69,18 +68,8 @@ def markdown(document: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="organism-vsm,organism-vsm-natural")
-    p.add_argument("--n", type=int, default=64)
-    p.add_argument("--seed", type=int, default=1000)
-    p.add_argument("--out", default=str(HERE / "results" / "single_heads.json"))
-    args = p.parse_args(argv)
-    document = {"command": "python circuits/ground_truth/single_heads.py " + " ".join(argv or sys.argv[1:]),
-                "results": [measure(m.strip(), args.n, args.seed) for m in args.models.split(",") if m.strip()]}
-    write_json_atomic(document, Path(args.out))
-    if Path(args.out) == HERE / "results" / "single_heads.json":
-        write_block(markdown(document), BEGIN, END)
-    return 0
+    return per_model_script(__file__, __doc__.splitlines()[0], argv, measure, markdown, BEGIN, END,
+                            n_default=64, seed_default=1000)
 
 
 if __name__ == "__main__":
