@@ -232,3 +232,5 @@ def test_the_grown_organisms_cards_are_drawn_from_their_records_and_saved_valida
     if name == "organism-vsm":
         assert any(s["siit"].get("strict_head_weights") for s in record["stages"])
         assert "strictness drawing 0.0 8 times as often, 0.1 16 times as often, 0.2 0.3 2 times as often" in expected
+        assert "| id_retrieval | 1.0 | each described object's position (grid cell), at its name's last prompt token |" \
+            in expected  # where stages 6-10 aligned it (span_positions="last")

@@ -157,7 +157,9 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
             "strictness loss asks every other head to be inert, and the validation below says how far it got). "
             "Variables not in the table were not planted: the methods should find nothing there.",
             "", "## Planted heads", "", "| condition that should find it | heads | the variable |", "|---|---|---|"]
-        meaning = {"id_retrieval": "each described object's position (grid cell), at its prompt tokens",
+        at_name = ("at its name's last prompt token" if record.get("siit", {}).get("span_positions") == "last"
+                   else "at its prompt tokens")
+        meaning = {"id_retrieval": f"each described object's position (grid cell), {at_name}",
                    "id_selection": "the missing object's position, at the last prompt token and the answer positions",
                    "feature_retrieval": "the missing object's colour and shape, at the last prompt token and the "
                                         "answer positions"}
