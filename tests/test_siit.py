@@ -194,7 +194,7 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
                                 "id_retrieval": ["0.2"]}, aggregation_heads=["0.3"], position_layer=0,
                     position_readout="trained", selection_weight=1.0, selection_attention_weight=1.0,
                     retrieval_attention_weight=1.0, interchanged_selection_weight=1.0, source_grad=True,
-                    gather_interchange_weight=1.0, gather_selection_weight=1.0)
+                    gather_interchange_weight=1.0, gather_selection_weight=1.0, selecting_interchange_weight=1.0)
     if separate:
         siit.update(single_loss=False, strict_sampling="sample_all", strict_selection_weight=float(readouts),
                     retrieval_readout_weight=float(readouts), gather_readout_weight=float(readouts))
@@ -224,7 +224,8 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
         # attention on the id_retrieval steps
         for name, variable in (("selection", "id_selection"), ("selection_attention", "id_selection"),
                                ("retrieval_attention", "id_retrieval"), ("interchanged_selection", "id_retrieval"),
-                               ("gather_interchange", "id_selection"), ("gather_selection", "id_selection")):
+                               ("gather_interchange", "id_selection"), ("gather_selection", "id_selection"),
+                               ("selecting_interchange", "id_selection")):
             assert all((name in p) == (p["variable"] == variable) for p in parts)
             assert all(math.isfinite(p[name]) for p in parts if name in p)
         # every step has a strictness run; the retrieval readout is read on the id_retrieval steps, the gathered
@@ -507,6 +508,33 @@ def test_the_gathering_interchange_reuses_the_source_run_exactly(organism):
         assert base_cells - set(torch.nonzero(claimed).flatten().tolist()) == {cell}
 
 
+def test_the_selecting_interchange_is_the_selecting_heads_interchanged_alone(organism):
+    """On an id_selection step the selecting-interchange loss is the answer loss of the base run with the selecting
+    heads alone (not the aggregation heads) interchanged from the step's source run: equal to a fresh interchange of
+    those heads on the step's own pairs, and unlike the loss of the aggregation heads alone."""
+    from vlmbind.organisms.data import answer_loss
+    from vlmbind.organisms.siit import SIIT_STREAM, draw_pairs, siit_losses
+
+    vlm, builder, canvas = organism
+    spec = SIITSpec(alignments={"id_selection": ["1.3", "2.1"]}, aggregation_heads=("1.3",), pairs=3,
+                    objects=(3, 4), strict_weight=0.0, selecting_interchange_weight=1.0, swap="random")
+    assert spec.selecting_heads() == [(2, 1)]
+    interchange = HeadInterchange(vlm.model, vlm.processor)
+    with torch.no_grad():
+        out = siit_losses(vlm.model, interchange, builder, spec, seed=0, step=5, canvas=canvas, parts=("iit",))
+        pairs = draw_pairs(spec, "id_selection", seed=0, stream=SIIT_STREAM, step=5, canvas=canvas)
+        batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions, spec.span_positions)
+        fresh = HeadInterchange(vlm.model, vlm.processor)
+        alone = answer_loss(interchange_logits(vlm.model, fresh, batch, [(2, 1)], batch.positions), batch.base.labels)
+        gatherer = answer_loss(interchange_logits(vlm.model, fresh, batch, [(1, 3)], batch.positions),
+                               batch.base.labels)
+    assert out["variable"] == "id_selection" and out["gather_interchange"] is None
+    assert float(out["selecting_interchange"]) == pytest.approx(float(alone), rel=1e-5)
+    assert float(alone) != pytest.approx(float(gatherer), rel=1e-3)
+    assert spec.to_dict()["selecting_interchange_weight"] == 1.0
+    assert "selecting_interchange_weight" not in SIITSpec(alignments={"id_selection": ["2.1"]}).to_dict()
+
+
 def test_selection_attention_is_read_at_the_target_objects_token():
     """The attention loss reads each aligned head's pattern at the row's patch positions on the image token of the
     row's target cell (image tokens in raster order); a perfectly attending head has loss 0."""
@@ -709,6 +737,12 @@ def test_selection_attention_needs_eager_attention(tmp_path):
      "set siit.gather_interchange_weight above 0"),
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"], "gather_interchange_weight": "1"},
      "gather_interchange_weight must be a number >= 0"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "selecting_interchange_weight": 1.0},
+     "selecting_interchange_weight > 0 interchanges the aggregation heads or the selecting heads apart from them"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"],
+      "selecting_interchange_weight": 1.0, "iit_weight": 0}, "reuses the IIT loss's source run"),
+    ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"],
+      "selecting_interchange_weight": -1.0}, "selecting_interchange_weight must be a number >= 0"),
 ])
 def test_bad_selection_readouts_are_named(siit, match):
     with pytest.raises(TrainingError, match=match):

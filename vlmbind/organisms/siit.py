@@ -140,6 +140,12 @@ class SIITSpec:
             one name's position.
         gather_selection_weight: when > 0, in that run the selecting heads' attention at the last prompt token must
             fall on the swapped object's image token (cross-entropy, this weight; eager attention).
+        selecting_interchange_weight: when > 0, on the ``id_selection`` steps one more interchanged run patches the
+            selecting heads alone (the ``id_selection`` heads that are not ``aggregation_heads``; at the variable's
+            positions, from the same source run) and must give the pair's counterfactual answer (this weight). The
+            IIT loss interchanges every ``id_selection`` head together, which the later layers can satisfy by
+            reading the gathering heads and ignoring the selecting ones; this asks that the answer follow the
+            selecting heads too.
         aggregation_heads: ``id_selection`` heads that gather the described objects' positions at the last token
             rather than read the missing object: their attention target (with ``selection_attention_weight``) is the
             described objects' name tokens, where ``id_retrieval`` heads wrote their positions; the other
@@ -183,6 +189,7 @@ class SIITSpec:
     gather_readout_weight: float = 0.0
     gather_interchange_weight: float = 0.0
     gather_selection_weight: float = 0.0
+    selecting_interchange_weight: float = 0.0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
     span_positions: str = "name"
@@ -297,13 +304,13 @@ class SIITSpec:
             if value > 0 and not (self.iit_weight > 0 and self.source_grad):
                 raise TrainingError(f"siit.{name} > 0 trains heads through the IIT loss's source run; set iit_weight "
                                     "above 0 and source_grad to true")
-        for name in ("gather_interchange_weight", "gather_selection_weight"):
+        for name in ("gather_interchange_weight", "gather_selection_weight", "selecting_interchange_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise TrainingError(f"siit.{name} must be a number >= 0, got {value!r}")
             if value > 0 and not aggregation:
-                raise TrainingError(f"siit.{name} > 0 interchanges the aggregation heads; list them in "
-                                    "siit.aggregation_heads")
+                raise TrainingError(f"siit.{name} > 0 interchanges the aggregation heads or the selecting heads "
+                                    "apart from them; list the aggregation heads in siit.aggregation_heads")
             if value > 0 and not self.iit_weight > 0:
                 raise TrainingError(f"siit.{name} > 0 reuses the IIT loss's source run; set iit_weight above 0")
         if self.gather_selection_weight > 0 and not self.gather_interchange_weight > 0:
@@ -438,6 +445,8 @@ class SIITSpec:
                    if self.gather_interchange_weight else {}),
                 **({"gather_selection_weight": self.gather_selection_weight}
                    if self.gather_selection_weight else {}),
+                **({"selecting_interchange_weight": self.selecting_interchange_weight}
+                   if self.selecting_interchange_weight else {}),
                 **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
 
     @classmethod
@@ -982,7 +991,8 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     Returns:
         ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
         "interchanged_selection": loss, "strict_selection": loss, "retrieval_readout": loss, "gather_readout": loss,
-        "gather_interchange": loss, "gather_selection": loss, "variable": v, "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
+        "gather_interchange": loss, "gather_selection": loss, "selecting_interchange": loss, "variable": v,
+        "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
         asked for; the ID-selection and ID-retrieval ones also on steps of another variable, and ``selection``
         without a ``selection`` probe; the readouts without their ``retrieval`` / ``gather`` probe).
     """
@@ -996,7 +1006,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
                            "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None,
                            "strict_selection": None, "retrieval_readout": None, "gather_readout": None,
-                           "gather_interchange": None, "gather_selection": None}
+                           "gather_interchange": None, "gather_selection": None, "selecting_interchange": None}
     if spec.iit_weight > 0 and "iit" in parts:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions, spec.span_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
@@ -1041,6 +1051,11 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                 out["gather_selection"] = selection_attention_loss(
                     interchange.base_patterns, spec.selecting_heads(), last_prompt_positions(batch.prompt_mask),
                     unclaimed)
+        if variable == "id_selection" and spec.selecting_interchange_weight > 0:
+            # the selecting heads alone, from the same source run: the answer must follow them, not only the gatherers
+            selected = patched_logits(model, interchange, batch, spec.selecting_heads(), batch.positions,
+                                      interchange.stored)
+            out["selecting_interchange"] = answer_loss(selected, batch.base.labels, loss_norm)
         if variable == "id_retrieval" and attend:
             tokens = target_tokens(source_ids, builder.image_token_id, patched_cells(pairs, canvas))
             out["retrieval_attention"] = selection_attention_loss(interchange.patterns, spec.heads(variable),

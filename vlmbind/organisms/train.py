@@ -749,7 +749,8 @@ def train(
                                      ("retrieval_readout", siit.retrieval_readout_weight),
                                      ("gather_readout", siit.gather_readout_weight),
                                      ("gather_interchange", siit.gather_interchange_weight),
-                                     ("gather_selection", siit.gather_selection_weight)):
+                                     ("gather_selection", siit.gather_selection_weight),
+                                     ("selecting_interchange", siit.selecting_interchange_weight)):
                     if extra[name] is not None:
                         total = weight * extra[name] if total is None else total + weight * extra[name]
                         parts[name] = float(extra[name].detach())
@@ -782,7 +783,7 @@ def train(
                                                "selection_attention", "retrieval_attention",
                                                "interchanged_selection", "strict_selection", "retrieval_readout",
                                                "gather_readout", "gather_interchange", "gather_selection",
-                                               "position")
+                                               "selecting_interchange", "position")
                          if k in parts}
             for _module, opt, _name in readouts:
                 for group in opt.param_groups:
