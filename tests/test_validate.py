@@ -198,6 +198,10 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     retrieved = planted["id_retrieval"]["settings"]
     pooled = sum(x["interchange_accuracy"] * x["n"] for x in retrieved) / sum(x["n"] for x in retrieved)
     assert round(pooled, 3) == 0.974 and "0.974 [0.953, 0.986]" in readme  # "over all six settings"
+    assert runner.ALONE_BEGIN + "\n" + runner.alone_markdown(document) + "\n" + runner.ALONE_END in readme
+    selection = planted["id_selection"]["settings"]
+    alone = {h: sum(x["alone"][h] * x["n"] for x in selection) / sum(x["n"] for x in selection) for h in ("2.3", "3.1")}
+    assert (round(alone["2.3"], 3), round(alone["3.1"], 3)) == (0.977, 0.141)  # "0.977 of the pairs and 3.1 on 0.141"
     assert all(planted[v]["unplanted_heads_above_0.02"] == [] for v in planted)  # strictness holds
     assert max(planted[v]["unplanted_changes_max"] for v in planted) * 384 == pytest.approx(1)  # "one of 384"
     assert all(planted[v]["unplanted_changes"][h] == 0 for v in planted for h in ("0.2", "0.3"))
