@@ -428,8 +428,12 @@ def test_the_longer_gathering_attempt_is_recorded_as_the_docs_say():
     assert {k: v for k, v in run["config"].items() if k != "init_from"} == \
         {k: v for k, v in json.loads((runs / "24-gathering-interchange-heavier-continued.json").read_text())[
             "config"].items() if k != "init_from"}
-    cells = [a for v in run["by_objects"]["accuracy"].values() for a in v.values()]
+    accuracy = run["by_objects"]["accuracy"]
+    cells = [a for key in ("id_retrieval@1.0", "id_selection@2.3+3.1", "feature_retrieval@5.2")
+             for a in accuracy[key].values()]
     assert run["by_objects"]["n_per_cell"] == 64 and round(min(cells), 2) == 0.97
+    alone = accuracy["id_selection@3.1"].values()  # "3.1 alone gives the counterfactual answer on 0.00-0.14"
+    assert (round(min(alone), 2), round(max(alone), 2)) == (0.0, 0.14)
 
     def exact(result, head):
         return next(r["score"] for r in result.scores if r["condition"] == "id_selection" and r["method"] == "exact"
