@@ -455,6 +455,41 @@ def test_the_longer_gathering_attempt_is_recorded_as_the_docs_say():
     assert round(min(arms[m]["random_min"] for m in ("zero", "mean", "role_mean")), 2) == 0.34
 
 
+def test_the_selecting_interchange_attempt_is_recorded_as_the_docs_say():
+    """docs/ground_truth.md on attempt 27 (selecting_interchange_weight 4 from the shipped weights): every figure it
+    quotes is in the attempt's saved record, validation and interchange table."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    docs = " ".join((Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text().split())
+    run = json.loads((runs / "27-selecting-interchange-attempt.json").read_text())
+    result = ValidationResult.load(runs / "27-validation")
+    assert run["config"]["siit"]["selecting_interchange_weight"] == 4.0 and run["step"] == 1500
+    assert f"1,500 steps from the shipped weights ({run['wall_time_s'] / 60:.1f} min" in docs
+    table = run["interchange"]["variables"]
+    assert round(min(x["interchange_accuracy"] for v in table.values() for x in v["settings"]), 2) == 0.98
+    alone = [x["alone"]["3.1"] for x in table["id_selection"]["settings"]]
+    assert (round(min(alone), 2), round(max(alone), 2)) == (0.98, 1.0)
+    assert max(v["unplanted_changes_max"] for v in table.values()) * 384 == pytest.approx(1)
+    rows = {(r["condition"], r["method"]): r for r in result.methods}
+    score = {f"{r['layer']}.{r['head']}": r["score"] for r in result.scores
+             if r["condition"] == "id_selection" and r["method"] == "exact" and r["reference"]}
+    assert (round(score["2.3"], 1), round(score["3.1"], 1)) == (20.8, 20.1)
+    assert round(rows[("id_selection", "exact")]["ratio"]) == 143
+    assert all(rows[(c, m)]["recall_at_k"] == 1.0 for c in ("id_retrieval", "id_selection", "feature_retrieval")
+               for m in ("exact", "integrated_gradients"))
+    assert rows[("id_retrieval", "attribution")]["planted_ranks"] == [28]
+    assert rows[("id_selection", "attribution")]["planted_ranks"] == [24, 28]
+    arms = result.ablation_summary()
+    quoted = {"image_attention": (1.0, 0.98), "role_mean": (0.9, 0.8)}
+    for mode, (mean, lowest) in quoted.items():
+        assert (round(arms[mode]["random"], 2), round(arms[mode]["random_min"], 2)) == (mean, lowest)
+    assert [round(arms[m]["random"], 2) for m in ("zero", "mean")] == [0.84, 0.62]
+    edit = result.edit_summary("3.1")
+    assert (edit["alpha"], round(edit["efficacy"], 2), round(edit["control"], 2)) == (1.0, 0.98, 0.16)
+    assert round(edit["control"] * 64) == 10
+
+
 def test_the_strict_selection_attempt_is_recorded_as_the_docs_say():
     """docs/ground_truth.md on the strict-selection attempt: the check file's shares by object count add up to the
     overall share (32 pairs per count), and the figures the docs quote are the saved ones."""

@@ -1,12 +1,14 @@
 """Record a training attempt on organism-vsm: its curves, its interchange accuracy by setting and its validation.
 
-    python circuits/ground_truth/record_attempt.py CHECKPOINT LABEL --start "what it started from"
+    python circuits/ground_truth/record_attempt.py CHECKPOINT LABEL --start "what it started from" [--strictness]
 
 Writes ``results/organism-vsm_training/LABEL-attempt.json`` (the checkpoint's training state: config, evaluations,
 wall time, the losses every 50 steps; and ``by_objects``: the planted heads' interchange accuracy on the interchange
 table's fresh pairs, 64 per object count and entropy, seed 1000, each head of a multi-head variable also alone) and
 ``results/organism-vsm_training/N-validation/`` (``vlmbind validate`` as ``run.py`` runs it; N is LABEL's number).
 The checkpoint gets organism-vsm's ``vlmbind_training.json`` beside its weights so that it loads as the organism.
+With ``--strictness`` (minutes more) the record's ``interchange`` field is the interchange table's whole measurement
+of the checkpoint (``interchange.py``'s, every unplanted head interchanged alone included).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from vlmbind.sites import parse_heads
 from vlmbind.stimuli import Canvas
 
 sys.path.insert(0, str(Path(__file__).parent))
-from interchange import fresh_pairs  # noqa: E402  (the interchange table's pairs)
+from interchange import fresh_pairs, measure  # noqa: E402  (the interchange table's pairs and measurement)
 
 RUNS = Path(__file__).parent / "results" / "organism-vsm_training"
 
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint")
     p.add_argument("label", help="N-name: the record is results/organism-vsm_training/N-name-attempt.json")
     p.add_argument("--start", required=True, help="what the attempt started from, in words")
+    p.add_argument("--strictness", action="store_true", help="also measure the interchange table (strictness)")
     args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     shutil.copy(organism_dir("organism-vsm") / TRAINING_FILE, checkpoint / TRAINING_FILE)
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
               "start": args.start, "by_objects": by_objects(vlm),
               "validation": f"{number}-validation/validation.json (vlmbind validate, 24 pairs, seed 1000, as run.py)",
               "command": "python circuits/ground_truth/record_attempt.py " + " ".join(argv or sys.argv[1:])}
+    if args.strictness:
+        record["interchange"] = measure(str(checkpoint), vlm.training["planted"], 64, 1000)
     write_json_atomic(record, RUNS / f"{args.label}-attempt.json")
     print(json.dumps(record["by_objects"]["accuracy"]))
     return 0
