@@ -304,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     record = training_record(args.name, args.run_dir)
     source = Path(json.loads((Path(args.run_dir) / "recipe_summary.json").read_text())["final_checkpoint"])
     config = json.loads((source / "config.json").read_text())
-    with safe_open(str(source / "model.safetensors"), "pt") as f:
-        params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    params = parameter_count(source)
     accuracies = None
     if args.results:
         results = json.loads(Path(args.results).read_text())
@@ -329,9 +328,14 @@ def shipped_card(name: str, validation: dict[str, Any] | None,
     directory = organism_dir(name)
     record = json.loads((directory / TRAINING_FILE).read_text())
     config = json.loads((directory / "config.json").read_text())
-    with safe_open(str(directory / "model.safetensors"), "pt") as f:
-        params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    params = parameter_count(directory)
     return planted_card(record, config, params, validation, validation_command if validation else None)
+
+
+def parameter_count(directory: Path) -> int:
+    """Parameters in ``directory/model.safetensors``, read from the tensor shapes (nothing loaded)."""
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def _prod(shape: Any) -> int:
