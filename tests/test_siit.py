@@ -18,6 +18,7 @@ from vlmbind.errors import TrainingError
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.siit import (
     HeadInterchange,
+    ablated_logits,
     SIITSpec,
     interchange_batch,
     interchange_logits,
@@ -197,7 +198,8 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
                     gather_interchange_weight=1.0, gather_selection_weight=1.0, selecting_interchange_weight=1.0)
     if separate:
         siit.update(single_loss=False, strict_sampling="sample_all", strict_selection_weight=float(readouts),
-                    retrieval_readout_weight=float(readouts), gather_readout_weight=float(readouts))
+                    retrieval_readout_weight=float(readouts), gather_readout_weight=float(readouts),
+                    ablation_strict_weight=float(readouts))
     config = _planting_config(steps=40, eval_every=40, checkpoint_every=20, eval_size=8, siit=siit,
                               attn_implementation="eager")
     result = train(config, tmp_path / "run", progress=False, threads=1)
@@ -238,6 +240,15 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
             assert (result.checkpoint / f"{file}.safetensors").is_file() == separate
         readout = result.evals[-1]["selection"]
         assert 0.0 <= readout["accuracy"] <= 1.0 and 0.0 < readout["attention_mass"] <= 1.0
+        # strictness under ablation (with the strictness step): 1 to 5 (as many as are aligned) unaligned heads,
+        # zeroed or mean-ablated
+        assert all(("ablated" in p) == separate for p in parts)
+    if separate:
+        ablated = [p["ablated"].split(":") for p in parts]
+        assert {mode for mode, _ in ablated} == {"zero", "mean"}
+        assert all(not set(heads.split(",")) & aligned and 1 <= len(heads.split(",")) <= 5 for _, heads in ablated)
+        assert len({len(heads.split(",")) for _, heads in ablated}) > 1
+        assert all(math.isfinite(p["ablation_strict"]) for p in parts)
         for name in ("aggregation", "retrieval"):
             assert 0.0 < result.evals[-1][name]["attention_mass"] <= 1.0
         assert 0.0 <= result.evals[-1]["aggregation"]["interchange_accuracy"] <= 1.0
@@ -533,6 +544,61 @@ def test_the_selecting_interchange_is_the_selecting_heads_interchanged_alone(org
     assert float(alone) != pytest.approx(float(gatherer), rel=1e-3)
     assert spec.to_dict()["selecting_interchange_weight"] == 1.0
     assert "selecting_interchange_weight" not in SIITSpec(alignments={"id_selection": ["2.1"]}).to_dict()
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_ablation_strictness_ablates_like_vlmbinds_ablation(organism, mode):
+    """The ablation-strictness run is vlmbind's own head ablation (``AblateHeads``) of the same scenes: zeroed, or
+    each head set to its mean over the rows' non-padding positions (taken here by a plain ``o_proj`` pre-hook); on
+    two right-padded rows of different length, each row's prompt gives the logits of the processor's batch."""
+    vlm, builder, canvas = organism
+    pairs = scene_pairs(2, "id_selection", 4, n_objects=(3, 4), canvas=canvas, **POOLS)
+    rows = interchange_batch(builder, pairs, "clean").base
+    keep = rows.inputs["attention_mask"].bool()
+    assert not keep.all()  # the shorter row is padded
+    heads = [(1, 2), (3, 0), (3, 3)]
+    d = vlm.adapter.d_head
+    with torch.no_grad():
+        ours = ablated_logits(vlm.model, HeadInterchange(vlm.model, vlm.processor), rows, heads, mode)
+        seen = {}
+        hooks = [vlm.adapter.o_proj_module(l).register_forward_pre_hook(
+            lambda _m, args, l=l: seen.__setitem__(l, args[0])) for l in (1, 3)]
+        vlm.model(**rows.inputs, use_cache=False)
+        for h in hooks:
+            h.remove()
+        for r, pair in enumerate(pairs):
+            aligned = check_alignment(vlm, [pair])
+            n = aligned.clean.index[0].last_position + 1
+            assert torch.equal(aligned.clean.inputs["input_ids"][0, :n], rows.inputs["input_ids"][r, :n])
+            ablate = [vb.AblateHeads(layer=l, heads=[h for ll, h in heads if ll == l], mode=mode,
+                                     means=None if mode == "zero" else torch.stack(
+                                         [seen[l][keep][:, h * d:(h + 1) * d].mean(0) for ll, h in heads if ll == l]))
+                      for l in (1, 3)]
+            reference = vlm.logits(aligned.clean, ablate)[0, :n]
+            plain = vlm.logits(aligned.clean)[0, :n]
+            torch.testing.assert_close(ours[r, :n], reference, rtol=0, atol=1e-4)
+            assert (reference - plain).abs().max() > 1e-2  # the ablation did something
+    with pytest.raises(TrainingError, match="ablation mode must be one of"):
+        ablated_logits(vlm.model, HeadInterchange(vlm.model, vlm.processor), rows, heads, "image_attention")
+
+
+def test_ablation_strictness_draws_after_the_interchange_strictness():
+    """Adding the ablation loss leaves every earlier draw of a step as it was (old recipes train as they did), and
+    draws at most as many heads as are aligned (or ``ablation_strict_heads``), never an aligned one."""
+    from vlmbind.organisms.siit import _step_rng
+
+    base = SIITSpec(alignments={"id_selection": ["2.1", "3.0"]}, strict_weight=1.0)
+    ablating = replace(base, ablation_strict_weight=1.0)
+    for step in range(20):
+        a, b = _step_rng(0, 1, step), _step_rng(0, 1, step)
+        assert base.draw_strict_heads(a, 4, 4) == ablating.draw_strict_heads(b, 4, 4)
+        heads, mode = ablating.draw_ablated_heads(b, 4, 4)
+        assert 1 <= len(heads) <= 2 and not {(2, 1), (3, 0)} & set(heads) and mode in ("zero", "mean")
+    wide = replace(ablating, ablation_strict_heads=6)
+    assert max(len(wide.draw_ablated_heads(np.random.default_rng(s), 4, 4)[0]) for s in range(40)) == 6
+    assert wide.to_dict()["ablation_strict_heads"] == 6 and "ablation_strict_weight" not in base.to_dict()
+    with pytest.raises(TrainingError, match="ablation_strict_heads must be an int >= 0"):
+        replace(base, ablation_strict_heads=-1)
 
 
 def test_selection_attention_is_read_at_the_target_objects_token():

@@ -51,6 +51,7 @@ VARIABLES = ("id_retrieval", "id_selection", "feature_retrieval")
 STRICT_POSITIONS = ("all", "aligned")
 STRICT_SAMPLING = ("individual", "sample_all", "all")
 SIIT_PARTS = ("iit", "strict")
+ABLATION_STRICT_MODES = ("zero", "mean")
 CHANGE_POSITIONS = ("all", "aligned", "image", "text", "last")
 LAST_POSITIONS = ("answer", "prompt")
 SPAN_POSITIONS = ("name", "last")
@@ -146,6 +147,13 @@ class SIITSpec:
             IIT loss interchanges every ``id_selection`` head together, which the later layers can satisfy by
             reading the gathering heads and ignoring the selecting ones; this asks that the answer follow the
             selecting heads too.
+        ablation_strict_weight: when > 0, strictness under ablation: the strictness loss's base scenes run once more
+            with ``ablation_strict_heads`` unaligned heads (a random number from 1 to that many, drawn each step)
+            ablated at every position, zeroed or set to their mean over the batch's positions (drawn each step), and
+            must still give their own answer (this weight). An interchange pair shares its prompt with its base, so
+            the interchange strictness cannot see a head that works on the text alone; an ablation can, and
+            ablation is how a user compares planted heads with random ones.
+        ablation_strict_heads: the most unaligned heads that loss ablates at once (0: as many as are aligned).
         aggregation_heads: ``id_selection`` heads that gather the described objects' positions at the last token
             rather than read the missing object: their attention target (with ``selection_attention_weight``) is the
             described objects' name tokens, where ``id_retrieval`` heads wrote their positions; the other
@@ -190,6 +198,8 @@ class SIITSpec:
     gather_interchange_weight: float = 0.0
     gather_selection_weight: float = 0.0
     selecting_interchange_weight: float = 0.0
+    ablation_strict_weight: float = 0.0
+    ablation_strict_heads: int = 0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
     span_positions: str = "name"
@@ -313,6 +323,13 @@ class SIITSpec:
                                     "apart from them; list the aggregation heads in siit.aggregation_heads")
             if value > 0 and not self.iit_weight > 0:
                 raise TrainingError(f"siit.{name} > 0 reuses the IIT loss's source run; set iit_weight above 0")
+        value = self.ablation_strict_weight
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise TrainingError(f"siit.ablation_strict_weight must be a number >= 0, got {value!r}")
+        k = self.ablation_strict_heads
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise TrainingError(f"siit.ablation_strict_heads must be an int >= 0 (0: as many as are aligned), "
+                                f"got {k!r}")
         if self.gather_selection_weight > 0 and not self.gather_interchange_weight > 0:
             raise TrainingError("siit.gather_selection_weight > 0 reads the gathering interchange's run; set "
                                 "siit.gather_interchange_weight above 0")
@@ -388,7 +405,7 @@ class SIITSpec:
         if self.position_layer is not None and self.position_layer >= n_layers:
             raise TrainingError(f"siit.position_layer {self.position_layer} does not exist; the organism has layers "
                                 f"0..{n_layers - 1}")
-        if self.strict_weight > 0 and not self.unaligned(n_layers, n_heads):
+        if (self.strict_weight > 0 or self.ablation_strict_weight > 0) and not self.unaligned(n_layers, n_heads):
             raise TrainingError("every head is aligned: the strictness loss has no head to interchange")
         weighted = parse_heads(list(self.strict_head_weights))
         bad = [f"{l}.{h}" for l, h in weighted if not (0 <= l < n_layers and 0 <= h < n_heads)]
@@ -407,6 +424,14 @@ class SIITSpec:
         if not chosen.any():  # an empty draw would make the loss the behaviour loss; take one head instead
             chosen[int(rng.integers(len(free)))] = True
         return [head for head, keep in zip(free, chosen) if keep]
+
+    def draw_ablated_heads(self, rng: np.random.Generator, n_layers: int, n_heads: int) -> tuple[list[tuple[int, int]], str]:
+        """The step's unaligned heads for the ablation strictness loss and how they are ablated (``zero``/``mean``)."""
+        free = self.unaligned(n_layers, n_heads)
+        most = min(self.ablation_strict_heads or sum(len(h) for h in self.alignments.values()), len(free))
+        k = int(rng.integers(1, most + 1))
+        chosen = sorted(int(i) for i in rng.choice(len(free), size=k, replace=False))
+        return [free[i] for i in chosen], ABLATION_STRICT_MODES[int(rng.integers(len(ABLATION_STRICT_MODES)))]
 
     def draw_strict_head(self, rng: np.random.Generator, n_layers: int, n_heads: int) -> tuple[int, int]:
         """One unaligned head for the strictness loss (uniform unless ``strict_head_weights`` says else)."""
@@ -447,6 +472,8 @@ class SIITSpec:
                    if self.gather_selection_weight else {}),
                 **({"selecting_interchange_weight": self.selecting_interchange_weight}
                    if self.selecting_interchange_weight else {}),
+                **({"ablation_strict_weight": self.ablation_strict_weight} if self.ablation_strict_weight else {}),
+                **({"ablation_strict_heads": self.ablation_strict_heads} if self.ablation_strict_heads else {}),
                 **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
 
     @classmethod
@@ -991,8 +1018,9 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     Returns:
         ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
         "interchanged_selection": loss, "strict_selection": loss, "retrieval_readout": loss, "gather_readout": loss,
-        "gather_interchange": loss, "gather_selection": loss, "selecting_interchange": loss, "variable": v,
-        "strict_head": "l.h[,l.h...]"}`` (a loss is None when its weight is 0 or its part is not
+        "gather_interchange": loss, "gather_selection": loss, "selecting_interchange": loss,
+        "ablation_strict": loss, "variable": v, "strict_head": "l.h[,l.h...]", "ablated": "mode:l.h[,l.h...]"}``
+        (a loss is None when its weight is 0 or its part is not
         asked for; the ID-selection and ID-retrieval ones also on steps of another variable, and ``selection``
         without a ``selection`` probe; the readouts without their ``retrieval`` / ``gather`` probe).
     """
@@ -1006,7 +1034,8 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
     out: dict[str, Any] = {"variable": variable, "iit": None, "strict": None, "strict_head": None, "selection": None,
                            "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None,
                            "strict_selection": None, "retrieval_readout": None, "gather_readout": None,
-                           "gather_interchange": None, "gather_selection": None, "selecting_interchange": None}
+                           "gather_interchange": None, "gather_selection": None, "selecting_interchange": None,
+                           "ablation_strict": None, "ablated": None}
     if spec.iit_weight > 0 and "iit" in parts:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions, spec.span_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
@@ -1060,12 +1089,13 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
             tokens = target_tokens(source_ids, builder.image_token_id, patched_cells(pairs, canvas))
             out["retrieval_attention"] = selection_attention_loss(interchange.patterns, spec.heads(variable),
                                                                   batch.positions, tokens)
+    clean_batch = None
     if spec.strict_weight > 0:
         a = interchange.adapter
         heads = spec.draw_strict_heads(rng, a.n_layers, a.n_heads)  # drawn either way: the rng stays in step
         out["strict_head"] = ",".join(f"{l}.{h}" for l, h in heads)
         if "strict" in parts:
-            batch = interchange_batch(builder, pairs, "clean", spec.last_positions, spec.span_positions)
+            batch = clean_batch = interchange_batch(builder, pairs, "clean", spec.last_positions, spec.span_positions)
             where = batch.prompt_mask if spec.strict_positions == "all" else batch.positions
             hold = spec.strict_selection_weight > 0
             logits = interchange_logits(model, interchange, batch, heads, where, source_grad=spec.source_grad,
@@ -1077,7 +1107,45 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                 out["strict_selection"] = selection_attention_loss(
                     interchange.base_patterns, spec.selecting_heads(), last_prompt_positions(batch.prompt_mask),
                     missing)
+    if spec.ablation_strict_weight > 0:
+        a = interchange.adapter
+        # drawn after the strictness heads, so that runs without this loss keep their draws
+        heads, mode = spec.draw_ablated_heads(rng, a.n_layers, a.n_heads)
+        out["ablated"] = f"{mode}:" + ",".join(f"{l}.{h}" for l, h in heads)
+        if "strict" in parts:
+            if clean_batch is None:
+                clean_batch = interchange_batch(builder, pairs, "clean", spec.last_positions, spec.span_positions)
+            batch = clean_batch
+            logits = ablated_logits(model, interchange, batch.base, heads, mode)
+            out["ablation_strict"] = answer_loss(logits, batch.base.labels, loss_norm)
     return out
+
+
+def ablated_logits(model: Any, interchange: HeadInterchange, rows: Any, heads: Sequence[tuple[int, int]],
+                   mode: str) -> torch.Tensor:
+    """Logits of ``rows`` (a :class:`~vlmbind.organisms.data.TrainBatch`) with ``heads``' outputs at every
+    non-padding position zeroed (``zero``) or replaced by each head's mean over those positions in an unablated run
+    of the same rows (``mean``, as :func:`vlmbind.analysis.ablation` means over a dataset's positions)."""
+    if mode not in ABLATION_STRICT_MODES:
+        raise TrainingError(f"ablation mode must be one of {ABLATION_STRICT_MODES}, got {mode!r}")
+    layers = sorted({l for l, _ in heads})
+    keep = rows.inputs["attention_mask"].to(torch.bool)
+    stored, patterns = interchange.stored, interchange.patterns
+    with torch.no_grad(), interchange.capture(layers):
+        model(**rows.inputs, use_cache=False)
+    clean = interchange.stored
+    interchange.stored, interchange.patterns = stored, patterns
+    values = {}
+    for l in layers:
+        z = clean[l]
+        if mode == "zero":
+            values[l] = torch.zeros_like(z)
+        else:
+            weights = keep[:, :, None].to(z.dtype)
+            values[l] = ((z * weights).sum((0, 1)) / weights.sum((0, 1)))[None, None].expand_as(z)
+    masks = interchange.mask(heads, keep, tuple(clean[layers[0]].shape))
+    with interchange.patch(masks, values):
+        return model(**rows.inputs, use_cache=False).logits
 
 
 def _selection_attention(spec: SIITSpec, patterns: Mapping[int, torch.Tensor], positions: Sequence[Sequence[int]],
