@@ -65,6 +65,12 @@ def test_validate_on_a_tiny_model_with_given_heads(tmp_path, capsys):
     assert {p["target"] for p in result.probes} == {"cell", "colour", "shape"}
     assert {p["head"] for p in result.probes} == {"1.0", "2.3"}
     assert result.edit and {r["arm"] for r in result.edit} == {"edit", "control"}
+    edit = result.edit_summary()
+    control = next(r for r in result.edit if r["heads"] == "1.0 2.3" and r["arm"] == "control"
+                   and r["alpha"] == edit["alpha"])
+    # the chance rate of the control: its answers that name a described object, over the described objects
+    assert edit["control_described"] == control["described"] and 0 <= control["described"] <= 1
+    assert edit["control_chance"] == pytest.approx(control["described"] / (result.params["n_objects"] - 1))
     assert (out / "validation.html").is_file()
 
 

@@ -131,8 +131,9 @@ class ValidationResult(Result):
         scores: one row per (condition, method, head): mean score, standard error, n, whether a reference head.
         naive_check: per condition, the largest |exact - naive| over the sampled heads and pairs, and the heads.
         ablation: one row per (mode, arm, seed): heads, accuracy, n.
-        edit: one row per (heads, alpha, arm) of the position-ID edit (efficacy, n), or empty: every reference
-            ID-selection head together, then each alone where there are several.
+        edit: one row per (heads, alpha, arm) of the position-ID edit (efficacy, the share of answers naming a
+            described object, n), or empty: every reference ID-selection head together, then each alone where there
+            are several.
         probes: one row per (head, target): held-out accuracy, chance (the majority class), train / test sizes.
         pca: per reference head, the first two principal components of its last-token output with labels.
         params: pairs, seeds, object count, entropy, alphas, ig steps.
@@ -190,7 +191,9 @@ class ValidationResult(Result):
 
     def edit_summary(self, heads: str | None = None) -> dict[str, Any] | None:
         """The alpha with the highest edit efficacy, its efficacy and the control's at that alpha, for the edit at
-        ``heads`` (default: every reference ID-selection head together)."""
+        ``heads`` (default: every reference ID-selection head together). Where the rows say how often the control's
+        answer named a described object (``control_described``), ``control_chance`` is the control's efficacy if
+        those answers fell on each described object alike: the switches an ID that points nowhere gives by chance."""
         sets = self.edit_heads()
         if not sets:
             return None
@@ -201,8 +204,15 @@ class ValidationResult(Result):
             return None
         best = max(edits, key=lambda r: r["efficacy"])
         control = [r for r in rows if r["arm"] == "control" and r["alpha"] == best["alpha"]]
-        return {"heads": heads, "alpha": best["alpha"], "efficacy": best["efficacy"], "n": best["n"],
-                "control": control[0]["efficacy"] if control else None}
+        out = {"heads": heads, "alpha": best["alpha"], "efficacy": best["efficacy"], "n": best["n"],
+               "control": control[0]["efficacy"] if control else None}
+        described = control[0].get("described") if control else None
+        if described is not None:
+            # an empty cell's ID names no object; where the answer falls back on a described object instead, it names
+            # the edit's target t by chance once in (objects - 1)
+            out["control_described"] = described
+            out["control_chance"] = described / (int(self.params["n_objects"]) - 1)
+        return out
 
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
@@ -446,7 +456,8 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
                 result.edit = []
                 break
             result.edit += [{"heads": " ".join(f"{l}.{h}" for l, h in edited), "alpha": r["alpha"], "arm": r["arm"],
-                             "efficacy": r["efficacy"], "n": r["n"]} for r in edit.rows]
+                             "efficacy": r["efficacy"], "described": r["described"], "n": r["n"]}
+                            for r in edit.rows]
         result.seconds["edit"] = time.perf_counter() - start
     probe_set = list(dict.fromkeys(h for hs in heads.values() for h in hs))
     if probe_set:
