@@ -38,10 +38,11 @@ def test_loads_through_from_pretrained_with_its_record(organism):
     record = organism.training
     assert record["regime"] == recipe_stages(organism.name)[-1][1]["regime"]
     assert record["image_size"] == 168 and record["grid"] == 6
-    # the PbP organisms within an hour each on 2 cores; organism-vsm took 295 min on one thread, about twice the 2.5
-    # hours SIIT was given: 196 for stages 1-5 (ID selection and feature retrieval, with strictness) and 100 for
-    # stages 6-10 (the ID-retrieval layer and its link to ID selection; docs/ground_truth.md); the bound keeps it there
-    budget = 300 if RECIPES[organism.name] == "vsm" else 60
+    # the PbP organisms within an hour each on 2 cores; organism-vsm took 327 min on one thread, more than twice the
+    # 2.5 hours SIIT was given: 196 for stages 1-5 (ID selection and feature retrieval, with strictness), 100 for
+    # stages 6-10 (the ID-retrieval layer and its link to ID selection) and 32 for stage 11 (the answer follows the
+    # selecting head; docs/ground_truth.md); the bound keeps it there
+    budget = 330 if RECIPES[organism.name] == "vsm" else 60
     assert record["wall_time_s"] <= budget * 60, f"{organism.name} must train within {budget} min on 2 cores"
 
 
@@ -75,11 +76,12 @@ def test_recipes_are_valid_configs(name):
 
 
 GROWN_RUNS = ("17-retrieval-link-layer1-last-token", "18-gather-link", "21-gathering-interchange-fast",
-              "23-gathering-interchange-heavier", "24-gathering-interchange-heavier-continued")
+              "23-gathering-interchange-heavier", "24-gathering-interchange-heavier-continued",
+              "27-selecting-interchange-attempt")
 
 
 def test_the_grown_stages_are_the_recorded_runs():
-    """Stages 6-10 of organism-vsm's recipe are, field for field, the configurations of the runs docs/ground_truth.md
+    """Stages 6-11 of organism-vsm's recipe are, field for field, the configurations of the runs docs/ground_truth.md
     reports (saved with their curves), bar where each started; the natural twin's are the same without SIIT."""
     runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
     planted, natural = recipe_stages("organism-vsm")[5:], recipe_stages("organism-vsm-natural")[5:]
@@ -92,7 +94,7 @@ def test_the_grown_stages_are_the_recorded_runs():
         assert twin.rsplit("-", 1)[0] == stage.rsplit("-", 1)[0] and "siit" not in twin_fields
         assert {k: v for k, v in twin_fields.items()} == {k: v for k, v in fields.items() if k != "siit"}
     assert planted[0][1]["init_layers"] == [0, None, 1, 2, 3, 4, 5]
-    # the shipped organism trained them again from the five-stage release: stage 10 evaluates as run 24 did
+    # the shipped organism trained them again from the earlier releases: the last stage evaluates as its run did
     shipped = json.loads((organism_dir("organism-vsm") / TRAINING_FILE).read_text())["stage_results"]
     assert shipped[-1]["last_eval"] == json.loads((runs / f"{GROWN_RUNS[-1]}.json").read_text())["evals"][-1]
 
@@ -232,5 +234,9 @@ def test_the_grown_organisms_cards_are_drawn_from_their_records_and_saved_valida
     if name == "organism-vsm":
         assert any(s["siit"].get("strict_head_weights") for s in record["stages"])
         assert "strictness drawing 0.0 8 times as often, 0.1 16 times as often, 0.2 0.3 2 times as often" in expected
+        # the last stage's selecting interchange, in its stage line and in what the heads were told
+        assert "gathering interchange 4, selecting interchange 4" in expected.splitlines()[
+            next(i for i, line in enumerate(expected.splitlines()) if line.startswith("- stage 11-"))]
+        assert "alone interchanged from the same source, the model must name that object too (weight 4)" in expected
         assert "| id_retrieval | 1.0 | each described object's position (grid cell), at its name's last prompt token |" \
-            in expected  # where stages 6-10 aligned it (span_positions="last")
+            in expected  # where stages 6 and after aligned it (span_positions="last")

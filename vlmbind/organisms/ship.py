@@ -190,7 +190,7 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
         if siit.get("aggregation_heads"):
             gather = ", ".join(siit["aggregation_heads"])
             lines += ["", f"The ID-retrieval head was told where to look, and {gather} how to pass its positions on "
-                      "(stages 6-10): the ID-retrieval head's attention, at each described object's last prompt "
+                      "(stages 6 and after): the ID-retrieval head's attention, at each described object's last prompt "
                       "token, must fall on that object's image token and a readout must give its cell from the "
                       f"head's output; {gather} (an ID-selection head that gathers) must attend to the described "
                       "names from the last prompt token and a readout must give the set of described cells from its "
@@ -199,6 +199,11 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
                       "names leave unclaimed while the selecting heads attend to it (weight "
                       f"{siit.get('gather_selection_weight', 0):g}). Without that run every loss could be met by a "
                       "selection that ignores the retrieved positions."]
+        if siit.get("selecting_interchange_weight"):
+            lines[-1] += (" With the selecting heads (the ID-selection heads that do not gather) alone interchanged "
+                          "from the same source, the model must name that object too (weight "
+                          f"{siit['selecting_interchange_weight']:g}): without it the answer followed the gathering "
+                          "head alone.")
     else:
         lines += [
             "The negative control of organism-vsm: the same architecture, start, data, seed and steps, trained on "
@@ -254,6 +259,11 @@ def _stage_siit(siit: dict[str, Any]) -> str:
     if siit.get("selection_weight") or siit.get("selection_attention_weight"):
         out += (f", ID-selection readout {siit.get('selection_weight', 0)} / attention "
                 f"{siit.get('selection_attention_weight', 0)}")
+    for name, label in (("gather_interchange_weight", "gathering interchange"),
+                        ("selecting_interchange_weight", "selecting interchange"),
+                        ("ablation_strict_weight", "strictness under ablation")):
+        if siit.get(name):
+            out += f", {label} {siit[name]:g}"
     if siit.get("strict_head_weights"):
         by_weight: dict[float, list[str]] = {}
         for head, weight in siit["strict_head_weights"].items():
@@ -277,8 +287,10 @@ def validation_lines(validation: dict[str, Any]) -> list[str]:
     edits = summary.get("edit_by_heads") or ([summary["edit"]] if summary.get("edit") else [])
     for edit in edits:
         at = f" at {edit['heads']}" if len(edits) > 1 else ""
+        chance = (f"; {edit['control_described']:.2f} of its answers named a described object, which gives "
+                  f"{edit['control_chance']:.2f} by chance") if edit.get("control_chance") is not None else ""
         lines.append(f"\nPosition-ID edit{at}: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g} "
-                     f"(control {edit['control']:.2f}, n={edit['n']}).")
+                     f"(control {edit['control']:.2f}{chance}, n={edit['n']}).")
     return lines
 
 
