@@ -188,3 +188,26 @@ def test_default_random_pool_is_outside_the_top_k_and_arms_carry_intervals():
     old = result.summary()
     del old["random_from"]
     assert vb.analysis.ablation.AblationResult.from_dict(old).random_from == "all"
+
+
+def test_random_arm_from_the_top_k_layers():
+    """``random_from="same_layers"`` draws, per top-k head, another head of the same layer (never a top-k head, never
+    one twice), the same draw for a seed wherever the top heads share layers; the fake model, broken only by its
+    critical heads, keeps every answer under those draws. A layer with no head to spare is a named error."""
+    from vlmbind.analysis.ablation import same_layer_heads
+
+    ds = S.binding_query(6, 0)
+    vlm = HeadSensitiveVLM()
+    vlm.answers = {id(e.image): e.answer for e in ds}
+    others = [(l, h) for l in range(4) for h in range(4) if (l, h) not in CRITICAL]
+    result = ablation_study(vlm, ds, _scores([(1, 2), (3, 0), *others]), k=2, mode="zero", seeds=tuple(range(6)),
+                            random_from="same_layers")
+    draws = [[tuple(int(x) for x in h.split(".")) for h in a["heads"]] for a in result.random_seeds()]
+    assert all([l for l, _ in d] == [1, 3] and not set(d) & CRITICAL and a["accuracy"] == 1.0
+               for d, a in zip(draws, result.random_seeds()))
+    assert len({tuple(d) for d in draws}) > 1 and "from the top-k's layers" in result.text()
+    assert same_layer_heads([(1, 2), (3, 0)], 4, 5) == same_layer_heads([(1, 2), (3, 0)], 4, 5)
+    two = same_layer_heads([(2, 0), (2, 1)], 4, 0)  # two top heads in one layer: two other heads of it
+    assert sorted(two) in ([(2, 2), (2, 3)],) and len(set(two)) == 2
+    with pytest.raises(vb.InputError, match="layer 2 has no head outside the top-k left"):
+        same_layer_heads([(2, 0), (2, 1), (2, 2)], 4, 0)

@@ -57,11 +57,18 @@ def test_validate_on_a_tiny_model_with_given_heads(tmp_path, capsys):
         assert check["max_abs_difference"] < 1e-4 and len(check["heads"]) == 4
     assert {"1.0", "2.3"} <= set(result.naive_check["id_selection"]["heads"])
     arms = {a["arm"] for a in result.ablation}
-    assert arms == {"clean", "top", "random", "bottom"}
+    assert arms == {"clean", "top", "random", "random_same_layers", "bottom"}
     top = next(a for a in result.ablation if a["arm"] == "top")["heads"].split()
     for a in result.ablation:
         if a["arm"] == "random":
             assert not set(a["heads"].split()) & set(top)
+    matched = [a for a in result.ablation if a["arm"] == "random_same_layers"]
+    assert len(matched) == 2  # one per seed, drawn from the top heads' own layers
+    for a in matched:
+        assert not set(a["heads"].split()) & set(top)
+        assert [h.split(".")[0] for h in a["heads"].split()] == [h.split(".")[0] for h in top]
+    summary = result.ablation_summary()["zero"]
+    assert summary["random_same_layers"] == pytest.approx(np.mean([a["accuracy"] for a in matched]))
     assert {p["target"] for p in result.probes} == {"cell", "colour", "shape"}
     assert {p["head"] for p in result.probes} == {"1.0", "2.3"}
     assert result.edit and {r["arm"] for r in result.edit} == {"edit", "control"}
@@ -167,6 +174,15 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     assert (round(min(tops), 2), round(max(tops), 2)) == (0.06, 0.12) and all(a["bottom"] >= 0.9 for a in arms.values())
     quoted = {"image_attention": (1.0, 0.98), "role_mean": (0.9, 0.8), "zero": (0.84, 0.42), "mean": (0.62, 0.19)}
     assert {m: (round(a["random"], 2), round(a["random_min"], 2)) for m, a in arms.items()} == quoted
+    # "random sets keep 0.89-0.91 ... in every mode (lowest 0.72-0.78, where a draw takes 2.1)"; twin 1.00
+    matched = [(round(a["random_same_layers"], 2), round(a["random_same_layers_min"], 2)) for a in arms.values()]
+    assert (min(m for m, _ in matched), max(m for m, _ in matched)) == (0.89, 0.91)
+    assert (min(w for _, w in matched), max(w for _, w in matched)) == (0.72, 0.78)
+    lowest = [a for a in vsm.ablation if a["arm"] == "random_same_layers" and a["accuracy"] < 0.8]
+    assert lowest and all("2.1" in a["heads"].split() for a in lowest)
+    assert all(a["accuracy"] == 1.0 for a in vsm.ablation if a["arm"] == "random_same_layers"
+               and "2.1" not in a["heads"].split())  # every draw without 2.1 keeps every answer
+    assert all(a["random_same_layers_min"] == 1.0 for a in twin.ablation_summary().values())
     # the twin: the draw of three layer-0 heads fails, every other draw keeps 0.92-1.00
     twin_random = [a for a in twin.ablation if a["arm"] == "random"]
     layer0 = [a for a in twin_random if sum(h.startswith("0.") for h in a["heads"].split()) >= 3]

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .analysis.ablation import wilson_interval
+from .analysis.ablation import POOL_LABELS, wilson_interval
 from .viz import frame_to_html_table
 from .viz.figures import plotlyjs_bundle, share_colour_scale
 
@@ -184,7 +184,7 @@ def causal_sections(overview: Any) -> str:
                          **{f"{arm}": f"{iv[arm]['accuracy']:.3f} [{iv[arm]['low']:.2f}, {iv[arm]['high']:.2f}]"
                             for arm in ("clean", "top", "random", "bottom")},
                          "random per seed": " ".join(f"{a['accuracy']:.2f}" for a in r.random_seeds()),
-                         "random pool": "outside top-k" if r.random_from == "rest" else "all heads",
+                         "random pool": POOL_LABELS[r.random_from],
                          "bottom by": r.bottom_label,
                          "n": iv["clean"]["n"]})
         parts += ["<h2>Ablation: top-k located heads vs random-k vs bottom-k</h2>",
@@ -291,7 +291,7 @@ def findings(causal: Any = None, validation: Any = None) -> list[str]:
                 f"Ablating the top-{r.k} heads of {name} ({r.mode}) takes accuracy from "
                 f"{_wilson_text(iv['clean']['accuracy'], iv['clean']['n'])} to "
                 f"{_wilson_text(iv['top']['accuracy'], iv['top']['n'])}; {r.k} random heads "
-                f"{'outside the top-k' if r.random_from == 'rest' else ''} give {rnd['accuracy']:.2f} "
+                f"{POOL_LABELS[r.random_from] if r.random_from != 'all' else ''} give {rnd['accuracy']:.2f} "
                 f"[{rnd['low']:.2f}, {rnd['high']:.2f}] over {rnd['seeds']} seeds (lowest {rnd['lowest']:.2f}; "
                 f"n={iv['clean']['n']} examples).".replace("  ", " "))
         if causal.edit is not None:

@@ -40,7 +40,8 @@ class AblationResult(Result):
 
     Attributes:
         model, task, mode, k: what was run; prompt_format: ``raw`` or ``chat``; random_from: the random arm's pool
-            (``rest``: the heads outside the top-k; ``all``: results saved before the pool was recorded);
+            (``rest``: the heads outside the top-k; ``same_layers``: per top-k head another of its layer; ``all``:
+            every head, as results saved before the pool was recorded);
             bottom_by: how the bottom arm was chosen (``abs``: the smallest |score|; ``score``: the lowest scores,
             which results saved before it was recorded used).
         arms: ``[{"arm": "clean"|"top"|"random"|"bottom", "seed": s or None, "heads": ["l.h", ...], "accuracy": a,
@@ -145,7 +146,7 @@ class AblationResult(Result):
                 f"[{r['low']:.2f}, {r['high']:.2f}] over {r['seeds']} seeds, bottom ({self.bottom_label}) "
                 f"{iv['bottom']['accuracy']:.3f} "
                 f"[{iv['bottom']['low']:.2f}, {iv['bottom']['high']:.2f}]\n"
-                f"random-k ({'outside the top-k' if self.random_from == 'rest' else 'from all heads'}): {seeds}")
+                f"random-k ({POOL_LABELS[self.random_from]}): {seeds}")
 
     @property
     def bottom_label(self) -> str:
@@ -167,9 +168,10 @@ def ranked_heads(scores: Any) -> list[tuple[int, int]]:
     return [(int(l), int(h)) for l, h in zip(frame["layer"], frame["head"])]
 
 
-RANDOM_POOLS = ("all", "rest")
+RANDOM_POOLS = ("all", "rest", "same_layers")
 BOTTOM_BY = ("abs", "score")
 BOTTOM_LABELS = {"abs": "smallest |score|", "score": "lowest score"}
+POOL_LABELS = {"all": "from all heads", "rest": "outside the top-k", "same_layers": "from the top-k's layers"}
 
 
 def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str = "image_attention",
@@ -178,15 +180,17 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
     """Accuracy on ``dataset`` with the top-k, random-k (per seed) and bottom-k heads of ``scores`` ablated.
 
     Args:
-        random_from: the random arm's pool: the ``rest`` (every head outside the top-k, the default), or ``all``
-            heads.
+        random_from: the random arm's pool: the ``rest`` (every head outside the top-k, the default), ``all``
+            heads, or ``same_layers`` (for each top-k head another head of its layer outside the top-k: asks
+            whether the top heads matter more than their layer's other heads, and keeps a small model's random sets
+            from taking most of one layer).
         bottom_by: the bottom arm: the k smallest ``abs`` (|score|: the heads the scores call least involved
             either way, the default control), or the k lowest ``score`` s (the most negative heads, which can
             matter as much as the top ones).
 
     Raises:
-        InputError: unknown mode, k out of range, no seeds, an empty data set, or scores that do not cover the
-            model's heads.
+        InputError: unknown mode, k out of range, no seeds, an empty data set, scores that do not cover the
+            model's heads, or (``same_layers``) a top-k layer with no other head left to draw.
     """
     if mode not in MODES:
         raise InputError(f"ablation mode {mode!r} is not one of {MODES}")
@@ -230,12 +234,32 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
         if random_from == "all":
             pick = np.random.default_rng(seed).choice(n_heads, size=k, replace=False)
             run("random", [(int(i) // vlm.n_heads, int(i) % vlm.n_heads) for i in pick], seed)
+        elif random_from == "same_layers":
+            run("random", same_layer_heads(ranked[:k], vlm.n_heads, seed), seed)
         else:
             rest = ranked[k:]
             pick = np.random.default_rng(seed).choice(len(rest), size=k, replace=False)
             run("random", [rest[int(i)] for i in pick], seed)
     run("bottom", ranked[-k:] if bottom_by == "score" else least_involved(scores, k))
     return result
+
+
+def same_layer_heads(top: list[tuple[int, int]], n_heads: int, seed: int) -> list[tuple[int, int]]:
+    """For each head of ``top``, in order, a uniformly drawn head of the same layer outside ``top`` and not drawn
+    before (heads of a layer in index order, so a seed draws alike in models whose top heads share layers).
+
+    Raises:
+        InputError: a layer of ``top`` has no head left to draw.
+    """
+    rng, taken, out = np.random.default_rng(seed), set(top), []
+    for layer, _ in top:
+        free = [(layer, h) for h in range(n_heads) if (layer, h) not in taken]
+        if not free:
+            raise InputError(f"layer {layer} has no head outside the top-k left to match; use random_from='rest'")
+        pick = free[int(rng.integers(len(free)))]
+        taken.add(pick)
+        out.append(pick)
+    return out
 
 
 def wilson_interval(accuracy: float, n: int, confidence: float = 0.95) -> tuple[float, float]:

@@ -10,7 +10,8 @@ against those heads:
   recall@k (k = the number planted for the condition), AUROC over all heads, and the smallest planted mean score
   over the largest |score| of an unplanted head;
 * ablation in each mode: the planted conditions' top-k heads together, against random-k heads drawn from the rest
-  (several seeds) and the bottom-k by |score|;
+  (several seeds), random-k heads drawn from the top-k's own layers (one per top-k head) and the bottom-k by
+  |score|;
 * the position-ID edit at the ID-selection heads: efficacy per alpha beside its empty-cell control;
 * linear probes (held-out scenes) and PCA of each reference head's last-token output: the missing object's cell,
   colour and shape.
@@ -52,7 +53,7 @@ from ..sites import parse_heads
 from ..stimuli import scene_description, scene_pairs
 from ..viz import write_html_atomic
 from ..viz.validation import validation_figure
-from .ablation import MODES, ablation_study
+from .ablation import MODES, ablation_study, ranked_heads
 from .edits import EDIT_POSITIONS, edit_study
 from .mediation import HeadScores, locate, scene_task
 
@@ -130,7 +131,9 @@ class ValidationResult(Result):
         methods: one row per (condition, method): pairs, k, ranks, recall@k, AUROC, ratio, top heads, seconds.
         scores: one row per (condition, method, head): mean score, standard error, n, whether a reference head.
         naive_check: per condition, the largest |exact - naive| over the sampled heads and pairs, and the heads.
-        ablation: one row per (mode, arm, seed): heads, accuracy, n.
+        ablation: one row per (mode, arm, seed): heads, accuracy, n; the arms are ``clean``, ``top``, ``random``
+            (from the heads outside the top-k), ``random_same_layers`` (per top-k head another of its layer) and
+            ``bottom``.
         edit: one row per (heads, alpha, arm) of the position-ID edit (efficacy, the share of answers naming a
             described object, n), or empty: every reference ID-selection head together, then each alone where there
             are several.
@@ -171,7 +174,8 @@ class ValidationResult(Result):
         return validation_figure(self.methods, self.scores, self.pca, model=self.model, reference=self.reference)
 
     def ablation_summary(self) -> dict[str, dict[str, float]]:
-        """Per mode: accuracy of the clean, top, random (mean over seeds), lowest random seed and bottom arms."""
+        """Per mode: accuracy of the clean, top, random (mean over seeds), lowest random seed and bottom arms, and
+        where it was run the random arm drawn from the top-k's own layers (``random_same_layers``, mean and lowest)."""
         out: dict[str, dict[str, float]] = {}
         for mode in sorted({r["mode"] for r in self.ablation}):
             rows = [r for r in self.ablation if r["mode"] == mode]
@@ -181,6 +185,10 @@ class ValidationResult(Result):
             out[mode]["random"] = float(np.mean(random)) if random else float("nan")
             out[mode]["random_min"] = float(np.min(random)) if random else float("nan")
             out[mode]["random_seeds"] = len(random)
+            matched = [r["accuracy"] for r in rows if r["arm"] == "random_same_layers"]
+            if matched:
+                out[mode]["random_same_layers"] = float(np.mean(matched))
+                out[mode]["random_same_layers_min"] = float(np.min(matched))
         return out
 
     def edit_heads(self) -> list[str]:
@@ -472,7 +480,8 @@ def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int,
             exact: dict[str, HeadScores], kwargs: dict[str, Any], seed: int, n_eval: int, modes: Sequence[str],
             seeds: int) -> None:
     """Top-k of the reference conditions together (each condition's k best exact heads; k = its reference count, or
-    1 with no reference) against random-k from the other heads and the bottom-k by |score|."""
+    1 with no reference) against random-k from the other heads, random-k from the top-k's own layers (where each of
+    those layers has a head to spare) and the bottom-k by |score|."""
     if not exact:
         return
     top: list[tuple[int, int]] = []
@@ -492,3 +501,11 @@ def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int,
                                bottom_by="abs")
         result.ablation += [{"mode": mode, "arm": a["arm"], "seed": a["seed"], "heads": " ".join(a["heads"]),
                              "accuracy": a["accuracy"], "n": a["n"]} for a in study.arms]
+        top_layers = [l for l, _ in ranked_heads(frame)[:k]]
+        if all(top_layers.count(layer) < vlm.n_heads for layer in top_layers):
+            # the same seeds drawn from the top-k's own layers: are the top heads special within their layers?
+            matched = ablation_study(vlm, dataset, frame, k=k, mode=mode, seeds=tuple(range(seeds)),
+                                     random_from="same_layers", bottom_by="abs")
+            result.ablation += [{"mode": mode, "arm": "random_same_layers", "seed": a["seed"],
+                                 "heads": " ".join(a["heads"]), "accuracy": a["accuracy"], "n": a["n"]}
+                                for a in matched.arms if a["arm"] == "random"]

@@ -280,8 +280,10 @@ def validation_lines(validation: dict[str, Any]) -> list[str]:
         lines.append(f"| {r['condition']} | {r['method']} | {' '.join(r['heads']) or '-'} | "
                      f"{' '.join(map(str, r['planted_ranks'])) or '-'} | {auroc} | {' '.join(r['top_heads'])} |")
     for mode, arms in validation.get("summary", {}).get("ablation", {}).items():
+        matched = (f", random-k from the top-k's layers {arms['random_same_layers']:.2f} (lowest "
+                   f"{arms['random_same_layers_min']:.2f})") if "random_same_layers" in arms else ""
         lines.append(f"\nAblation ({mode}): clean {arms['clean']:.2f}, top-k {arms['top']:.2f}, random-k "
-                     f"{arms['random']:.2f} (lowest {arms['random_min']:.2f}, {arms['random_seeds']} seeds), "
+                     f"{arms['random']:.2f} (lowest {arms['random_min']:.2f}, {arms['random_seeds']} seeds){matched}, "
                      f"bottom-k {arms['bottom']:.2f}.")
     summary = validation.get("summary", {})
     edits = summary.get("edit_by_heads") or ([summary["edit"]] if summary.get("edit") else [])
