@@ -239,6 +239,9 @@ def test_demo_opens_with_the_validation_on_the_planted_organism(demo_run):
     for row in validation["methods"]:
         if row["heads"]:
             assert " ".join(map(str, row["planted_ranks"])) in report
+    # the random arm from the top heads' own layers (the edit needs more estimation scenes than this run has)
+    assert "random_same_layers" in report and all("random_same_layers" in arms
+                                                  for arms in validation["ablation"].values())
 
 
 def test_demo_representational_overview(demo_run):

@@ -449,6 +449,24 @@ def test_the_gathering_interchange_runs_are_the_docs_table():
         assert siit["id_retrieval"]["interchange_accuracy"] >= 0.5 > siit["id_retrieval"]["counterfactual_unpatched"]
 
 
+def test_the_report_opening_shows_the_saved_validation_with_the_edit_controls_chance():
+    """The report's validation section, drawn from organism-vsm's saved validation: every edit head set with its
+    control and the control's chance rate, and the ablation table with the random arm from the top-k's layers."""
+    from pathlib import Path
+
+    from vlmbind.report import validation_sections
+
+    result = ValidationResult.load(Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" /
+                                   "organism-vsm")
+    page = validation_sections(result, "organism-p2a")
+    for heads in result.edit_heads():
+        edit = result.edit_summary(heads)
+        assert (f"at {heads}: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g}, against "
+                f"{edit['control']:.2f} for the empty-cell control, {edit['control_chance']:.2f} of it expected by "
+                "chance") in page
+    assert "random_same_layers" in page and f"{result.ablation_summary()['mean']['random_same_layers']:.3f}" in page
+
+
 def test_the_stage_10_release_is_recorded_as_the_docs_say():
     """docs/ground_truth.md on the release before stage 11 (its records kept in results/organism-vsm_training/
     stage-10/): the answer followed the gathering head alone."""

@@ -120,7 +120,8 @@ def validation_sections(result: Any, model: str) -> str:
         "checks the methods; it says nothing about how pretrained VLMs work.</p>",
         frame_to_html_table(pd.DataFrame(rows), index=False, float_format="{:.3f}"),
         "<p>Ablation of each condition's top-k exact heads against random-k heads from the rest (mean and lowest "
-        "over seeds) and the bottom-k by |score|, scene-description accuracy:</p>",
+        "over seeds), random-k heads from the top-k's own layers (<code>random_same_layers</code>, where run) and "
+        "the bottom-k by |score|, scene-description accuracy:</p>",
         frame_to_html_table(ablation, index=False, float_format="{:.3f}"),
         _edit_line(result),
         f'<div class="fig">{figure}</div>',
@@ -138,8 +139,10 @@ def _edit_line(result: Any) -> str:
         parts = []
         for heads in result.edit_heads():
             edit = result.edit_summary(heads)
+            chance = (f", {edit['control_chance']:.2f} of it expected by chance from answers that fall back on a "
+                      "described object") if edit.get("control_chance") is not None else ""
             parts.append(f"at {esc(heads)}: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g}, against "
-                         f"{edit['control'] or 0:.2f} for the empty-cell control (n={edit['n']})")
+                         f"{edit['control'] or 0:.2f} for the empty-cell control{chance} (n={edit['n']})")
         return (f"<p>Position-ID edit at the ID-selection heads (the prompt's last position{where}; together, then "
                 f"each alone): {'; '.join(parts)}.</p>")
     if result.skipped.get("edit"):
