@@ -98,3 +98,11 @@ def test_memory_results_come_from_the_saved_run_and_meet_the_budget(tmp_path, mo
     assert text.count(memory.BEGIN) == 1
     assert f"| locate | {rows['locate']['tokens']} | {rows['locate']['extra_bytes'] / 2**30:.2f} GiB |" in text
     assert text.split(memory.BEGIN)[1] in (ROOT / "benchmarks" / "RESULTS.md").read_text()  # RESULTS.md is current
+
+
+def test_edits_benchmark_compares_the_shared_estimation_with_one_study_per_set():
+    """benchmarks/edits.py on a small case: both ways give the same rows, and the shared run is timed beside."""
+    out = load_benchmark("edits").run("organism-vsm", n_estimate=96, n_eval=6)
+    assert out["equal"] is True and out["head_sets"] == ["2.3 3.1", "2.3", "3.1"]
+    assert out["sequential_s"] > 0 and out["shared_s"] > 0 and out["ratio"] == pytest.approx(
+        out["sequential_s"] / out["shared_s"], rel=0.02)

@@ -288,6 +288,31 @@ def test_small_study_on_the_organism(organism, tmp_path):
     assert "plotly" in (tmp_path / "curve.html").read_text()[:100000].lower()
 
 
+def test_several_head_sets_at_once_equal_each_set_alone(organism):
+    """``edit_studies`` (one estimation, one unedited decode) gives each head set what its own ``edit_study`` gives:
+    the same rows, records, estimates and norms; a head set that is a subset reads the union's estimate."""
+    kwargs = dict(n_estimate=192, n_eval=16, seed=3, min_count=2)
+    together = edits.edit_studies(organism, ["2.1,2.3", "2.3", "1.0"], [0, 2, 8], **kwargs)
+    for heads, fast in zip(["2.1,2.3", "2.3", "1.0"], together):
+        slow = edit_study(organism, heads, [0, 2, 8], **kwargs)
+        assert fast.heads == slow.heads and fast.rows == slow.rows and fast.records == slow.records
+        # the per-head norms are reduced over a wider tensor: equal up to float64 rounding
+        assert {k: v for k, v in fast.estimate.items() if k != "z_norm"} == \
+            {k: v for k, v in slow.estimate.items() if k != "z_norm"}
+        assert fast.estimate["z_norm"] == pytest.approx(slow.estimate["z_norm"], rel=1e-12)
+        assert fast.norms.keys() == slow.norms.keys()
+        for head in fast.norms:
+            assert fast.norms[head] == pytest.approx(slow.norms[head], rel=1e-12)
+        assert (fast.clean_accuracy, fast.n_used, fast.skipped) == (slow.clean_accuracy, slow.n_used, slow.skipped)
+    assert any(r["efficacy"] > 0 for f in together for r in f.rows if r["alpha"] == 8)  # the sets did something
+    assert together[0].rows != together[1].rows
+    with pytest.raises(vb.InputError, match="head_sets is empty"):
+        edits.edit_studies(organism, [], [1.0], **kwargs)
+    ids = edits.estimate_position_ids(organism, _scenes(organism, 64, 5), "2.1,2.3", min_count=1)
+    with pytest.raises(vb.InputError, match="have no position-ID estimate here"):
+        ids.subset([(1, 0)])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # vlmbind edit
 # ----------------------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from ..stimuli import scene_description, scene_pairs
 from ..viz import write_html_atomic
 from ..viz.validation import validation_figure
 from .ablation import MODES, ablation_study, ranked_heads
-from .edits import EDIT_POSITIONS, edit_study
+from .edits import EDIT_POSITIONS, edit_studies
 from .mediation import HeadScores, locate, scene_task
 
 SCENE_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
@@ -455,15 +455,15 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
         start = time.perf_counter()
         # together, and each alone where several share the role: a set can hold a head that carries the position
         # and one that only feeds it, and the edit's direction is estimated per head
-        for edited in [selection] + ([[h] for h in selection] if len(selection) > 1 else []):
-            try:
-                edit = edit_study(vlm, edited, list(alphas), n_estimate=n_estimate, n_eval=n_eval, seed=seed,
-                                  n_objects=objects, entropy=entropy, progress=progress, positions=edit_positions)
-            except TooFewEstimatesError as exc:
-                result.skipped["edit"] = f"{n_estimate} estimation scenes: {exc}"
-                result.edit = []
-                break
-            result.edit += [{"heads": " ".join(f"{l}.{h}" for l, h in edited), "alpha": r["alpha"], "arm": r["arm"],
+        edited = [selection] + ([[h] for h in selection] if len(selection) > 1 else [])
+        try:  # one estimation and one unedited decode for every head set
+            studies = edit_studies(vlm, edited, list(alphas), n_estimate=n_estimate, n_eval=n_eval, seed=seed,
+                                   n_objects=objects, entropy=entropy, progress=progress, positions=edit_positions)
+        except TooFewEstimatesError as exc:
+            result.skipped["edit"] = f"{n_estimate} estimation scenes: {exc}"
+            studies = []
+        for edited_heads, edit in zip(edited, studies):
+            result.edit += [{"heads": " ".join(f"{l}.{h}" for l, h in edited_heads), "alpha": r["alpha"], "arm": r["arm"],
                              "efficacy": r["efficacy"], "described": r["described"], "n": r["n"]}
                             for r in edit.rows]
         result.seconds["edit"] = time.perf_counter() - start
