@@ -599,6 +599,31 @@ def test_the_ablation_strictness_attempt_is_recorded_as_the_docs_say():
     assert (round(min(others), 2), round(max(others), 2)) == (0.83, 1.0)
 
 
+def test_the_single_head_ablation_attempt_is_recorded_as_the_docs_say():
+    """docs/ground_truth.md on attempt 29 (one unaligned head ablated at a time, weight 2, from stage 11's weights):
+    the plant held, zero and mean random-k rose, role-mean fell, the planted heads became less necessary."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    docs = " ".join((Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text().split())
+    run = json.loads((runs / "29-single-head-ablation-strictness-attempt.json").read_text())
+    siit = run["config"]["siit"]
+    assert (siit["ablation_strict_weight"], siit["ablation_strict_heads"], run["step"]) == (2.0, 1, 1500)
+    assert f"1,500 steps from stage 11's weights, {run['wall_time_s'] / 60:.1f} min" in docs
+    accuracy = run["by_objects"]["accuracy"]
+    assert round(min(a for cells in accuracy.values() for a in cells.values()), 2) == 0.98  # "3.1 alone too"
+    arms = ValidationResult.load(runs / "29-validation").ablation_summary()
+    shipped = ValidationResult.load(runs.parent / "organism-vsm").ablation_summary()
+    quoted = {m: (round(arms[m]["random"], 2), round(shipped[m]["random"], 2)) for m in ("zero", "mean", "role_mean")}
+    assert quoted == {"zero": (0.90, 0.84), "mean": (0.88, 0.62), "role_mean": (0.85, 0.90)}
+    lows = [arms[m]["random_min"] for m in ("zero", "mean", "role_mean")]
+    assert (round(min(lows), 2), round(max(lows), 2)) == (0.58, 0.66)
+    tops = [a["top"] for a in arms.values()]
+    assert (round(min(tops), 2), round(max(tops), 2)) == (0.22, 0.34)
+    edit = ValidationResult.load(runs / "29-validation").edit_summary("3.1")
+    assert round(edit["control"], 2) == 0.19 and edit["efficacy"] >= 0.79
+
+
 def test_the_strict_selection_attempt_is_recorded_as_the_docs_say():
     """docs/ground_truth.md on the strict-selection attempt: the check file's shares by object count add up to the
     overall share (32 pairs per count), and the figures the docs quote are the saved ones."""
