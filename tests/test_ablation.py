@@ -211,3 +211,22 @@ def test_random_arm_from_the_top_k_layers():
     assert sorted(two) in ([(2, 2), (2, 3)],) and len(set(two)) == 2
     with pytest.raises(vb.InputError, match="layer 2 has no head outside the top-k left"):
         same_layer_heads([(2, 0), (2, 1), (2, 2)], 4, 0)
+
+
+def test_more_random_pools_share_one_study():
+    """``also_random_from`` adds ``random_<pool>`` arms on the same seeds, with the draws a study of that pool alone
+    makes, while the clean, top and bottom arms run once; a bad pool is named."""
+    ds = S.binding_query(6, 0)
+    vlm = HeadSensitiveVLM()
+    vlm.answers = {id(e.image): e.answer for e in ds}
+    others = [(l, h) for l in range(4) for h in range(4) if (l, h) not in CRITICAL]
+    scores = _scores([(1, 2), (3, 0), *others])
+    both = ablation_study(vlm, ds, scores, k=2, mode="zero", seeds=(0, 1, 2), also_random_from=("same_layers",))
+    alone = ablation_study(vlm, ds, scores, k=2, mode="zero", seeds=(0, 1, 2), random_from="same_layers")
+    rest = ablation_study(vlm, ds, scores, k=2, mode="zero", seeds=(0, 1, 2))
+    assert [a["arm"] for a in both.arms].count("clean") == 1 and both.random_from == "rest"
+    assert [a["heads"] for a in both.arms if a["arm"] == "random_same_layers"] == \
+        [a["heads"] for a in alone.arms if a["arm"] == "random"]
+    assert both.random_seeds() == rest.random_seeds()  # the main random arm is untouched
+    with pytest.raises(vb.InputError, match="random_from must be one of"):
+        ablation_study(vlm, ds, scores, k=2, mode="zero", also_random_from=("layers",))

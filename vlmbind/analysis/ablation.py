@@ -176,7 +176,8 @@ POOL_LABELS = {"all": "from all heads", "rest": "outside the top-k", "same_layer
 
 def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str = "image_attention",
                    renormalize: bool = False, seeds: tuple[int, ...] = (0, 1, 2), batch_size: int = 32,
-                   random_from: str = "rest", bottom_by: str = "abs") -> AblationResult:
+                   random_from: str = "rest", bottom_by: str = "abs",
+                   also_random_from: tuple[str, ...] = ()) -> AblationResult:
     """Accuracy on ``dataset`` with the top-k, random-k (per seed) and bottom-k heads of ``scores`` ablated.
 
     Args:
@@ -184,6 +185,9 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
             heads, or ``same_layers`` (for each top-k head another head of its layer outside the top-k: asks
             whether the top heads matter more than their layer's other heads, and keeps a small model's random sets
             from taking most of one layer).
+        also_random_from: more random arms on the same seeds, each from another pool, as arms named
+            ``random_<pool>`` (e.g. ``random_same_layers``) beside ``random``; the clean, top and bottom arms and
+            the means are computed once for all.
         bottom_by: the bottom arm: the k smallest ``abs`` (|score|: the heads the scores call least involved
             either way, the default control), or the k lowest ``score`` s (the most negative heads, which can
             matter as much as the top ones).
@@ -194,8 +198,9 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
     """
     if mode not in MODES:
         raise InputError(f"ablation mode {mode!r} is not one of {MODES}")
-    if random_from not in RANDOM_POOLS:
-        raise InputError(f"random_from must be one of {RANDOM_POOLS}, got {random_from!r}")
+    for pool in (random_from, *also_random_from):
+        if pool not in RANDOM_POOLS:
+            raise InputError(f"random_from must be one of {RANDOM_POOLS}, got {pool!r}")
     if bottom_by not in BOTTOM_BY:
         raise InputError(f"bottom_by must be one of {BOTTOM_BY}, got {bottom_by!r}")
     if len(dataset) == 0:
@@ -228,18 +233,23 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
         result.arms.append({"arm": arm, "seed": seed, "heads": [f"{l}.{h}" for l, h in heads],
                             "accuracy": acc.accuracy, "n": acc.n})
 
+    def draw(pool: str, seed: int) -> list[tuple[int, int]]:
+        if pool == "all":
+            pick = np.random.default_rng(seed).choice(n_heads, size=k, replace=False)
+            return [(int(i) // vlm.n_heads, int(i) % vlm.n_heads) for i in pick]
+        if pool == "same_layers":
+            return same_layer_heads(ranked[:k], vlm.n_heads, seed)
+        rest = ranked[k:]
+        pick = np.random.default_rng(seed).choice(len(rest), size=k, replace=False)
+        return [rest[int(i)] for i in pick]
+
     run("clean", [])
     run("top", ranked[:k])
     for seed in seeds:
-        if random_from == "all":
-            pick = np.random.default_rng(seed).choice(n_heads, size=k, replace=False)
-            run("random", [(int(i) // vlm.n_heads, int(i) % vlm.n_heads) for i in pick], seed)
-        elif random_from == "same_layers":
-            run("random", same_layer_heads(ranked[:k], vlm.n_heads, seed), seed)
-        else:
-            rest = ranked[k:]
-            pick = np.random.default_rng(seed).choice(len(rest), size=k, replace=False)
-            run("random", [rest[int(i)] for i in pick], seed)
+        run("random", draw(random_from, seed), seed)
+    for pool in also_random_from:
+        for seed in seeds:
+            run(f"random_{pool}", draw(pool, seed), seed)
     run("bottom", ranked[-k:] if bottom_by == "score" else least_involved(scores, k))
     return result
 

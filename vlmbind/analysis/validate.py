@@ -463,9 +463,9 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
             result.skipped["edit"] = f"{n_estimate} estimation scenes: {exc}"
             studies = []
         for edited_heads, edit in zip(edited, studies):
-            result.edit += [{"heads": " ".join(f"{l}.{h}" for l, h in edited_heads), "alpha": r["alpha"], "arm": r["arm"],
-                             "efficacy": r["efficacy"], "described": r["described"], "n": r["n"]}
-                            for r in edit.rows]
+            names = " ".join(f"{l}.{h}" for l, h in edited_heads)
+            result.edit += [{"heads": names, "alpha": r["alpha"], "arm": r["arm"], "efficacy": r["efficacy"],
+                             "described": r["described"], "n": r["n"]} for r in edit.rows]
         result.seconds["edit"] = time.perf_counter() - start
     probe_set = list(dict.fromkeys(h for hs in heads.values() for h in hs))
     if probe_set:
@@ -496,16 +496,11 @@ def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int,
                            float(magnitude[l, h])} for l in range(vlm.n_layers) for h in range(vlm.n_heads)])
     dataset = scene_description(n_eval, seed + 2, **kwargs)
     k = min(len(top), n // 2)
+    # random heads from the rest, and on the same seeds from the top-k's own layers where each has one to spare
+    top_layers = [l for l, _ in ranked_heads(frame)[:k]]
+    matched = ("same_layers",) if all(top_layers.count(l) < vlm.n_heads for l in top_layers) else ()
     for mode in modes:
         study = ablation_study(vlm, dataset, frame, k=k, mode=mode, seeds=tuple(range(seeds)), random_from="rest",
-                               bottom_by="abs")
+                               bottom_by="abs", also_random_from=matched)
         result.ablation += [{"mode": mode, "arm": a["arm"], "seed": a["seed"], "heads": " ".join(a["heads"]),
                              "accuracy": a["accuracy"], "n": a["n"]} for a in study.arms]
-        top_layers = [l for l, _ in ranked_heads(frame)[:k]]
-        if all(top_layers.count(layer) < vlm.n_heads for layer in top_layers):
-            # the same seeds drawn from the top-k's own layers: are the top heads special within their layers?
-            matched = ablation_study(vlm, dataset, frame, k=k, mode=mode, seeds=tuple(range(seeds)),
-                                     random_from="same_layers", bottom_by="abs")
-            result.ablation += [{"mode": mode, "arm": "random_same_layers", "seed": a["seed"],
-                                 "heads": " ".join(a["heads"]), "accuracy": a["accuracy"], "n": a["n"]}
-                                for a in matched.arms if a["arm"] == "random"]

@@ -425,7 +425,8 @@ class SIITSpec:
             chosen[int(rng.integers(len(free)))] = True
         return [head for head, keep in zip(free, chosen) if keep]
 
-    def draw_ablated_heads(self, rng: np.random.Generator, n_layers: int, n_heads: int) -> tuple[list[tuple[int, int]], str]:
+    def draw_ablated_heads(self, rng: np.random.Generator, n_layers: int,
+                           n_heads: int) -> tuple[list[tuple[int, int]], str]:
         """The step's unaligned heads for the ablation strictness loss and how they are ablated (``zero``/``mean``)."""
         free = self.unaligned(n_layers, n_heads)
         most = min(self.ablation_strict_heads or sum(len(h) for h in self.alignments.values()), len(free))
@@ -1130,20 +1131,19 @@ def ablated_logits(model: Any, interchange: HeadInterchange, rows: Any, heads: S
         raise TrainingError(f"ablation mode must be one of {ABLATION_STRICT_MODES}, got {mode!r}")
     layers = sorted({l for l, _ in heads})
     keep = rows.inputs["attention_mask"].to(torch.bool)
-    stored, patterns = interchange.stored, interchange.patterns
-    with torch.no_grad(), interchange.capture(layers):
-        model(**rows.inputs, use_cache=False)
-    clean = interchange.stored
-    interchange.stored, interchange.patterns = stored, patterns
-    values = {}
-    for l in layers:
-        z = clean[l]
-        if mode == "zero":
-            values[l] = torch.zeros_like(z)
-        else:
-            weights = keep[:, :, None].to(z.dtype)
-            values[l] = ((z * weights).sum((0, 1)) / weights.sum((0, 1)))[None, None].expand_as(z)
-    masks = interchange.mask(heads, keep, tuple(clean[layers[0]].shape))
+    shape = (*keep.shape, interchange.adapter.n_heads * interchange.d_head)
+    if mode == "zero":
+        values = {l: torch.zeros(shape) for l in layers}
+    else:  # one unablated run of the same rows for the means
+        stored, patterns = interchange.stored, interchange.patterns
+        with torch.no_grad(), interchange.capture(layers):
+            model(**rows.inputs, use_cache=False)
+        clean = interchange.stored
+        interchange.stored, interchange.patterns = stored, patterns
+        weights = keep[:, :, None].to(clean[layers[0]].dtype)
+        values = {l: ((clean[l] * weights).sum((0, 1)) / weights.sum((0, 1)))[None, None].expand(shape)
+                  for l in layers}
+    masks = interchange.mask(heads, keep, shape)
     with interchange.patch(masks, values):
         return model(**rows.inputs, use_cache=False).logits
 
