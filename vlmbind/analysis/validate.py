@@ -53,7 +53,7 @@ from ..sites import parse_heads
 from ..stimuli import scene_description, scene_pairs
 from ..viz import write_html_atomic
 from ..viz.validation import validation_figure
-from .ablation import MODES, ablation_study, ranked_heads
+from .ablation import MODES, ablation_study
 from .edits import EDIT_POSITIONS, edit_studies
 from .mediation import HeadScores, locate, scene_task
 
@@ -497,7 +497,7 @@ def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int,
     dataset = scene_description(n_eval, seed + 2, **kwargs)
     k = min(len(top), n // 2)
     # random heads from the rest, and on the same seeds from the top-k's own layers where each has one to spare
-    top_layers = [l for l, _ in ranked_heads(frame)[:k]]
+    top_layers = [l for l, _ in top[:k]]
     matched = ("same_layers",) if all(top_layers.count(l) < vlm.n_heads for l in top_layers) else ()
     for mode in modes:
         study = ablation_study(vlm, dataset, frame, k=k, mode=mode, seeds=tuple(range(seeds)), random_from="rest",
