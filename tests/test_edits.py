@@ -188,10 +188,14 @@ def _injected(interventions, r):
 def test_edit_bookkeeping_on_a_fake_decoder(organism, monkeypatch):
     rec = _Recorder(monkeypatch)
 
+    pushes = []  # (alpha, example, H D vector) per edited row, in call order: per alpha the arms in EDIT_ARMS order
+
     def fake_decode(vlm, batch, interventions, max_new_tokens):
         ids, outs = rec.ids[0], []
         for r, images in enumerate(batch.images):
             e = rec.by_image[id(images[0])]
+            if interventions:
+                pushes.append((interventions[0].alpha, e, _injected(interventions, r)))
             if not interventions or interventions[0].alpha < 1:
                 outs.append(" " + _base(e))
                 continue
@@ -230,6 +234,33 @@ def test_edit_bookkeeping_on_a_fake_decoder(organism, monkeypatch):
         assert frame.loc[(alpha, "edit"), "changed"] == 1.0
         assert frame.loc[(alpha, "control"), "efficacy"] == 0.0 and frame.loc[(alpha, "control"), "other"] == 1.0
     assert result.efficacy(3) == 1.0 and result.efficacy(3, "control") == 0.0
+    # the random-direction control pushes each head as far as the edit does, in a direction of its own
+    assert frame.loc[(0.0, "random_direction"), "efficacy"] == 0.0 and result.efficacy(0.5, "random_direction") == 0.0
+    n = result.n_used
+    assert len(pushes) == len(result.alphas) * len(edits.EDIT_ARMS) * n  # one chunk: every row per alpha and arm
+    edit_pushes, random_pushes = pushes[:n], pushes[2 * n:3 * n]
+    for (_, e, edit), (_, same, random) in zip(edit_pushes, random_pushes):
+        assert e is same
+        torch.testing.assert_close(random.norm(dim=-1), edit.norm(dim=-1))
+        cosine = (random * edit).sum(-1) / (random.norm(dim=-1) * edit.norm(dim=-1))
+        assert (cosine.abs() < 0.99).all()
+    # the same directions at every alpha (the last alpha's random block is the last n rows)
+    torch.testing.assert_close(torch.stack([p for _, _, p in random_pushes]),
+                               torch.stack([p for _, _, p in pushes[-n:]]))
+
+
+def test_random_directions_are_unit_seeded_and_a_heads_own():
+    """Uniform unit vectors, fixed by (seed, example, head): the same head gets the same direction in any head set
+    (so ``edit_studies`` equals ``edit_study`` per set), another example or seed another one."""
+    a = edits.random_directions(0, 3, [(1, 0), (2, 1)], 32)
+    assert a.shape == (2, 32) and a.dtype == torch.float64
+    torch.testing.assert_close(a.norm(dim=-1), torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(edits.random_directions(0, 3, [(2, 1)], 32)[0], a[1])
+    assert not torch.allclose(edits.random_directions(0, 4, [(1, 0)], 32)[0], a[0])
+    assert not torch.allclose(edits.random_directions(1, 3, [(1, 0)], 32)[0], a[0])
+    # uniform on the sphere: the mean of many draws is near the origin, each coordinate's variance near 1/d
+    many = torch.stack([edits.random_directions(0, i, [(0, 0)], 8)[0] for i in range(4000)])
+    assert many.mean(0).abs().max() < 0.05 and (many.var(0) - 1 / 8).abs().max() < 0.02
 
 
 def test_repair_bookkeeping_on_a_fake_decoder(organism, monkeypatch):
@@ -272,7 +303,8 @@ def test_repair_bookkeeping_on_a_fake_decoder(organism, monkeypatch):
 def test_small_study_on_the_organism(organism, tmp_path):
     result = edit_study(organism, "1.0,2.1,2.3", [0, 2, 8], n_estimate=256, n_eval=24, seed=0)
     frame = result.to_frame()
-    assert list(zip(frame["alpha"], frame["arm"])) == [(a, arm) for a in (0.0, 2.0, 8.0) for arm in ("edit", "control")]
+    assert list(zip(frame["alpha"], frame["arm"])) == [(a, arm) for a in (0.0, 2.0, 8.0)
+                                                       for arm in ("edit", "control", "random_direction")]
     assert (frame["n"] == result.n_used).all() and result.n_used + sum(result.skipped.values()) == 24
     assert np.allclose(frame[["efficacy", "original", "other"]].sum(1), 1.0)
     assert result.alpha0_identical

@@ -15,14 +15,17 @@ from safetensors.torch import load_file
 
 import vlmbind as vb
 from vlmbind.errors import TrainingError
-from vlmbind.organisms.data import BatchBuilder
+from vlmbind.organisms.data import BatchBuilder, answer_unlikelihood
 from vlmbind.organisms.siit import (
+    SIIT_STREAM,
     HeadInterchange,
     ablated_logits,
     SIITSpec,
+    draw_pairs,
     interchange_batch,
     interchange_logits,
     patch_positions,
+    siit_losses,
 )
 from vlmbind.organisms.train import TrainConfig
 from vlmbind.stimuli import Canvas, scene_pairs
@@ -546,11 +549,12 @@ def test_the_selecting_interchange_is_the_selecting_heads_interchanged_alone(org
     assert "selecting_interchange_weight" not in SIITSpec(alignments={"id_selection": ["2.1"]}).to_dict()
 
 
-@pytest.mark.parametrize("mode", ["zero", "mean"])
+@pytest.mark.parametrize("mode", ["zero", "mean", "role_mean"])
 def test_ablation_strictness_ablates_like_vlmbinds_ablation(organism, mode):
     """The ablation-strictness run is vlmbind's own head ablation (``AblateHeads``) of the same scenes: zeroed, or
-    each head set to its mean over the rows' non-padding positions (taken here by a plain ``o_proj`` pre-hook); on
-    two right-padded rows of different length, each row's prompt gives the logits of the processor's batch."""
+    each head set to its mean over the rows' non-padding positions, or over those of its token role (taken here by a
+    plain ``o_proj`` pre-hook and the processor's token roles); on two right-padded rows of different length, each
+    row's prompt gives the logits of the processor's batch."""
     vlm, builder, canvas = organism
     pairs = scene_pairs(2, "id_selection", 4, n_objects=(3, 4), canvas=canvas, **POOLS)
     rows = interchange_batch(builder, pairs, "clean").base
@@ -570,9 +574,15 @@ def test_ablation_strictness_ablates_like_vlmbinds_ablation(organism, mode):
             aligned = check_alignment(vlm, [pair])
             n = aligned.clean.index[0].last_position + 1
             assert torch.equal(aligned.clean.inputs["input_ids"][0, :n], rows.inputs["input_ids"][r, :n])
+            roles = np.stack([vlm.adapter.roles(ids, m) for ids, m in
+                              zip(rows.inputs["input_ids"].numpy(), rows.inputs["attention_mask"].numpy())])
+
+            def means(l, where):
+                return torch.stack([seen[l][where][:, h * d:(h + 1) * d].mean(0) for ll, h in heads if ll == l])
+
             ablate = [vb.AblateHeads(layer=l, heads=[h for ll, h in heads if ll == l], mode=mode,
-                                     means=None if mode == "zero" else torch.stack(
-                                         [seen[l][keep][:, h * d:(h + 1) * d].mean(0) for ll, h in heads if ll == l]))
+                                     means=None if mode == "zero" else means(l, keep) if mode == "mean" else
+                                     {role: means(l, torch.as_tensor(roles == role)) for role in set(roles[keep.numpy()])})
                       for l in (1, 3)]
             reference = vlm.logits(aligned.clean, ablate)[0, :n]
             plain = vlm.logits(aligned.clean)[0, :n]
@@ -580,6 +590,65 @@ def test_ablation_strictness_ablates_like_vlmbinds_ablation(organism, mode):
             assert (reference - plain).abs().max() > 1e-2  # the ablation did something
     with pytest.raises(TrainingError, match="ablation mode must be one of"):
         ablated_logits(vlm.model, HeadInterchange(vlm.model, vlm.processor), rows, heads, "image_attention")
+    if mode == "role_mean":  # the roles differ in their means, so this is not the global mean again
+        assert {"image", "text"} <= set(roles[keep.numpy()])
+        mean = ablated_logits(vlm.model, HeadInterchange(vlm.model, vlm.processor), rows, heads, "mean")
+        assert (mean - ours).abs().max() > 1e-2
+
+
+def test_answer_unlikelihood_is_minus_log_one_minus_p():
+    """Closed form on hand-made logits: per answer token ``-log(1 - softmax(logits)[label])``, padding ignored."""
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[-100, 2, 0]])
+    p = torch.softmax(logits, -1)
+    expected = (-torch.log(1 - p[0, 0, 2]) - torch.log(1 - p[0, 1, 0])) / 2
+    assert float(answer_unlikelihood(logits, labels)) == pytest.approx(float(expected), rel=1e-6)
+    assert float(answer_unlikelihood(logits, labels, "token")) == pytest.approx(float(expected), rel=1e-6)
+    sure = torch.tensor([[[0.0, 0.0, 30.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    assert float(answer_unlikelihood(sure, torch.tensor([[-100, 2, -100]]))) > 10  # sure of the answer: large
+    assert float(answer_unlikelihood(sure, torch.tensor([[-100, 0, -100]]))) < 1e-6  # the answer given ~no mass
+
+
+def test_ablation_necessity_ablates_one_aligned_variable_and_keeps_earlier_draws(organism):
+    """The necessity loss draws after every other draw (older recipes train as they did), ablates all the heads of
+    one aligned variable in one of the configured modes, and equals the unlikelihood of the base answer under
+    ``ablated_logits`` of those heads."""
+    from vlmbind.organisms.siit import _step_rng
+
+    base = SIITSpec(alignments={"id_selection": ["2.1", "3.0"], "feature_retrieval": ["3.2"]}, strict_weight=1.0,
+                    ablation_strict_weight=1.0)
+    needing = replace(base, ablation_necessity_weight=1.0, ablation_strict_modes=("zero", "role_mean"))
+    seen = set()
+    for step in range(30):
+        a, b = _step_rng(0, 1, step), _step_rng(0, 1, step)
+        assert base.draw_strict_heads(a, 4, 4) == needing.draw_strict_heads(b, 4, 4)
+        assert len(base.draw_ablated_heads(a, 4, 4)[0]) == len(needing.draw_ablated_heads(b, 4, 4)[0])
+        variable, heads, mode = needing.draw_necessary_heads(b)
+        assert heads == needing.heads(variable) and mode in ("zero", "role_mean")
+        seen.add((variable, mode))
+    assert len(seen) == 4
+    assert needing.to_dict()["ablation_strict_modes"] == ["zero", "role_mean"]
+    assert needing.to_dict()["ablation_necessity_weight"] == 1.0
+    assert "ablation_strict_modes" not in base.to_dict() and "ablation_necessity_weight" not in base.to_dict()
+    assert SIITSpec.from_value(needing.to_dict()) == needing
+    with pytest.raises(TrainingError, match="ablation_strict_modes must be distinct modes"):
+        replace(base, ablation_strict_modes=("zero", "image_attention"))
+    with pytest.raises(TrainingError, match="ablation_necessity_weight must be a number >= 0"):
+        replace(base, ablation_necessity_weight=-1.0)
+
+    vlm, builder, canvas = organism
+    spec = replace(needing, alignments={"id_selection": ["2.1"], "feature_retrieval": ["3.2"]}, pairs=2,
+                   objects=(3, 4))
+    interchange = HeadInterchange(vlm.model, vlm.processor)
+    with torch.no_grad():
+        out = siit_losses(vlm.model, interchange, builder, spec, seed=0, step=3, canvas=canvas, parts=("strict",))
+        mode, listed = out["necessity_ablated"].split(":")
+        heads = [tuple(int(x) for x in h.split(".")) for h in listed.split(",")]
+        assert heads in (spec.heads("id_selection"), spec.heads("feature_retrieval"))
+        pairs = draw_pairs(spec, out["variable"], seed=0, stream=SIIT_STREAM, step=3, canvas=canvas)
+        rows = interchange_batch(builder, pairs, "clean", spec.last_positions, spec.span_positions).base
+        expected = answer_unlikelihood(ablated_logits(vlm.model, interchange, rows, heads, mode), rows.labels)
+    assert float(out["ablation_necessity"]) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_ablation_strictness_draws_after_the_interchange_strictness():

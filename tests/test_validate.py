@@ -71,10 +71,11 @@ def test_validate_on_a_tiny_model_with_given_heads(tmp_path, capsys):
     assert summary["random_same_layers"] == pytest.approx(np.mean([a["accuracy"] for a in matched]))
     assert {p["target"] for p in result.probes} == {"cell", "colour", "shape"}
     assert {p["head"] for p in result.probes} == {"1.0", "2.3"}
-    assert result.edit and {r["arm"] for r in result.edit} == {"edit", "control"}
+    assert result.edit and {r["arm"] for r in result.edit} == {"edit", "control", "random_direction"}
     edit = result.edit_summary()
-    control = next(r for r in result.edit if r["heads"] == "1.0 2.3" and r["arm"] == "control"
-                   and r["alpha"] == edit["alpha"])
+    control, random = (next(r for r in result.edit if r["heads"] == "1.0 2.3" and r["arm"] == arm
+                            and r["alpha"] == edit["alpha"]) for arm in ("control", "random_direction"))
+    assert edit["random_control"] == random["efficacy"]
     # the chance rate of the control: its answers that name a described object, over the described objects
     assert edit["control_described"] == control["described"] and 0 <= control["described"] <= 1
     assert edit["control_chance"] == pytest.approx(control["described"] / (result.params["n_objects"] - 1))
@@ -205,11 +206,13 @@ def test_the_ground_truth_results_back_what_its_readme_says():
     assert round(twin_score, 1) == 10.3
     # the edit: every reference ID-selection head together, then each alone
     assert vsm.edit_heads() == ["2.3 3.1", "2.3", "3.1"] and vsm.params["edit_positions"] == "answer"
-    quoted = {"2.3 3.1": (1, 1.0, 0.17, 0.16), "2.3": (8, 0.55, 0.19, 0.23), "3.1": (1, 0.98, 0.16, 0.15)}
-    for heads, (alpha, efficacy, control, chance) in quoted.items():
+    quoted = {"2.3 3.1": (1, 1.0, 0.17, 0.16, 0.0), "2.3": (8, 0.55, 0.19, 0.23, 0.08),
+              "3.1": (1, 0.98, 0.16, 0.15, 0.0)}
+    for heads, (alpha, efficacy, control, chance, random) in quoted.items():
         best = vsm.edit_summary(heads)
         assert (best["alpha"], round(best["efficacy"], 2), round(best["control"], 2),
-                round(best["control_chance"], 2)) == (alpha, efficacy, control, chance)
+                round(best["control_chance"], 2), round(best["random_control"], 2)) == \
+            (alpha, efficacy, control, chance, random)
     best = vsm.edit_summary("3.1")
     assert round(best["control"] * 64) == 10 and round(best["control_described"] * 64) == 19  # "10 of the 19"
     both = vsm.edit_summary()

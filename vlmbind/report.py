@@ -141,8 +141,10 @@ def _edit_line(result: Any) -> str:
             edit = result.edit_summary(heads)
             chance = (f", {edit['control_chance']:.2f} of it expected by chance from answers that fall back on a "
                       "described object") if edit.get("control_chance") is not None else ""
+            random = (f", and {edit['random_control']:.2f} for a random direction of the edit's size"
+                      if edit.get("random_control") is not None else "")
             parts.append(f"at {esc(heads)}: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g}, against "
-                         f"{edit['control'] or 0:.2f} for the empty-cell control{chance} (n={edit['n']})")
+                         f"{edit['control'] or 0:.2f} for the empty-cell control{chance}{random} (n={edit['n']})")
         return (f"<p>Position-ID edit at the ID-selection heads (the prompt's last position{where}; together, then "
                 f"each alone): {'; '.join(parts)}.</p>")
     if result.skipped.get("edit"):

@@ -52,11 +52,12 @@ def headline(result: ValidationResult) -> list[dict]:
         for r in at:
             if r["arm"] != "edit" or r["alpha"] == 0:
                 continue
-            control = next((c["efficacy"] for c in at if c["arm"] == "control" and c["alpha"] == r["alpha"]), None)
+            control, random = (next((c["efficacy"] for c in at if c["arm"] == arm and c["alpha"] == r["alpha"]), None)
+                               for arm in ("control", "random_direction"))
             rows.append({"model": result.model, "reference": result.reference, "part": "edit",
                          "condition": "id_selection" + (" (best)" if r["alpha"] == best else ""),
-                         "method": f"alpha {r['alpha']:g}", "value": r["efficacy"], "control": control, "n": r["n"],
-                         "heads": heads})
+                         "method": f"alpha {r['alpha']:g}", "value": r["efficacy"], "control": control,
+                         "random_control": random, "n": r["n"], "heads": heads})
     for p in result.probes:
         rows.append({"model": result.model, "reference": result.reference, "part": "probe", "condition": p["target"],
                      "method": "logistic", "heads": p["head"], "value": p["accuracy"], "chance": p["chance"],
@@ -113,12 +114,12 @@ def markdown_tables(table: pd.DataFrame) -> str:
     edits = [r for r in rows if r["part"] == "edit"]
     if edits:
         out += ["", "Position-ID edit at the reference ID-selection heads, every alpha (efficacy: the answer switches "
-                "to the object at the target cell; control: the same edit towards an empty cell's ID; best: the "
-                "highest efficacy):", "", "| model | heads | alpha | efficacy | control | n |",
-                "|---|---|---|---|---|---|"]
+                "to the object at the target cell; control: the same edit towards an empty cell's ID; random: a "
+                "push of the edit's size in a random direction per head; best: the highest efficacy):", "",
+                "| model | heads | alpha | efficacy | control | random | n |", "|---|---|---|---|---|---|---|"]
         out += [f"| {r['model']} | {r['heads']} | {r['method'].split()[1]}"
                 f"{' (best)' if r['condition'].endswith('(best)') else ''} | {_cell(r['value'])} | "
-                f"{_cell(r['control'])} | {int(r['n'])} |" for r in edits]
+                f"{_cell(r['control'])} | {_cell(r.get('random_control'))} | {int(r['n'])} |" for r in edits]
     probes = [r for r in rows if r["part"] == "probe"]
     if probes:
         out += ["", "Linear probes on each reference head's last-token output (held-out scenes; chance = the majority "

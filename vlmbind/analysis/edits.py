@@ -50,8 +50,9 @@ from ..viz.edits import edit_figure, edit_traces, repair_figure, repair_traces
 
 Cell = tuple[int, int]
 
-EDIT_ARMS = ("edit", "control")
+EDIT_ARMS = ("edit", "control", "random_direction")
 REPAIR_ARMS = ("repair", "control")
+RANDOM_DIRECTION_STREAM = 7  # the random-direction control's own random stream
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -416,13 +417,14 @@ class RepairResult(Result):
 @register_result
 @dataclass
 class EditResult(Result):
-    """Efficacy of the position-ID edit per alpha, with the empty-cell control.
+    """Efficacy of the position-ID edit per alpha, with the empty-cell and random-direction controls.
 
     Attributes:
         model: the model's name.
         heads: the edited heads.
         alphas: the alphas (0 included).
-        rows: per alpha and arm (``edit``: ``d_t - d_o``; ``control``: ``d_c - d_o``, ``c`` an empty cell):
+        rows: per alpha and arm (``edit``: ``d_t - d_o``; ``control``: ``d_c - d_o``, ``c`` an empty cell;
+            ``random_direction``: a random direction per head with the norm of that head's ``d_t - d_o``):
             ``n``, ``efficacy`` (names the object at t), ``original`` (names the missing object), ``other``
             (anything else), ``described`` (names any described object, t included) and ``changed`` (differs from
             the unedited output).
@@ -505,6 +507,10 @@ class EditResult(Result):
             "positions": self.positions,
             "control": "z_h += alpha * (d_c - d_o), c a random empty cell (no object) of the scene; efficacy still "
                        "counts outputs naming the object at t",
+            "random_direction": "z_h += alpha * |d_t - d_o| * u, u a random unit vector per head and example; "
+                                "efficacy counts outputs naming the object at t",
+            "random_direction_efficacy": {alpha_label(r["alpha"]): r["efficacy"] for r in self.rows
+                                          if r["arm"] == "random_direction"},
             "efficacy": {alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "edit"},
             "control_efficacy": {alpha_label(r["alpha"]): r["efficacy"] for r in self.rows if r["arm"] == "control"},
             "clean_accuracy": self.clean_accuracy, "clean_names_t": self.clean_names_t,
@@ -569,7 +575,12 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
                n_objects: int | tuple[int, int] = 3, entropy: str = "high", min_count: int = 3,
                batch_size: int = 32, stimulus: dict[str, Any] | None = None, progress: bool = False,
                positions: str = "last") -> EditResult:
-    """VSM's position-ID edit: efficacy of ``z_h += alpha * (d_t - d_o)`` per alpha, with an empty-cell control.
+    """VSM's position-ID edit: efficacy of ``z_h += alpha * (d_t - d_o)`` per alpha, with two controls.
+
+    The controls ask whether the edit's direction matters or any push of its size would do: the empty-cell control
+    adds ``alpha * (d_c - d_o)``, the ID of a cell with no object (a position-like push that points at nothing),
+    the random-direction control adds ``alpha * |d_t - d_o| * u`` with ``u`` a random unit vector per head and
+    example (a push of the edit's size in no particular direction). Both count outputs that name the object at t.
 
     Scenes come from ``scene_description(n_estimate + n_eval, seed)`` with the model's own training canvas and
     pools (:func:`vlmbind.evaluate.training_defaults`): the first ``n_estimate`` estimate the IDs, the rest are
@@ -656,7 +667,10 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
     records: list[list[dict[str, Any]]] = [[] for _ in sets]
     clean_records: list[dict[str, Any]] = []
     delta_norms = [{arm: torch.zeros(len(heads), dtype=torch.float64) for arm in EDIT_ARMS} for heads in sets]
+    offset = 0
     for chunk in tqdm(_chunks(plan, batch_size), desc="edit", disable=not progress):
+        indices = range(offset, offset + len(chunk))
+        offset += len(chunk)
         batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
         budget = _answer_budget(vlm, [p[0] for p in chunk])
         clean = greedy_decode(vlm, batch, (), budget)
@@ -664,9 +678,12 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
             t_name = e.objects[k].name
             clean_records.append({"correct": score(e, out)[0], "names_t": _outcome(e, out, t_name) == "switch"})
         for heads, ids, into, norms in zip(sets, ids_by_set, records, delta_norms):
+            edit = torch.stack([ids.delta(_cell(e.objects[k]), o) for e, o, k, _ in chunk])
             vectors = {
-                "edit": torch.stack([ids.delta(_cell(e.objects[k]), o) for e, o, k, _ in chunk]),
+                "edit": edit,
                 "control": torch.stack([ids.delta(c, o) for e, o, _, c in chunk]),
+                "random_direction": edit.norm(dim=-1, keepdim=True) * torch.stack(
+                    [random_directions(seed, i, heads, edit.shape[-1]) for i in indices]),
             }
             for arm in EDIT_ARMS:
                 norms[arm] += vectors[arm].norm(dim=-1).sum(0)
@@ -706,6 +723,19 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
             positions=positions,
         ))
     return results
+
+
+def random_directions(seed: int, index: int, heads: Sequence[tuple[int, int]], d_head: int) -> torch.Tensor:
+    """``H D`` unit vectors, uniform on the sphere, one per head for evaluation example ``index``: the random-direction
+    control's directions. Each is drawn from its own stream of (seed, example, layer, head), so a head gets the same
+    direction whichever heads it is edited with, and the edit's own draws are untouched."""
+    return torch.stack([_unit(np.random.default_rng([seed, RANDOM_DIRECTION_STREAM, index, l, h]), d_head)
+                        for l, h in heads])
+
+
+def _unit(rng: np.random.Generator, d: int) -> torch.Tensor:
+    v = torch.as_tensor(rng.standard_normal(d), dtype=torch.float64)
+    return v / v.norm()
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -198,7 +198,9 @@ class ValidationResult(Result):
         return list(dict.fromkeys(r.get("heads", together) for r in self.edit))
 
     def edit_summary(self, heads: str | None = None) -> dict[str, Any] | None:
-        """The alpha with the highest edit efficacy, its efficacy and the control's at that alpha, for the edit at
+        """The alpha with the highest edit efficacy, its efficacy and the controls' at that alpha (``control``: the
+        empty cell's ID; ``random_control``: a random direction of the edit's size, None in results saved before it),
+        for the edit at
         ``heads`` (default: every reference ID-selection head together). Where the rows say how often the control's
         answer named a described object (``control_described``), ``control_chance`` is the control's efficacy if
         those answers fell on each described object alike: the switches an ID that points nowhere gives by chance."""
@@ -212,8 +214,10 @@ class ValidationResult(Result):
             return None
         best = max(edits, key=lambda r: r["efficacy"])
         control = [r for r in rows if r["arm"] == "control" and r["alpha"] == best["alpha"]]
+        random = [r for r in rows if r["arm"] == "random_direction" and r["alpha"] == best["alpha"]]
         out = {"heads": heads, "alpha": best["alpha"], "efficacy": best["efficacy"], "n": best["n"],
-               "control": control[0]["efficacy"] if control else None}
+               "control": control[0]["efficacy"] if control else None,
+               "random_control": random[0]["efficacy"] if random else None}
         described = control[0].get("described") if control else None
         if described is not None:
             # an empty cell's ID names no object; where the answer falls back on a described object instead, it names

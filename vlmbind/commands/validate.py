@@ -124,7 +124,9 @@ def render_text(result: Any, out: Any) -> str:
     for heads in result.edit_heads():
         edit = result.edit_summary(heads)
         lines.append(f"  position-ID edit at {heads}: efficacy {edit['efficacy']:.3f} at alpha {edit['alpha']:g} "
-                     f"(n={edit['n']}), control {_number(edit['control'])}")
+                     f"(n={edit['n']}), control {_number(edit['control'])}"
+                     + (f", random-direction control {_number(edit['random_control'])}"
+                        if edit.get("random_control") is not None else ""))
     for r in result.probes:
         lines.append(f"  probe {r['head']} -> {r['target']}: {r['accuracy']:.3f} held out (chance {r['chance']:.3f}, "
                      f"n={r['n_test']})")

@@ -433,6 +433,21 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor, norm: str = "example
     raise TrainingError(f"unknown loss norm {norm!r}; choose 'example' or 'token'")
 
 
+def answer_unlikelihood(logits: torch.Tensor, labels: torch.Tensor, norm: str = "example") -> torch.Tensor:
+    """Unlikelihood on the answer tokens: ``-log(1 - p(label))`` per token, normed as :func:`answer_loss`; 0 when
+    the model gives the answer no probability, large when it is sure of it."""
+    target = labels[:, 1:]
+    log_p = torch.log_softmax(logits[:, :-1].float(), -1)
+    picked = log_p.gather(-1, target.clamp_min(0)[..., None])[..., 0]
+    per_token = -torch.log1p(-picked.exp().clamp_max(1 - 1e-6))
+    mask = (target != IGNORE_INDEX).to(per_token.dtype)
+    if norm == "token":
+        return (per_token * mask).sum() / mask.sum().clamp_min(1)
+    if norm == "example":
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).mean()
+    raise TrainingError(f"unknown loss norm {norm!r}; choose 'example' or 'token'")
+
+
 def answer_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``B`` bool: every answer token (and eos) is the argmax given the correct prefix.
 

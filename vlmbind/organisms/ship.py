@@ -291,8 +291,10 @@ def validation_lines(validation: dict[str, Any]) -> list[str]:
         at = f" at {edit['heads']}" if len(edits) > 1 else ""
         chance = (f"; {edit['control_described']:.2f} of its answers named a described object, which gives "
                   f"{edit['control_chance']:.2f} by chance") if edit.get("control_chance") is not None else ""
+        random = (f"; a random direction of the edit's size: {edit['random_control']:.2f}"
+                  if edit.get("random_control") is not None else "")
         lines.append(f"\nPosition-ID edit{at}: efficacy {edit['efficacy']:.2f} at alpha {edit['alpha']:g} "
-                     f"(control {edit['control']:.2f}{chance}, n={edit['n']}).")
+                     f"(control {edit['control']:.2f}{chance}{random}, n={edit['n']}).")
     return lines
 
 

@@ -45,13 +45,13 @@ from ..errors import TrainingError
 from ..sites import parse_heads
 from ..stimuli.core import Canvas
 from ..stimuli.scenes import RECOLOURS, SWAPS, CounterfactualPair, scene_pairs
-from .data import IGNORE_INDEX, BatchBuilder, answer_correct, answer_loss
+from .data import IGNORE_INDEX, BatchBuilder, answer_correct, answer_loss, answer_unlikelihood
 
 VARIABLES = ("id_retrieval", "id_selection", "feature_retrieval")
 STRICT_POSITIONS = ("all", "aligned")
 STRICT_SAMPLING = ("individual", "sample_all", "all")
 SIIT_PARTS = ("iit", "strict")
-ABLATION_STRICT_MODES = ("zero", "mean")
+ABLATION_STRICT_MODES = ("zero", "mean", "role_mean")
 CHANGE_POSITIONS = ("all", "aligned", "image", "text", "last")
 LAST_POSITIONS = ("answer", "prompt")
 SPAN_POSITIONS = ("name", "last")
@@ -154,6 +154,14 @@ class SIITSpec:
             the interchange strictness cannot see a head that works on the text alone; an ablation can, and
             ablation is how a user compares planted heads with random ones.
         ablation_strict_heads: the most unaligned heads that loss ablates at once (0: as many as are aligned).
+        ablation_strict_modes: the ablations those losses draw from: ``zero``, ``mean`` (each head's mean over the
+            batch's non-padding positions), ``role_mean`` (its mean over the batch's positions of the same token
+            role, image, text or special, as :mod:`vlmbind.analysis.ablation` takes it).
+        ablation_necessity_weight: when > 0, necessity under ablation: the same base scenes run once more with one
+            aligned variable's heads (drawn each step) ablated in a drawn mode, and the answer must lose its
+            probability: the unlikelihood ``-log(1 - p(answer token))`` per answer token (this weight). Strictness
+            under ablation alone teaches the model to survive missing heads, planted ones included; in the
+            high-level model a variable that is removed leaves the answer undetermined, and this says so.
         aggregation_heads: ``id_selection`` heads that gather the described objects' positions at the last token
             rather than read the missing object: their attention target (with ``selection_attention_weight``) is the
             described objects' name tokens, where ``id_retrieval`` heads wrote their positions; the other
@@ -200,6 +208,8 @@ class SIITSpec:
     selecting_interchange_weight: float = 0.0
     ablation_strict_weight: float = 0.0
     ablation_strict_heads: int = 0
+    ablation_strict_modes: tuple[str, ...] = ("zero", "mean")
+    ablation_necessity_weight: float = 0.0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
     span_positions: str = "name"
@@ -330,6 +340,13 @@ class SIITSpec:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise TrainingError(f"siit.ablation_strict_heads must be an int >= 0 (0: as many as are aligned), "
                                 f"got {k!r}")
+        modes = self.ablation_strict_modes
+        if not modes or not all(m in ABLATION_STRICT_MODES for m in modes) or len(set(modes)) != len(modes):
+            raise TrainingError(f"siit.ablation_strict_modes must be distinct modes from {ABLATION_STRICT_MODES}, "
+                                f"got {list(modes)!r}")
+        value = self.ablation_necessity_weight
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise TrainingError(f"siit.ablation_necessity_weight must be a number >= 0, got {value!r}")
         if self.gather_selection_weight > 0 and not self.gather_interchange_weight > 0:
             raise TrainingError("siit.gather_selection_weight > 0 reads the gathering interchange's run; set "
                                 "siit.gather_interchange_weight above 0")
@@ -432,7 +449,16 @@ class SIITSpec:
         most = min(self.ablation_strict_heads or sum(len(h) for h in self.alignments.values()), len(free))
         k = int(rng.integers(1, most + 1))
         chosen = sorted(int(i) for i in rng.choice(len(free), size=k, replace=False))
-        return [free[i] for i in chosen], ABLATION_STRICT_MODES[int(rng.integers(len(ABLATION_STRICT_MODES)))]
+        return [free[i] for i in chosen], self.draw_ablation_mode(rng)
+
+    def draw_ablation_mode(self, rng: np.random.Generator) -> str:
+        return self.ablation_strict_modes[int(rng.integers(len(self.ablation_strict_modes)))]
+
+    def draw_necessary_heads(self, rng: np.random.Generator) -> tuple[str, list[tuple[int, int]], str]:
+        """The step's aligned variable for the necessity loss, its heads and how they are ablated."""
+        variables = sorted(self.alignments)
+        variable = variables[int(rng.integers(len(variables)))]
+        return variable, self.heads(variable), self.draw_ablation_mode(rng)
 
     def draw_strict_head(self, rng: np.random.Generator, n_layers: int, n_heads: int) -> tuple[int, int]:
         """One unaligned head for the strictness loss (uniform unless ``strict_head_weights`` says else)."""
@@ -475,6 +501,10 @@ class SIITSpec:
                    if self.selecting_interchange_weight else {}),
                 **({"ablation_strict_weight": self.ablation_strict_weight} if self.ablation_strict_weight else {}),
                 **({"ablation_strict_heads": self.ablation_strict_heads} if self.ablation_strict_heads else {}),
+                **({"ablation_strict_modes": list(self.ablation_strict_modes)}
+                   if tuple(self.ablation_strict_modes) != ("zero", "mean") else {}),
+                **({"ablation_necessity_weight": self.ablation_necessity_weight}
+                   if self.ablation_necessity_weight else {}),
                 **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
 
     @classmethod
@@ -488,7 +518,7 @@ class SIITSpec:
         if unknown:
             raise TrainingError(f"unknown siit fields {unknown}; fields: {', '.join(sorted(known))}")
         data = dict(value)
-        for key in ("objects", "skip_objects", "aggregation_heads"):
+        for key in ("objects", "skip_objects", "aggregation_heads", "ablation_strict_modes"):
             if key in data:
                 data[key] = tuple(data[key])
         return cls(**data)
@@ -1020,7 +1050,8 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
         ``{"iit": loss, "strict": loss, "selection": loss, "selection_attention": loss, "retrieval_attention": loss,
         "interchanged_selection": loss, "strict_selection": loss, "retrieval_readout": loss, "gather_readout": loss,
         "gather_interchange": loss, "gather_selection": loss, "selecting_interchange": loss,
-        "ablation_strict": loss, "variable": v, "strict_head": "l.h[,l.h...]", "ablated": "mode:l.h[,l.h...]"}``
+        "ablation_strict": loss, "ablation_necessity": loss, "variable": v, "strict_head": "l.h[,l.h...]",
+        "ablated": "mode:l.h[,l.h...]", "necessity_ablated": "mode:l.h[,l.h...]"}``
         (a loss is None when its weight is 0 or its part is not
         asked for; the ID-selection and ID-retrieval ones also on steps of another variable, and ``selection``
         without a ``selection`` probe; the readouts without their ``retrieval`` / ``gather`` probe).
@@ -1036,7 +1067,8 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
                            "selection_attention": None, "retrieval_attention": None, "interchanged_selection": None,
                            "strict_selection": None, "retrieval_readout": None, "gather_readout": None,
                            "gather_interchange": None, "gather_selection": None, "selecting_interchange": None,
-                           "ablation_strict": None, "ablated": None}
+                           "ablation_strict": None, "ablated": None, "ablation_necessity": None,
+                           "necessity_ablated": None}
     if spec.iit_weight > 0 and "iit" in parts:
         batch = interchange_batch(builder, pairs, "counterfactual", spec.last_positions, spec.span_positions)
         attend = (variable == "id_selection" and spec.selection_attention_weight > 0) or \
@@ -1119,6 +1151,14 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
             batch = clean_batch
             logits = ablated_logits(model, interchange, batch.base, heads, mode)
             out["ablation_strict"] = answer_loss(logits, batch.base.labels, loss_norm)
+    if spec.ablation_necessity_weight > 0:
+        necessary, heads, mode = spec.draw_necessary_heads(rng)  # after every other draw of the step
+        out["necessity_ablated"] = f"{mode}:" + ",".join(f"{l}.{h}" for l, h in heads)
+        if "strict" in parts:
+            if clean_batch is None:
+                clean_batch = interchange_batch(builder, pairs, "clean", spec.last_positions, spec.span_positions)
+            logits = ablated_logits(model, interchange, clean_batch.base, heads, mode)
+            out["ablation_necessity"] = answer_unlikelihood(logits, clean_batch.base.labels, loss_norm)
     return out
 
 
@@ -1126,7 +1166,8 @@ def ablated_logits(model: Any, interchange: HeadInterchange, rows: Any, heads: S
                    mode: str) -> torch.Tensor:
     """Logits of ``rows`` (a :class:`~vlmbind.organisms.data.TrainBatch`) with ``heads``' outputs at every
     non-padding position zeroed (``zero``) or replaced by each head's mean over those positions in an unablated run
-    of the same rows (``mean``, as :func:`vlmbind.analysis.ablation` means over a dataset's positions)."""
+    of the same rows (``mean``, as :func:`vlmbind.analysis.ablation` means over a dataset's positions), or by its
+    mean over those positions of the same token role (``role_mean``: image, text, special)."""
     if mode not in ABLATION_STRICT_MODES:
         raise TrainingError(f"ablation mode must be one of {ABLATION_STRICT_MODES}, got {mode!r}")
     layers = sorted({l for l, _ in heads})
@@ -1140,9 +1181,20 @@ def ablated_logits(model: Any, interchange: HeadInterchange, rows: Any, heads: S
             model(**rows.inputs, use_cache=False)
         clean = interchange.stored
         interchange.stored, interchange.patterns = stored, patterns
-        weights = keep[:, :, None].to(clean[layers[0]].dtype)
-        values = {l: ((clean[l] * weights).sum((0, 1)) / weights.sum((0, 1)))[None, None].expand(shape)
-                  for l in layers}
+        if mode == "mean":
+            groups = [keep]
+        else:
+            roles = np.stack([interchange.adapter.roles(ids, mask) for ids, mask in
+                              zip(rows.inputs["input_ids"].cpu().numpy(), rows.inputs["attention_mask"].cpu().numpy())])
+            groups = [torch.as_tensor(roles == role) & keep for role in sorted(set(roles[keep.numpy()].tolist()))]
+        values = {}
+        for l in layers:
+            value = torch.zeros(shape, dtype=clean[l].dtype)
+            for group in groups:
+                weights = group[:, :, None].to(clean[l].dtype)
+                mean = (clean[l] * weights).sum((0, 1)) / weights.sum((0, 1))
+                value = torch.where(group[:, :, None], mean[None, None], value)
+            values[l] = value
     masks = interchange.mask(heads, keep, shape)
     with interchange.patch(masks, values):
         return model(**rows.inputs, use_cache=False).logits

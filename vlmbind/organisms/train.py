@@ -740,8 +740,9 @@ def train(
                                     canvas=mixture.canvas, loss_norm=config.loss_norm, selection=selection,
                                     parts=which, retrieval=retrieval, gather=gather)
                 parts.update(variable=extra["variable"], strict_head=extra["strict_head"])
-                if extra["ablated"] is not None:
-                    parts["ablated"] = extra["ablated"]
+                for name in ("ablated", "necessity_ablated"):
+                    if extra[name] is not None:
+                        parts[name] = extra[name]
                 for name, weight in (("iit", siit.iit_weight), ("strict", siit.strict_weight),
                                      ("selection", siit.selection_weight),
                                      ("selection_attention", siit.selection_attention_weight),
@@ -753,7 +754,8 @@ def train(
                                      ("gather_interchange", siit.gather_interchange_weight),
                                      ("gather_selection", siit.gather_selection_weight),
                                      ("selecting_interchange", siit.selecting_interchange_weight),
-                                     ("ablation_strict", siit.ablation_strict_weight)):
+                                     ("ablation_strict", siit.ablation_strict_weight),
+                                     ("ablation_necessity", siit.ablation_necessity_weight)):
                     if extra[name] is not None:
                         total = weight * extra[name] if total is None else total + weight * extra[name]
                         parts[name] = float(extra[name].detach())
@@ -786,7 +788,8 @@ def train(
                                                "selection_attention", "retrieval_attention",
                                                "interchanged_selection", "strict_selection", "retrieval_readout",
                                                "gather_readout", "gather_interchange", "gather_selection",
-                                               "selecting_interchange", "ablated", "ablation_strict", "position")
+                                               "selecting_interchange", "ablated", "ablation_strict", "necessity_ablated",
+                                               "ablation_necessity", "position")
                          if k in parts}
             for _module, opt, _name in readouts:
                 for group in opt.param_groups:

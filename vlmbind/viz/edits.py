@@ -38,14 +38,18 @@ def repair_figure(rows: Sequence[Mapping[str, Any]], alphas: Sequence[float], hi
 
 
 def edit_traces(rows: Sequence[Mapping[str, Any]]) -> list[Any]:
-    """Efficacy per alpha, the empty-cell control, and the share that still names the missing object."""
+    """Efficacy per alpha, the empty-cell and random-direction controls, and the share that still names the missing
+    object."""
     import plotly.graph_objects as go
 
     out = []
     for arm, column, name, dash in (("edit", "efficacy", "efficacy (switch to t)", "solid"),
                                     ("control", "efficacy", "control: empty-cell ID, names t", "dash"),
+                                    ("random_direction", "efficacy", "control: random direction, names t", "dashdot"),
                                     ("edit", "original", "edit: still names the missing object", "dot")):
         frame = [r for r in rows if r["arm"] == arm]
+        if not frame:  # results saved before the random-direction control
+            continue
         out.append(go.Scatter(
             x=[r["alpha"] for r in frame], y=[r[column] for r in frame], mode="lines+markers", name=name,
             line={"dash": dash}, text=[repr(r[column]) for r in frame],
