@@ -425,6 +425,10 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor, norm: str = "example
     per_token = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(target.shape)
+    return _answer_mean(per_token, target, norm)
+
+
+def _answer_mean(per_token: torch.Tensor, target: torch.Tensor, norm: str) -> torch.Tensor:
     mask = (target != IGNORE_INDEX).to(per_token.dtype)
     if norm == "token":
         return (per_token * mask).sum() / mask.sum().clamp_min(1)
@@ -440,12 +444,7 @@ def answer_unlikelihood(logits: torch.Tensor, labels: torch.Tensor, norm: str = 
     log_p = torch.log_softmax(logits[:, :-1].float(), -1)
     picked = log_p.gather(-1, target.clamp_min(0)[..., None])[..., 0]
     per_token = -torch.log1p(-picked.exp().clamp_max(1 - 1e-6))
-    mask = (target != IGNORE_INDEX).to(per_token.dtype)
-    if norm == "token":
-        return (per_token * mask).sum() / mask.sum().clamp_min(1)
-    if norm == "example":
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).mean()
-    raise TrainingError(f"unknown loss norm {norm!r}; choose 'example' or 'token'")
+    return _answer_mean(per_token, target, norm)
 
 
 def answer_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
