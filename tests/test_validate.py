@@ -627,6 +627,46 @@ def test_the_single_head_ablation_attempt_is_recorded_as_the_docs_say():
     assert round(edit["control"], 2) == 0.19 and edit["efficacy"] >= 0.79
 
 
+def test_the_ablation_necessity_attempt_is_recorded_as_the_docs_say():
+    """docs/ground_truth.md on attempt 30 (necessity under ablation at weight 1 beside strictness under ablation one
+    head at a time, role-mean drawn too): the planted heads became necessary, the plant and strictness held, random
+    sets did worse."""
+    from pathlib import Path
+
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    docs = " ".join((Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text().split())
+    run = json.loads((runs / "30-ablation-necessity-attempt.json").read_text())
+    siit = run["config"]["siit"]
+    assert (siit["ablation_strict_weight"], siit["ablation_strict_heads"], siit["ablation_necessity_weight"],
+            siit["ablation_strict_modes"], run["step"]) == (2.0, 1, 1.0, ["zero", "mean", "role_mean"], 1500)
+    assert f"1,500 steps from stage 11's weights ({run['wall_time_s'] / 60:.1f} min" in docs
+    necessity = [x["ablation_necessity"] for x in run["siit_losses_every_50"]]
+    assert (f"{np.mean(necessity[:5]):.1f}", f"{np.mean(necessity[-5:]):.2f}") == ("3.2", "0.00")
+    accuracy = run["by_objects"]["accuracy"]
+    assert round(min(a for cells in accuracy.values() for a in cells.values()), 2) == 0.97
+    worst = [v["unplanted_changes_max"] for v in run["interchange"]["variables"].values()]
+    assert round(max(worst) * 384) == 1
+    result = ValidationResult.load(runs / "30-validation")
+    arms = result.ablation_summary()
+    tops = [a["top"] for a in arms.values()]
+    assert (round(min(tops), 2), round(max(tops), 2)) == (0.0, 0.02)
+    assert [round(arms[m]["random"], 2) for m in ("image_attention", "role_mean", "mean", "zero")] == \
+        [0.90, 0.88, 0.81, 0.78]
+    lows = [a["random_min"] for a in arms.values()]
+    assert (round(min(lows), 2), round(max(lows), 2)) == (0.41, 0.77)
+    randoms = [a["random"] for a in arms.values()]
+    readme = " ".join((runs.parent.parent / "README.md").read_text().split())
+    assert f"top-k to {min(tops):.2f}-{max(tops):.2f} but random-k down to {min(randoms):.2f}-{max(randoms):.2f}" in readme
+    worst_draw = {a["mode"]: (a["heads"], round(a["accuracy"], 2)) for a in result.ablation if a["arm"] == "random"
+                  and a["accuracy"] == arms[a["mode"]]["random_min"]}
+    assert worst_draw["zero"] == ("0.3 4.2 3.3 4.3", 0.41) and worst_draw["image_attention"] == ("2.1 0.2 2.0 3.0", 0.77)
+    exact = {m["condition"]: m for m in result.methods if m["method"] == "exact"}
+    assert all(m["recall_at_k"] == 1.0 for m in exact.values())
+    assert round(min(m["ratio"] for m in exact.values()), 1) == 22.6
+    attribution = {m["condition"]: m for m in result.methods if m["method"] == "attribution"}
+    assert attribution["id_retrieval"]["planted_ranks"] == [1] and attribution["id_selection"]["planted_ranks"] == [26, 27]
+
+
 def test_the_strict_selection_attempt_is_recorded_as_the_docs_say():
     """docs/ground_truth.md on the strict-selection attempt: the check file's shares by object count add up to the
     overall share (32 pairs per count), and the figures the docs quote are the saved ones."""
