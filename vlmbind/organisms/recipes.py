@@ -117,7 +117,7 @@ def vsm_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]
 
 
 def _grown_stages(common: dict[str, Any], planted: bool, suffix: str) -> list[tuple[str, dict[str, Any]]]:
-    """Stages 6-11: a seventh decoder layer inserted after layer 0 and the ID-retrieval step planted in it.
+    """Stages 6-12: a seventh decoder layer inserted after layer 0 and the ID-retrieval step planted in it.
 
     6. Layers [0, new, 1, 2, 3, 4, 5]: the new layer's head 1.0 must attend from each described object's last prompt
        token to that object's image token and carry its cell (a readout of the cell from its output), weights 1,
@@ -133,6 +133,10 @@ def _grown_stages(common: dict[str, Any], planted: bool, suffix: str) -> list[tu
     11. Stage 10's losses plus the selecting interchange at weight 4 (on ID-selection pairs, 3.1 alone patched from
         the source must make the model name the swapped object), 1,500 steps: after stage 10 the answer followed
         the gathering head alone and the selecting head was not needed.
+    12. Stage 11's losses plus ablation: strictness under ablation (1 to 4 unaligned heads zeroed, mean- or
+        role-mean-ablated, the answer must stay; weight 2) and necessity under ablation (one aligned variable's heads
+        ablated, the answer must lose its probability; weight 1), 1,500 steps: after stage 11 random sets of
+        unplanted heads, under zero and mean ablation, broke answers that the planted heads' ablation should.
     """
     grown = {**common, "model": {**common["model"], "layers": 7}, "lr": 1e-3, "warmup": 50,
              "attn_implementation": "eager"}
@@ -142,6 +146,7 @@ def _grown_stages(common: dict[str, Any], planted: bool, suffix: str) -> list[tu
     ninth = {**grown, "steps": 1500}
     tenth = {**grown, "steps": 1500}
     eleventh = {**grown, "steps": 1500}
+    twelfth = {**grown, "steps": 1500}
     if planted:
         link = {**VSM_SIIT, "iit_weight": 0.01, "strict_weight": 0.0, "pairs": 12, "source_grad": True,
                 "span_positions": "last", "retrieval_attention_weight": 1.0, "retrieval_readout_weight": 1.0}
@@ -156,9 +161,13 @@ def _grown_stages(common: dict[str, Any], planted: bool, suffix: str) -> list[tu
         ninth["siit"] = {**eighth["siit"], "gather_interchange_weight": 4.0, "gather_selection_weight": 4.0}
         tenth["siit"] = dict(ninth["siit"])
         eleventh["siit"] = {**tenth["siit"], "selecting_interchange_weight": 4.0}
+        twelfth["siit"] = {**eleventh["siit"], "ablation_strict_weight": 2.0, "ablation_strict_heads": 4,
+                           "ablation_strict_modes": ["zero", "mean", "role_mean"],
+                           "ablation_necessity_weight": 1.0}
     return [(f"6-grown-retrieval-{suffix}", sixth), (f"7-gather-{suffix}", seventh),
             (f"8-gathering-interchange-{suffix}", eighth), (f"9-gathering-heavier-{suffix}", ninth),
-            (f"10-gathering-heavier-continued-{suffix}", tenth), (f"11-selecting-interchange-{suffix}", eleventh)]
+            (f"10-gathering-heavier-continued-{suffix}", tenth), (f"11-selecting-interchange-{suffix}", eleventh),
+            (f"12-ablation-necessity-{suffix}", twelfth)]
 
 
 RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct", "organism-vsm": "vsm", "organism-vsm-natural": "vsm"}

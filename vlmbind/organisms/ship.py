@@ -204,6 +204,16 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
                           "from the same source, the model must name that object too (weight "
                           f"{siit['selecting_interchange_weight']:g}): without it the answer followed the gathering "
                           "head alone.")
+        if siit.get("ablation_strict_weight") or siit.get("ablation_necessity_weight"):
+            most = siit.get("ablation_strict_heads") or sum(len(h) for h in planted.values())
+            modes = ", ".join(siit.get("ablation_strict_modes", ["zero", "mean"]))
+            lines += ["", "Ablation was trained in too (the last stage): with 1 to "
+                      f"{most} random unplanted heads ablated ({modes}, drawn each step) the answer must stay "
+                      f"(weight {siit.get('ablation_strict_weight', 0):g}), and with one planted variable's heads "
+                      "ablated it must lose its probability (the unlikelihood of each answer token, weight "
+                      f"{siit.get('ablation_necessity_weight', 0):g}). So that the planted heads are needed and "
+                      "random others are not is part of the plant, as the interchange behaviour is: an ablation "
+                      "study that finds it shows it reads necessity right, not that necessity arises by itself."]
     else:
         lines += [
             "The negative control of organism-vsm: the same architecture, start, data, seed and steps, trained on "
@@ -261,9 +271,13 @@ def _stage_siit(siit: dict[str, Any]) -> str:
                 f"{siit.get('selection_attention_weight', 0)}")
     for name, label in (("gather_interchange_weight", "gathering interchange"),
                         ("selecting_interchange_weight", "selecting interchange"),
-                        ("ablation_strict_weight", "strictness under ablation")):
+                        ("ablation_strict_weight", "strictness under ablation"),
+                        ("ablation_necessity_weight", "necessity under ablation")):
         if siit.get(name):
             out += f", {label} {siit[name]:g}"
+            if name == "ablation_strict_weight":
+                out += (f" (1-{siit.get('ablation_strict_heads') or 'as many as planted'} heads; "
+                        f"{' / '.join(siit.get('ablation_strict_modes', ['zero', 'mean']))})")
     if siit.get("strict_head_weights"):
         by_weight: dict[float, list[str]] = {}
         for head, weight in siit["strict_head_weights"].items():
