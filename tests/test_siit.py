@@ -633,6 +633,8 @@ def test_ablation_necessity_ablates_one_aligned_variable_and_keeps_earlier_draws
     assert SIITSpec.from_value(needing.to_dict()) == needing
     with pytest.raises(TrainingError, match="ablation_strict_modes must be distinct modes"):
         replace(base, ablation_strict_modes=("zero", "image_attention"))
+    with pytest.raises(TrainingError, match="ablation_strict_modes must be distinct modes"):
+        replace(base, ablation_strict_modes="zero")  # a list of modes, not one
     with pytest.raises(TrainingError, match="ablation_necessity_weight must be a number >= 0"):
         replace(base, ablation_necessity_weight=-1.0)
 

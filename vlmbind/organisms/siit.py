@@ -341,7 +341,7 @@ class SIITSpec:
             raise TrainingError(f"siit.ablation_strict_heads must be an int >= 0 (0: as many as are aligned), "
                                 f"got {k!r}")
         modes = self.ablation_strict_modes
-        if not modes or not all(m in ABLATION_STRICT_MODES for m in modes) or len(set(modes)) != len(modes):
+        if isinstance(modes, str) or not modes or not all(m in ABLATION_STRICT_MODES for m in modes) or len(set(modes)) != len(modes):
             raise TrainingError(f"siit.ablation_strict_modes must be distinct modes from {ABLATION_STRICT_MODES}, "
                                 f"got {list(modes)!r}")
         value = self.ablation_necessity_weight
@@ -1152,7 +1152,7 @@ def siit_losses(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
             logits = ablated_logits(model, interchange, batch.base, heads, mode)
             out["ablation_strict"] = answer_loss(logits, batch.base.labels, loss_norm)
     if spec.ablation_necessity_weight > 0:
-        necessary, heads, mode = spec.draw_necessary_heads(rng)  # after every other draw of the step
+        _variable, heads, mode = spec.draw_necessary_heads(rng)  # after every other draw of the step
         out["necessity_ablated"] = f"{mode}:" + ",".join(f"{l}.{h}" for l, h in heads)
         if "strict" in parts:
             if clean_batch is None:
