@@ -21,6 +21,7 @@ from ..io import write_text_atomic
 from ..models import TRAINING_FILE
 from ..shipped import organism_dir
 from .recipes import RECIPES, recipe_stages
+from .siit import DEFAULT_ABLATION_MODES
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "processor_config.json", "chat_template.jinja")
@@ -206,7 +207,7 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
                           "head alone.")
         if siit.get("ablation_strict_weight") or siit.get("ablation_necessity_weight"):
             most = siit.get("ablation_strict_heads") or sum(len(h) for h in planted.values())
-            modes = ", ".join(siit.get("ablation_strict_modes", ["zero", "mean"]))
+            modes = ", ".join(siit.get("ablation_strict_modes", DEFAULT_ABLATION_MODES))
             lines += ["", "Ablation was trained in too (the last stage): with 1 to "
                       f"{most} random unplanted heads ablated ({modes}, drawn each step) the answer must stay "
                       f"(weight {siit.get('ablation_strict_weight', 0):g}), and with one planted variable's heads "
@@ -277,7 +278,7 @@ def _stage_siit(siit: dict[str, Any]) -> str:
             out += f", {label} {siit[name]:g}"
             if name == "ablation_strict_weight":
                 out += (f" (1-{siit.get('ablation_strict_heads') or 'as many as planted'} heads; "
-                        f"{' / '.join(siit.get('ablation_strict_modes', ['zero', 'mean']))})")
+                        f"{' / '.join(siit.get('ablation_strict_modes', DEFAULT_ABLATION_MODES))})")
     if siit.get("strict_head_weights"):
         by_weight: dict[float, list[str]] = {}
         for head, weight in siit["strict_head_weights"].items():

@@ -52,6 +52,7 @@ STRICT_POSITIONS = ("all", "aligned")
 STRICT_SAMPLING = ("individual", "sample_all", "all")
 SIIT_PARTS = ("iit", "strict")
 ABLATION_STRICT_MODES = ("zero", "mean", "role_mean")
+DEFAULT_ABLATION_MODES = ("zero", "mean")  # what the ablation losses drew before role_mean could be asked for
 CHANGE_POSITIONS = ("all", "aligned", "image", "text", "last")
 LAST_POSITIONS = ("answer", "prompt")
 SPAN_POSITIONS = ("name", "last")
@@ -208,7 +209,7 @@ class SIITSpec:
     selecting_interchange_weight: float = 0.0
     ablation_strict_weight: float = 0.0
     ablation_strict_heads: int = 0
-    ablation_strict_modes: tuple[str, ...] = ("zero", "mean")
+    ablation_strict_modes: tuple[str, ...] = DEFAULT_ABLATION_MODES
     ablation_necessity_weight: float = 0.0
     aggregation_heads: tuple[str, ...] = ()
     last_positions: str = "answer"
@@ -502,7 +503,7 @@ class SIITSpec:
                 **({"ablation_strict_weight": self.ablation_strict_weight} if self.ablation_strict_weight else {}),
                 **({"ablation_strict_heads": self.ablation_strict_heads} if self.ablation_strict_heads else {}),
                 **({"ablation_strict_modes": list(self.ablation_strict_modes)}
-                   if tuple(self.ablation_strict_modes) != ("zero", "mean") else {}),
+                   if tuple(self.ablation_strict_modes) != DEFAULT_ABLATION_MODES else {}),
                 **({"ablation_necessity_weight": self.ablation_necessity_weight}
                    if self.ablation_necessity_weight else {}),
                 **({"aggregation_heads": list(self.aggregation_heads)} if self.aggregation_heads else {})}
