@@ -16,7 +16,8 @@ from pathlib import Path
 import vlmbind as vb
 from vlmbind.io import write_json_atomic
 from vlmbind.organisms.data import BatchBuilder
-from vlmbind.organisms.siit import HeadInterchange, answer_changes, interchange_accuracy
+from vlmbind.organisms.siit import (HeadInterchange, answer_changes, answer_changes_per_set,
+                                   interchange_accuracy)
 from vlmbind.sites import parse_heads
 from vlmbind.stimuli import Canvas, scene_pairs
 
@@ -52,8 +53,8 @@ def check(path: str) -> dict:
     out["n_feature_retrieval"] = len(pairs)
     out["feature_retrieval"] = interchange_accuracy(vlm.model, interchange, builder, pairs, retrieval,
                                                     last_positions="answer")
-    out["answer_changes"] = {f"{l}.{h}": answer_changes(vlm.model, interchange, builder, pairs, [(l, h)])
-                             for l, h in HEADS}
+    shares = answer_changes_per_set(vlm.model, interchange, builder, pairs, [[head] for head in HEADS])
+    out["answer_changes"] = {f"{l}.{h}": share for (l, h), share in zip(HEADS, shares)}
     out["answer_changes_by_position"] = {
         f"{l}.{h}": {where: answer_changes(vlm.model, interchange, builder, pairs, [(l, h)], positions=where)
                      for where in ("image", "text", "last")} for l, h in HEADS[:2]}

@@ -23,7 +23,7 @@ from vlmbind.analysis.ablation import wilson_interval
 from vlmbind.analysis.validate import recorded_planted
 from vlmbind.io import write_json_atomic, write_text_atomic
 from vlmbind.organisms.data import BatchBuilder
-from vlmbind.organisms.siit import HeadInterchange, answer_changes, interchange_accuracy, unpatched_accuracy
+from vlmbind.organisms.siit import HeadInterchange, answer_changes_per_set, interchange_accuracy, unpatched_accuracy
 from vlmbind.sites import parse_heads
 from vlmbind.stimuli import Canvas, scene_pairs
 
@@ -62,7 +62,8 @@ def measure(name: str, planted: dict[str, list[str]], n_pairs: int, seed: int) -
                                                                  parse_heads([h]), last_positions="answer")
                                          for h in heads}
                 print(name, variable, rows[-1], file=sys.stderr, flush=True)
-        changes = {f"{l}.{h}": answer_changes(vlm.model, interchange, builder, pooled, [(l, h)]) for l, h in free}
+        shares = answer_changes_per_set(vlm.model, interchange, builder, pooled, [[head] for head in free])
+        changes = {f"{l}.{h}": share for (l, h), share in zip(free, shares)}
         worst = max(changes, key=changes.get)
         out["variables"][variable] = {"settings": rows, "unplanted_changes": changes,
                                       "unplanted_changes_max": changes[worst], "unplanted_worst_head": worst,

@@ -12,15 +12,18 @@ with 14 px patches merged 2x2 each language-model image token covers one 28 px c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..errors import TrainingError
 from ..tiny.qwen import build_qwen_vl
 
-__all__ = ["CELL_PX", "OrganismSize", "build_organism", "grid_side"]
+__all__ = ["CELL_PX", "OrganismSize", "build_organism", "grid_side", "shared_image_features"]
 
 # pixels covered by one merged image token: patch 14 x merge 2
 CELL_PX = 28
@@ -123,3 +126,89 @@ def build_organism(
         kv_heads=size.kv_heads, vision_depth=size.vision_depth, vision_hidden=size.vision_hidden,
         vision_heads=size.vision_heads, text_init_std=None, attn_implementation=attn_implementation,
     )
+
+
+class _ImageFeatureCache:
+    """Each distinct image's merged vision features, valid while the vision tower's parameters are unchanged.
+
+    An entry is found by a fingerprint of the image's pixels and confirmed with ``torch.equal``, so a hit is always
+    the same image. Entries computed with gradients serve every later call; one computed without gradients serves
+    only calls without them (a forward that needs the graph recomputes it).
+    """
+
+    def __init__(self, model: Any):
+        self.inner = model.model
+        self.original = type(self.inner).get_image_features.__get__(self.inner)
+        self.parameters = list(self.inner.visual.parameters())
+        self.entries: dict[tuple, list[list[Any]]] = {}
+        self.state: tuple | None = None
+        self.images_in = 0  # images asked for
+        self.images_encoded = 0  # images that went through the vision tower
+
+    def _state(self) -> tuple:
+        # an optimiser step (in place) bumps every parameter's version: the features are stale then
+        return (self.inner.training, tuple(p._version for p in self.parameters))
+
+    @staticmethod
+    def _fingerprint(block: torch.Tensor, thw: tuple[int, ...]) -> tuple:
+        flat = block.detach().reshape(-1)
+        return (thw, flat.numel(), hash(flat[:: max(1, flat.numel() // 4096)].cpu().numpy().tobytes()))
+
+    def _find(self, key: tuple, block: torch.Tensor, grad: bool) -> list[Any] | None:
+        for entry in self.entries.get(key, []):
+            if torch.equal(entry[0], block) and (entry[2] or not grad):
+                return entry
+        return None
+
+    def __call__(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
+                 **kwargs: Any) -> Any:
+        if image_grid_thw is None or kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+            return self.original(pixel_values, image_grid_thw, **kwargs)
+        state = self._state()
+        if state != self.state:
+            self.entries.clear()
+            self.state = state
+        grad = torch.is_grad_enabled()
+        grids = [tuple(int(v) for v in row) for row in image_grid_thw.tolist()]
+        blocks = torch.split(pixel_values, [t * h * w for t, h, w in grids])
+        keys = [self._fingerprint(b, g) for b, g in zip(blocks, grids)]
+        found = [self._find(k, b, grad) for k, b in zip(keys, blocks)]
+        missing: list[int] = []
+        for i, entry in enumerate(found):  # an image twice in one batch is encoded once
+            if entry is None and not any(keys[j] == keys[i] and torch.equal(blocks[j], blocks[i]) for j in missing):
+                missing.append(i)
+        self.images_in += len(blocks)
+        if missing:
+            out = self.original(torch.cat([blocks[i] for i in missing]), image_grid_thw[missing],
+                                return_dict=True, **{k: v for k, v in kwargs.items() if k != "return_dict"})
+            for i, features in zip(missing, out.pooler_output):
+                entry = [blocks[i].detach().clone(), features, grad]
+                self.entries.setdefault(keys[i], []).insert(0, entry)
+            self.images_encoded += len(missing)
+            found = [self._find(k, b, grad) for k, b in zip(keys, blocks)]
+        features = tuple(entry[1] if grad else entry[1].detach() for entry in found)
+        return BaseModelOutputWithPooling(pooler_output=features)
+
+
+@contextmanager
+def shared_image_features(model: Any) -> Iterator[_ImageFeatureCache]:
+    """Within the block, each distinct image goes through ``model``'s vision tower once.
+
+    Organism training runs the same images through the model many times a step (the base run, the source run, the
+    patched and the ablated runs): the vision tower's output does not change between them, so it is computed once
+    per image and shared (the graph too: a loss over several forwards sends each image's gradient back through one
+    vision forward, the sum of what separate forwards would send). An optimiser step inside the block empties the
+    cache (it watches the parameters' versions); a forward asking for the vision tower's hidden states or attentions
+    bypasses it. Yields the cache (``images_in``, ``images_encoded`` count the saving). The model's own
+    ``get_image_features`` is restored on exit, also after an error.
+    """
+    inner = model.model
+    if "get_image_features" in vars(inner):
+        raise TrainingError("shared_image_features is already active on this model; nest the work in one block")
+    cache = _ImageFeatureCache(model)
+    inner.get_image_features = cache
+    try:
+        yield cache
+    finally:
+        del inner.get_image_features
+        cache.entries.clear()

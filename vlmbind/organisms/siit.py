@@ -1253,9 +1253,19 @@ def answer_changes(model: Any, interchange: HeadInterchange, builder: BatchBuild
     head's effect enters, ``image`` (the image tokens), ``text`` (the prompt's other tokens) or ``last`` (the last
     prompt token).
     """
+    return answer_changes_per_set(model, interchange, builder, pairs, [heads], positions=positions,
+                                  batch_size=batch_size)[0]
+
+
+def answer_changes_per_set(model: Any, interchange: HeadInterchange, builder: BatchBuilder,
+                           pairs: Sequence[CounterfactualPair], head_sets: Sequence[Sequence[tuple[int, int]]], *,
+                           positions: str = "all", batch_size: int = 32) -> list[float]:
+    """:func:`answer_changes` of each head set, with one unpatched and one source run per batch for all of them (the
+    same numbers as one call per set)."""
     if positions not in CHANGE_POSITIONS:
         raise TrainingError(f"positions must be one of {CHANGE_POSITIONS}, got {positions!r}")
-    changed = []
+    changed: list[list[bool]] = [[] for _ in head_sets]
+    layers = sorted({l for heads in head_sets for l, _ in heads})
     with evaluating(model):
         for i in range(0, len(pairs), batch_size):
             batch = interchange_batch(builder, pairs[i : i + batch_size], "clean")
@@ -1268,12 +1278,15 @@ def answer_changes(model: Any, interchange: HeadInterchange, builder: BatchBuild
                 last = last_prompt_index(where)
                 where = torch.zeros_like(where)
                 where[torch.arange(len(last)), last] = True
-            plain = model(**batch.base.inputs, use_cache=False).logits
-            patched = interchange_logits(model, interchange, batch, heads, where)
+            plain = model(**batch.base.inputs, use_cache=False).logits[:, :-1].argmax(-1)
+            with interchange.capture(layers):
+                model(**batch.source.inputs, use_cache=False)
+            values = interchange.stored
             answer = batch.base.labels[:, 1:] != IGNORE_INDEX
-            differs = (plain[:, :-1].argmax(-1) != patched[:, :-1].argmax(-1)) & answer
-            changed += differs.any(1).tolist()
-    return float(np.mean(changed)) if changed else float("nan")
+            for heads, out in zip(head_sets, changed):
+                patched = patched_logits(model, interchange, batch, heads, where, values)
+                out += ((plain != patched[:, :-1].argmax(-1)) & answer).any(1).tolist()
+    return [float(np.mean(c)) if c else float("nan") for c in changed]
 
 
 def unpatched_accuracy(model: Any, builder: BatchBuilder, pairs: Sequence[CounterfactualPair], *,

@@ -55,7 +55,7 @@ from .data import (
     answer_loss,
     canvas_for,
 )
-from .model import OrganismSize, build_organism, grid_side
+from .model import OrganismSize, build_organism, grid_side, shared_image_features
 from .siit import (
     SIIT_EVAL_STREAM,
     SIIT_PARTS,
@@ -64,7 +64,7 @@ from .siit import (
     PositionProbe,
     SelectionProbe,
     SIITSpec,
-    answer_changes,
+    answer_changes_per_set,
     draw_pairs,
     evaluating,
     evaluation_pairs,
@@ -517,7 +517,8 @@ def _evaluate_siit(model: torch.nn.Module, interchange: HeadInterchange, builder
     for variable, rows in pairs.items():
         iia = interchange_accuracy(model, interchange, builder, rows, spec.heads(variable), batch_size=batch_size,
                                    last_positions=spec.last_positions, span_positions=spec.span_positions)
-        changes = [answer_changes(model, interchange, builder, rows, [h], batch_size=batch_size) for h in sample]
+        changes = answer_changes_per_set(model, interchange, builder, rows, [[h] for h in sample],
+                                         batch_size=batch_size)
         out[variable] = {"interchange_accuracy": iia,
                          "counterfactual_unpatched": unpatched_accuracy(model, builder, rows, batch_size=batch_size),
                          "unaligned_changes": float(np.mean(changes)) if changes else 0.0,
@@ -593,6 +594,7 @@ def train(
     progress: bool = True,
     until: int | None = None,
     threads: int | None = None,
+    share_image_features: bool = True,
 ) -> TrainResult:
     """Train an organism (or continue one) and write checkpoints into ``out_dir``.
 
@@ -605,6 +607,9 @@ def train(
             ``config.steps``.
         threads: ``torch.set_num_threads`` for this process (None: leave it). On a shared 2-core machine one thread
             is several times faster than two; results can differ in the last bits between thread counts.
+        share_image_features: send each distinct image of an optimiser step's runs (and of an evaluation) through
+            the vision tower once (:func:`~vlmbind.organisms.model.shared_image_features`); False runs the vision
+            tower in every forward, the plain path it must equal (up to the order of float sums).
 
     Returns:
         A :class:`TrainResult`.
@@ -709,6 +714,9 @@ def train(
                 "threads": torch.get_num_threads(), "mixture": mixture.to_dict(),
                 "versions": {"torch": torch.__version__, "transformers": _transformers_version()}}
 
+    def images_shared() -> contextlib.AbstractContextManager:
+        return shared_image_features(model) if share_image_features else contextlib.nullcontext()
+
     model.train()
     bar = tqdm(total=config.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
                desc=f"organism {config.regime}")
@@ -769,18 +777,23 @@ def train(
                 optimizer.zero_grad(set_to_none=True)
                 return float(loss.detach())
 
+            # each image of a step's runs goes through the vision tower once per optimiser step
             if siit is None or siit.single_loss:
-                loss = behaviour_loss()
-                if siit is not None:  # added term by term onto the behaviour loss, as always
-                    loss = siit_loss(SIIT_PARTS, loss)
+                with images_shared():
+                    loss = behaviour_loss()
+                    if siit is not None:  # added term by term onto the behaviour loss, as always
+                        loss = siit_loss(SIIT_PARTS, loss)
                 value = step_on(loss)
             else:  # InterpBench's order, one optimiser step per loss; the readout probes step once, below
                 value = 0.0
                 for which in (("iit",), ("strict",)):
-                    part = siit_loss(which)
+                    with images_shared():
+                        part = siit_loss(which)
                     if part is not None:
                         value += step_on(part)
-                value += step_on(behaviour_loss())
+                with images_shared():
+                    loss = behaviour_loss()
+                value += step_on(loss)
             if siit is None:
                 parts = {}
             else:  # the log's keys in the order they always had
@@ -806,15 +819,18 @@ def train(
             ema = value if ema is None else 0.95 * ema + 0.05 * value
             postfix = {"loss": f"{ema:.3f}", "lr": f"{lr:.1e}"}
             if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
-                result = _evaluate(model, eval_batches, config.loss_norm)
-                entry: dict[str, Any] = {"step": done, "tasks": result}
-                if siit_eval:
-                    entry["siit"] = _evaluate_siit(model, interchange, builder, siit, siit_eval, config.batch_size)
-                    entry.update(_evaluate_readouts(model, interchange, builder, siit, siit_eval, mixture.canvas,
-                                                    selection, config.batch_size, retrieval, gather))
-                    if position_layer is not None:
-                        entry["position_code_accuracy"] = _evaluate_position(
-                            model, eval_batches, position_layer, builder.image_token_id, cells, probe)
+                with images_shared():
+                    result = _evaluate(model, eval_batches, config.loss_norm)
+                    entry: dict[str, Any] = {"step": done, "tasks": result}
+                    if siit_eval:
+                        entry["siit"] = _evaluate_siit(model, interchange, builder, siit, siit_eval,
+                                                       config.batch_size)
+                        entry.update(_evaluate_readouts(model, interchange, builder, siit, siit_eval,
+                                                        mixture.canvas, selection, config.batch_size, retrieval,
+                                                        gather))
+                        if position_layer is not None:
+                            entry["position_code_accuracy"] = _evaluate_position(
+                                model, eval_batches, position_layer, builder.image_token_id, cells, probe)
                 evals.append(entry)
                 postfix["acc"] = " ".join(f"{k}={v['accuracy']:.2f}" for k, v in result.items())
                 if siit_eval:
