@@ -49,8 +49,9 @@ def _time(config, share: bool, threads: int) -> float:
         return time.perf_counter() - start
 
 
-def strictness_evaluation(threads: int) -> dict:
-    """Stage 12's strictness evaluation on the shipped organism-vsm, per head against per set."""
+def strictness_evaluation(threads: int, n_pairs: int | None = None) -> dict:
+    """Stage 12's strictness evaluation on the shipped organism-vsm (``n_pairs`` per variable, None: the stage's
+    evaluation size), per head against per set."""
     import torch
 
     torch.set_num_threads(threads)
@@ -60,7 +61,8 @@ def strictness_evaluation(threads: int) -> dict:
     canvas = Canvas(image_size=int(vlm.training["image_size"]), grid=int(vlm.training["grid"]))
     builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
     heads = [[h] for h in spec.unaligned(vlm.adapter.n_layers, vlm.adapter.n_heads)]
-    pairs = {v: evaluation_pairs(spec, v, seed=0, canvas=canvas, n=fields["eval_size"]) for v in sorted(spec.alignments)}
+    n = n_pairs or fields["eval_size"]
+    pairs = {v: evaluation_pairs(spec, v, seed=0, canvas=canvas, n=n) for v in sorted(spec.alignments)}
     start = time.perf_counter()
     alone = {v: [answer_changes(vlm.model, interchange, builder, rows, h, batch_size=fields["batch_size"])
                  for h in heads] for v, rows in pairs.items()}
@@ -70,7 +72,7 @@ def strictness_evaluation(threads: int) -> dict:
         together = {v: answer_changes_per_set(vlm.model, interchange, builder, rows, heads,
                                               batch_size=fields["batch_size"]) for v, rows in pairs.items()}
     per_set = time.perf_counter() - start
-    return {"heads": len(heads), "pairs_per_variable": fields["eval_size"], "variables": sorted(pairs),
+    return {"heads": len(heads), "pairs_per_variable": n, "variables": sorted(pairs),
             "per_head_s": round(per_head, 2), "per_set_s": round(per_set, 2), "ratio": round(per_head / per_set, 2),
             "equal": alone == together}
 

@@ -106,3 +106,12 @@ def test_edits_benchmark_compares_the_shared_estimation_with_one_study_per_set()
     assert out["equal"] is True and out["head_sets"] == ["2.3 3.1", "2.3", "3.1"]
     assert out["sequential_s"] > 0 and out["shared_s"] > 0 and out["ratio"] == pytest.approx(
         out["sequential_s"] / out["shared_s"], rel=0.02)
+
+
+def test_training_benchmark_compares_strictness_per_head_with_per_set():
+    """benchmarks/training.py's evaluation table on a small case: both ways give the same shares over every
+    unplanted head of the shipped organism-vsm, and both are timed."""
+    out = load_benchmark("training").strictness_evaluation(threads=1, n_pairs=4)
+    assert out["equal"] is True and out["heads"] == 24 and out["pairs_per_variable"] == 4
+    assert out["variables"] == ["feature_retrieval", "id_retrieval", "id_selection"]
+    assert out["per_head_s"] > 0 and out["per_set_s"] > 0

@@ -605,8 +605,10 @@ def train(
         progress: show a tqdm bar with the loss.
         until: stop after this step (a checkpoint is written there), as if interrupted; None: run to
             ``config.steps``.
-        threads: ``torch.set_num_threads`` for this process (None: leave it). On a shared 2-core machine one thread
-            is several times faster than two; results can differ in the last bits between thread counts.
+        threads: ``torch.set_num_threads`` for this process (None: leave it). On an otherwise idle 2-core machine
+            two threads train 1.2-1.5x faster than one (``benchmarks/training.py``); with another job on it, give
+            each one thread (more threads than cores cost several times). Results can differ in the last bits
+            between thread counts.
         share_image_features: send each distinct image of an optimiser step's runs (and of an evaluation) through
             the vision tower once (:func:`~vlmbind.organisms.model.shared_image_features`); False runs the vision
             tower in every forward, the plain path it must equal (up to the order of float sums).
