@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"organism-vsm recipe, {out['steps_timed']} steps timed per stage and path, {out['threads']} thread(s)")
     print(f"{'stage':42s} {'steps':>6s} {'plain s/step':>12s} {'shared':>7s} {'x':>5s} {'plain eval s':>12s} "
-          f"{'shared':>7s} {'x':>5s} {'plain min':>9s} {'shared min':>10s}" + ("  recorded min" if args.recorded else ""))
+          f"{'shared':>7s} {'x':>5s} {'plain min':>9s} {'shared min':>10s}"
+          + ("  recorded min" if args.recorded else ""))
     for r in out["stages"]:
         print(f"{r['stage']:42s} {r['steps']:6d} {r['plain_step_s']:12.3f} {r['shared_step_s']:7.3f} "
               f"{r['step_ratio']:5.2f} {r['plain_eval_s']:12.2f} {r['shared_eval_s']:7.2f} {r['eval_ratio']:5.2f} "
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"projected total: plain {out['plain_projected_min']} min, shared {out['shared_projected_min']} min, "
           f"x{out['ratio']}" + (f"; recorded {out['recorded_min']} min" if args.recorded else ""))
     st = out["strictness"]
-    print(f"strictness evaluation on the shipped organism-vsm ({st['heads']} unplanted heads, {st['pairs_per_variable']} "
+    print(f"strictness evaluation on the shipped organism-vsm ({st['heads']} unplanted heads, "
+          f"{st['pairs_per_variable']} "
           f"pairs x {len(st['variables'])} variables): one call per head {st['per_head_s']:.2f} s, per set with "
           f"shared images {st['per_set_s']:.2f} s, x{st['ratio']:.2f}, same shares: {st['equal']}")
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 import vlmbind as vb
+from vlmbind.analysis.ablation import wilson_interval
 from vlmbind.analysis.validate import ValidationResult, recorded_planted, validate
 from vlmbind.io import write_json_atomic, write_text_atomic
 
@@ -80,6 +81,14 @@ def _cell(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _rate(value, n) -> str:
+    """A share over ``n`` examples with its 95% Wilson interval: ``0.98 (0.92-1.00)``."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    low, high = wilson_interval(float(value), int(n))
+    return f"{value:.2f} ({low:.2f}-{high:.2f})"
+
+
 def markdown_tables(table: pd.DataFrame) -> str:
     """The README's tables, from ``table.csv``'s rows (nothing typed by hand)."""
     rows = table.to_dict(orient="records")
@@ -100,31 +109,37 @@ def markdown_tables(table: pd.DataFrame) -> str:
                        f"{r['top_heads']} | {int(r['n'])} | {_cell(r['seconds'], 1)} |")
     out += ["", "Scene-description accuracy with heads ablated (top-k: each condition's k best exact heads together; "
             "random-k: drawn from the other heads, mean and lowest over seeds; same layers: one head drawn from each "
-            "top-k head's layer instead, same seeds; bottom-k: smallest |score|):", "",
+            "top-k head's layer instead, same seeds; bottom-k: smallest |score|; 95% Wilson intervals over the n "
+            "scenes in brackets):", "",
             "| model | mode | clean | top-k | random-k mean | random-k lowest | same layers mean, lowest | bottom-k | n |",
             "|---|---|---|---|---|---|---|---|---|"]
     for model in models:
         for mode in dict.fromkeys(r["condition"] for r in rows if r["model"] == model and r["part"] == "ablation"):
             arm = {r["method"]: r for r in rows if r["model"] == model and r["part"] == "ablation"
                    and r["condition"] == mode}
-            out.append(f"| {model} | {mode} | {_cell(arm['clean']['value'])} | {_cell(arm['top']['value'])} | "
+            n = int(arm["clean"]["n"])
+            out.append(f"| {model} | {mode} | {_rate(arm['clean']['value'], n)} | {_rate(arm['top']['value'], n)} | "
                        f"{_cell(arm['random']['value'])} ({int(arm['random']['seeds'])} seeds) | "
-                       f"{_cell(arm['random_min']['value'])} | {_same_layers(arm)} | {_cell(arm['bottom']['value'])} | "
-                       f"{int(arm['clean']['n'])} |")
+                       f"{_cell(arm['random_min']['value'])} | {_same_layers(arm)} | "
+                       f"{_rate(arm['bottom']['value'], n)} | {n} |")
     edits = [r for r in rows if r["part"] == "edit"]
     if edits:
         out += ["", "Position-ID edit at the reference ID-selection heads, every alpha (efficacy: the answer switches "
                 "to the object at the target cell; control: the same edit towards an empty cell's ID; random: a "
-                "push of the edit's size in a random direction per head; best: the highest efficacy):", "",
+                "push of the edit's size in a random direction per head; best: the highest efficacy; 95% Wilson "
+                "intervals over the n scenes in brackets):", "",
                 "| model | heads | alpha | efficacy | control | random | n |", "|---|---|---|---|---|---|---|"]
         out += [f"| {r['model']} | {r['heads']} | {r['method'].split()[1]}"
-                f"{' (best)' if r['condition'].endswith('(best)') else ''} | {_cell(r['value'])} | "
-                f"{_cell(r['control'])} | {_cell(r.get('random_control'))} | {int(r['n'])} |" for r in edits]
+                f"{' (best)' if r['condition'].endswith('(best)') else ''} | {_rate(r['value'], r['n'])} | "
+                f"{_rate(r['control'], r['n'])} | {_rate(r.get('random_control'), r['n'])} | {int(r['n'])} |"
+                for r in edits]
     probes = [r for r in rows if r["part"] == "probe"]
     if probes:
         out += ["", "Linear probes on each reference head's last-token output (held-out scenes; chance = the majority "
-                "class):", "", "| model | head | target | accuracy | chance | n |", "|---|---|---|---|---|---|"]
-        out += [f"| {r['model']} | {r['heads']} | {r['condition']} | {_cell(r['value'])} | {_cell(r['chance'])} | "
+                "class; 95% Wilson interval over the n held-out scenes in brackets):", "",
+                "| model | head | target | accuracy | chance | n |", "|---|---|---|---|---|---|"]
+        out += [f"| {r['model']} | {r['heads']} | {r['condition']} | {_rate(r['value'], r['n'])} | "
+                f"{_cell(r['chance'])} | "
                 f"{int(r['n'])} |" for r in probes]
     return "\n".join(out)
 
@@ -153,15 +168,15 @@ def summary_table(table: pd.DataFrame) -> str:
         out.append(f"| {r['model']} | {r['condition']} | {_cell(r['heads']) if r['heads'] else '-'} | "
                    f"{_cell(r['ranks']) if r['ranks'] else '-'} | {aurocs} | {r['top_heads']} |")
     out += ["", "Scene-description accuracy with the top-k exact heads' attention to the image removed, against "
-            "random-k heads from the rest:", "",
+            "random-k heads from the rest (95% Wilson intervals over the n scenes in brackets):", "",
             "| model | clean | top-k | random-k (mean, lowest) | n |", "|---|---|---|---|---|"]
     for model in dict.fromkeys(r["model"] for r in rows):
         arm = {r["method"]: r for r in rows if r["model"] == model and r["part"] == "ablation"
                and r["condition"] == "image_attention"}
         if arm:
-            out.append(f"| {model} | {_cell(arm['clean']['value'])} | {_cell(arm['top']['value'])} | "
-                       f"{_cell(arm['random']['value'])}, {_cell(arm['random_min']['value'])} | "
-                       f"{int(arm['clean']['n'])} |")
+            n = int(arm["clean"]["n"])
+            out.append(f"| {model} | {_rate(arm['clean']['value'], n)} | {_rate(arm['top']['value'], n)} | "
+                       f"{_cell(arm['random']['value'])}, {_cell(arm['random_min']['value'])} | {n} |")
     return "\n".join(out)
 
 
