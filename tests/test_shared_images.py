@@ -121,6 +121,18 @@ def test_the_models_own_method_is_back_after_an_error_and_blocks_do_not_nest(org
     assert "get_image_features" not in vars(model.model)
 
 
+def test_images_in_any_dtype_are_fingerprinted_and_told_apart():
+    from vlmbind.organisms.model import _ImageFeatureCache
+
+    image = torch.rand(144, 1176)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        same = _ImageFeatureCache._fingerprint(image.to(dtype), (1, 12, 12))
+        assert same == _ImageFeatureCache._fingerprint(image.clone().to(dtype), (1, 12, 12))
+        other = image.clone()
+        other[0, 0] += 1.0  # the sampled entries include the first one
+        assert same != _ImageFeatureCache._fingerprint(other.to(dtype), (1, 12, 12))
+
+
 def test_strictness_shares_for_many_head_sets_equal_one_call_per_set(organism):
     vlm, builder, _, pairs = organism
     interchange = HeadInterchange(vlm.model, vlm.processor)

@@ -152,7 +152,8 @@ class _ImageFeatureCache:
     @staticmethod
     def _fingerprint(block: torch.Tensor, thw: tuple[int, ...]) -> tuple:
         flat = block.detach().reshape(-1)
-        return (thw, flat.numel(), hash(flat[:: max(1, flat.numel() // 4096)].cpu().numpy().tobytes()))
+        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.float32)  # numpy has no bfloat16
+        return (thw, flat.numel(), str(block.dtype), hash(sample.numpy().tobytes()))
 
     def _find(self, key: tuple, block: torch.Tensor, grad: bool) -> list[Any] | None:
         for entry in self.entries.get(key, []):
