@@ -82,11 +82,11 @@ def _cell(value, digits: int = 2) -> str:
 
 
 def _rate(value, n) -> str:
-    """A share over ``n`` examples with its 95% Wilson interval: ``0.98 (0.92-1.00)``."""
+    """A share over ``n`` examples with its 95% Wilson interval: ``0.98 [0.92, 1.00]``."""
     if value is None or (isinstance(value, float) and value != value):
         return "-"
     low, high = wilson_interval(float(value), int(n))
-    return f"{value:.2f} ({low:.2f}-{high:.2f})"
+    return f"{value:.2f} [{low:.2f}, {high:.2f}]"
 
 
 def markdown_tables(table: pd.DataFrame) -> str:
