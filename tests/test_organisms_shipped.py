@@ -246,3 +246,23 @@ def test_the_grown_organisms_cards_are_drawn_from_their_records_and_saved_valida
         assert "an ablation study that finds it shows it reads necessity right" in expected
         assert "| id_retrieval | 1.0 | each described object's position (grid cell), at its name's last prompt token |" \
             in expected  # where stages 6 and after aligned it (span_positions="last")
+
+
+def test_the_recipe_reproduces_the_recorded_first_steps(tmp_path):
+    """Stage 1 of organism-vsm's recipe, run as written for 51 steps, gives the losses its saved run logged (same
+    data, initialisation from organism-p2a and random draws): step 1 to float precision, step 51 within the drift of
+    float-sum order (the saved run had no shared image features)."""
+    runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
+    saved = json.loads((runs / "1-fresh-lm-siit.json").read_text())
+    stage, fields = recipe_stages("organism-vsm")[0]
+    assert stage == saved["stage"] == "1-fresh-lm-siit"
+    config, _ = stage_config(fields)
+    result = train(config, tmp_path / "stage-1", progress=False, threads=1, until=51)
+    assert result.losses[0] == pytest.approx(saved["loss_every_50"][0], rel=1e-5)
+    assert result.losses[50] == pytest.approx(saved["loss_every_50"][1], rel=1e-3)
+    state = json.loads((result.checkpoint / "trainer_state.json").read_text())
+    first, logged = state["siit_losses"][0], saved["siit_losses_every_50"][0]
+    assert {k: first[k] for k in ("variable", "strict_head")} == {k: logged[k] for k in ("variable", "strict_head")}
+    for part in ("behaviour", "iit", "strict", "position"):
+        assert first[part] == pytest.approx(logged[part], rel=1e-5), part
+    assert state["siit_losses"][50]["strict_head"] == saved["siit_losses_every_50"][1]["strict_head"]
