@@ -18,6 +18,8 @@ from vlmbind.organisms.model import shared_image_features
 from vlmbind.organisms.siit import HeadInterchange, answer_changes, answer_changes_per_set, interchange_batch
 from vlmbind.stimuli import Canvas, scene_pairs
 
+from test_siit import _planting_config
+
 POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
 
 
@@ -151,20 +153,14 @@ def test_strictness_shares_for_many_head_sets_equal_one_call_per_set(organism):
 def test_training_with_shared_features_equals_the_plain_path(tmp_path):
     """A SIIT run (IIT, strictness, ablation and readout losses, three optimiser steps per step) with shared image
     features gives the plain run's losses and evaluation up to float-sum order."""
-    from vlmbind.organisms.train import TrainConfig, train
+    from vlmbind.organisms.train import train
 
     siit = {"alignments": {"feature_retrieval": ["1.1"], "id_selection": ["1.0", "0.3"]}, "pairs": 4,
             "objects": [3, 3], "aggregation_heads": ["0.3"], "selection_weight": 1.0,
             "selection_attention_weight": 1.0, "source_grad": True, "gather_interchange_weight": 1.0,
             "single_loss": False, "strict_sampling": "sample_all", "ablation_strict_weight": 1.0}
-    config = TrainConfig(
-        image_size=112, tasks={"scene": 1.0},
-        task_options={"scene": {"objects": [3, 3], "colours": ["red", "green", "blue", "yellow", "purple", "orange"],
-                                "shapes": ["square", "circle", "triangle"]}},
-        model={"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vision_depth": 1, "vision_hidden": 32,
-               "vision_heads": 2},
-        steps=6, batch_size=8, lr=2e-3, warmup=2, eval_every=6, eval_size=8, checkpoint_every=6, seed=0,
-        siit=siit, attn_implementation="eager")
+    config = _planting_config(steps=6, batch_size=8, warmup=2, eval_every=6, eval_size=8, checkpoint_every=6,
+                              siit=siit, attn_implementation="eager")
     shared = train(config, tmp_path / "shared", progress=False, threads=1)
     plain = train(config, tmp_path / "plain", progress=False, threads=1, share_image_features=False)
     assert len(shared.losses) == len(plain.losses) == 6
