@@ -10,7 +10,8 @@ Both organisms follow the same recipe and differ only in the regime of the searc
 Point-to-Answer), as in PbP. Search trains with one target among 1-12 objects and is tested up to the grid's capacity;
 counting trains on 5-10 objects and is tested on 11-15.
 
-``python -m vlmbind.organisms.recipes organism-p2a --out runs/organism-p2a [--threads 1]`` runs (or resumes) one.
+``python -m vlmbind.organisms.recipes organism-p2a --out runs/organism-p2a [--threads 1] [--processes 2]`` runs (or
+resumes) one.
 """
 
 from __future__ import annotations
@@ -201,13 +202,14 @@ def _finished(stage_dir: Path, steps: int) -> Path | None:
 
 
 def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int = 0,
-               progress: bool = True, start_from: str | Path | None = None) -> dict[str, Any]:
+               progress: bool = True, start_from: str | Path | None = None, processes: int = 1) -> dict[str, Any]:
     """Run (or resume) every stage of organism ``name`` into ``out/<stage>``; returns a summary with wall times.
 
     ``start_from``: a shipped organism of the same recipe (its directory): the stages its training record lists as
     done are taken from it (their results copied from the record) and the next stage starts from its weights, so a
     recipe that grew new stages continues from the last release instead of training the first stages again.
     A stage found finished in ``out`` must have been trained with the recipe's configuration (bar where it started).
+    ``processes=2`` trains each stage in two processes of ``threads`` threads each (:func:`~.train.train`).
 
     Raises:
         TrainingError: no such recipe; ``start_from`` is not a release of this recipe; a finished stage in ``out``
@@ -220,7 +222,8 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
     taken = _taken_stages(name, recipe, Path(start_from), seed) if start_from is not None else {}
     out.mkdir(parents=True, exist_ok=True)
     previous: Path | None = Path(start_from) if taken else None
-    summary: dict[str, Any] = {"organism": name, "regime": recipe[0][1]["regime"], "seed": seed, "stages": []}
+    summary: dict[str, Any] = {"organism": name, "regime": recipe[0][1]["regime"], "seed": seed,
+                               "threads": threads, "processes": processes, "stages": []}
     if taken:
         summary["started_from"] = str(start_from)
     for stage, fields in recipe:
@@ -233,7 +236,8 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
         start = time.time()
         if done is None:
             resume = stage_dir.is_dir() and any(stage_dir.glob(f"{CHECKPOINT_PREFIX}*"))
-            result = train(config, stage_dir, resume=resume, progress=progress, threads=threads, until=until)
+            result = train(config, stage_dir, resume=resume, progress=progress, threads=threads, until=until,
+                           processes=processes)
             done = result.checkpoint
             info = {"wall_time_s": result.wall_time_s, "last_eval": result.evals[-1] if result.evals else None}
         else:
@@ -283,14 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlmbind.organisms.recipes")
     parser.add_argument("name", choices=sorted(RECIPES))
     parser.add_argument("--out", required=True)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="2: each stage in two processes (about 1.5-1.9x faster on an idle 2-core machine)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--start-from", help="a shipped organism of this recipe: continue after the stages it holds")
     args = parser.parse_args(argv)
     try:
         summary = run_recipe(args.name, args.out, threads=args.threads, seed=args.seed, progress=not args.quiet,
-                             start_from=args.start_from)
+                             start_from=args.start_from, processes=args.processes)
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
