@@ -153,12 +153,13 @@ def test_ship_gives_a_loadable_directory(tmp_path):
     run = tmp_path / "run"
     result = train(small_config(steps=2, checkpoint_every=2), run / "stage", progress=False)
     (run / "recipe_summary.json").write_text(json.dumps({
-        "seed": 0, "final_checkpoint": str(result.checkpoint), "wall_time_s": result.wall_time_s,
-        "stages": [{"stage": "stage", "wall_time_s": result.wall_time_s}]}))
+        "seed": 0, "final_checkpoint": str(result.checkpoint), "wall_time_s": result.wall_time_s, "threads": 1,
+        "processes": 2, "stages": [{"stage": "stage", "wall_time_s": result.wall_time_s}]}))
     dest = ship("organism-direct", run, "# card\n", dest=tmp_path / "shipped")
     assert not (dest / "optimizer.safetensors").exists()
     shipped, original = vb.load(str(dest)), vb.load(str(result.checkpoint))
     assert shipped.training["regime"] == "direct"
+    assert shipped.training["command"].endswith("--threads 1 --processes 2")  # how the run was trained
     image = S.scene_description(1, 0, canvas=S.Canvas(image_size=56, grid=2))[0]
     a, b = shipped.prepare(image.image, image.prompt), original.prepare(image.image, image.prompt)
     torch.testing.assert_close(shipped.logits(a), original.logits(b), atol=0, rtol=0)

@@ -162,14 +162,15 @@ def test_bad_process_requests_are_named(tmp_path):
         train(config, tmp_path / "c", progress=False, processes=2, share_image_features=False)
 
 
-def _workers_left() -> list[str]:
+def _workers_left(out: Path) -> list[str]:
+    """The training processes still running on the run directory ``out``."""
     found = []
     for pid in os.listdir("/proc"):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"--rendezvous" in cmd:
+        if b"--rendezvous" in cmd and str(out).encode() in cmd:
             found.append(pid)
     return found
 
@@ -179,7 +180,7 @@ def test_a_process_that_fails_stops_both_with_its_message(tmp_path):
     TrainingError that process raised, no process is left running and nothing is written."""
     with pytest.raises(TrainingError, match="has no checkpoint"):
         train(_config(steps=2), tmp_path / "empty", progress=False, processes=2, resume=True)
-    assert _workers_left() == []
+    assert _workers_left(tmp_path / "empty") == []
     assert not any((tmp_path / "empty").glob("checkpoint-*"))
 
 
@@ -193,3 +194,52 @@ def test_the_command_line_trains_in_two_processes(tmp_path):
     assert json.loads(done.stdout)["step"] == 2
     bad = subprocess.run(base + ["--processes", "4"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "processes must be 1 or 2" in bad.stderr
+
+
+def test_the_recipe_runner_trains_each_stage_in_the_processes_asked(tmp_path, monkeypatch, capsys):
+    """``run_recipe(processes=2)`` (``--processes 2``) passes the count to every stage and records it in the summary
+    that shipping turns into the training record's command; a count train() refuses exits 2 with its message."""
+    import vlmbind.organisms.recipes as recipes
+    from vlmbind.organisms.train import TrainResult
+
+    seen = []
+
+    def fake_train(config, out, **kwargs):
+        seen.append((kwargs["processes"], kwargs["threads"]))
+        checkpoint = Path(out) / f"checkpoint-{config.steps:06d}"
+        checkpoint.mkdir(parents=True)
+        return TrainResult(out_dir=Path(out), checkpoint=checkpoint, step=config.steps, losses=[], evals=[],
+                           wall_time_s=1.0, steps_per_s=1.0)
+
+    monkeypatch.setattr(recipes, "train", fake_train)
+    summary = recipes.run_recipe("organism-direct", tmp_path / "run", processes=2, progress=False)
+    assert seen == [(2, 1)] * len(recipes.recipe_stages("organism-direct"))
+    assert summary["processes"] == 2 and summary["threads"] == 1
+    monkeypatch.undo()
+    assert recipes.main(["organism-direct", "--out", str(tmp_path / "bad"), "--processes", "3", "--quiet"]) == 2
+    assert "processes must be 1 or 2" in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_a_checkpoint_at_the_last_finished_step_and_stops_both(tmp_path):
+    """A Ctrl-C reaches the launcher, which passes one interrupt on to rank 0: rank 0 writes a checkpoint at its last
+    finished step (as one process does) and both processes are gone afterwards."""
+    import signal
+    import time
+
+    config_path = tmp_path / "run.json"
+    config = _config(steps=10_000, siit=None, checkpoint_every=10_000, eval_every=0)
+    config_path.write_text(json.dumps(config.to_dict(), default=str))
+    launcher = subprocess.Popen([sys.executable, "-m", "vlmbind.organisms", "--config", str(config_path), "--out",
+                                 str(tmp_path / "run"), "--processes", "2", "--quiet"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while len(_workers_left(tmp_path / "run")) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(20)  # let them import, build the model and train some steps
+    launcher.send_signal(signal.SIGINT)
+    launcher.wait(timeout=300)
+    assert launcher.returncode != 0
+    checkpoints = sorted((tmp_path / "run").glob("checkpoint-*"))
+    assert len(checkpoints) == 1, launcher.stderr.read().decode()[-2000:]
+    assert 0 < _state(checkpoints[0])["step"] < 10_000
+    assert _workers_left(tmp_path / "run") == []

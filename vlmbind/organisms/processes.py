@@ -1,7 +1,9 @@
 """Training one organism in two processes: each computes part of a step's summed loss, and the gradients are added.
 
-Why: a training step of an organism is many small operations, so a second torch thread buys 1.2-1.5x
-(``benchmarks/training.py``); two processes of one thread each, each computing part of the step, come close to 2x.
+Why: a training step of an organism is many small operations, so a second torch thread buys 1.1-1.5x
+(``benchmarks/training.py``), while two independent one-thread jobs on the two cores each run at full speed; two
+processes of one thread each, each computing part of the step, get more of the second core
+(``benchmarks/two_processes.py`` has the ratios per stage).
 The step's loss is a sum of terms that run their own forwards (the behaviour loss; the SIIT losses of the ``iit``
 part; those of the ``strict`` part), and the gradient of a sum is the sum of the gradients, so the step splits by
 terms, not by rows, and every term means what it means in one process (a mean ablation still averages over the
@@ -48,7 +50,7 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=30)
 ERROR_FILE = "error-rank{rank}.txt"
 
 
-ABLATION_COST = 0.75  # one ablation loss against an interchange run with gradients, measured on stage 12 of organism-vsm
+ABLATION_COST = 0.75  # an ablation loss against an interchange run with gradients (measured: organism-vsm stage 12)
 
 
 def part_costs(siit: Any, batch_size: int) -> tuple[float, float, float]:
@@ -64,7 +66,8 @@ def part_costs(siit: Any, batch_size: int) -> tuple[float, float, float]:
     selecting = 1.0 / len(siit.alignments) if "id_selection" in siit.alignments else 0.0
     iit = 0.0
     if siit.iit_weight > 0:
-        iit = source + 1.0 + selecting * ((siit.gather_interchange_weight > 0) + (siit.selecting_interchange_weight > 0))
+        iit = source + 1.0 + selecting * ((siit.gather_interchange_weight > 0)
+                                          + (siit.selecting_interchange_weight > 0))
     strict = (source + 1.0) * (siit.strict_weight > 0) + ABLATION_COST * (siit.ablation_strict_weight > 0) \
         + ABLATION_COST * (siit.ablation_necessity_weight > 0)
     return iit, strict, batch_size / siit.pairs

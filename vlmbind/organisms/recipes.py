@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--processes", type=int, default=1,
-                        help="2: each stage in two processes (about 1.5-1.9x faster on an idle 2-core machine)")
+                        help="2: each stage in two processes of --threads threads each (faster on an idle 2 cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--start-from", help="a shipped organism of this recipe: continue after the stages it holds")

@@ -49,7 +49,9 @@ def training_record(name: str, run_dir: str | Path) -> dict[str, Any]:
         "stages": [{"stage": s, **_portable(fields)} for s, fields in recipe],
         "stage_results": summary["stages"],
         "wall_time_s": summary["wall_time_s"],
-        "command": f"python -m vlmbind.organisms.recipes {name} --out runs/organisms/{name} --threads 1",
+        "command": f"python -m vlmbind.organisms.recipes {name} --out runs/organisms/{name} "
+                   f"--threads {summary.get('threads') or 1}"
+                   + (" --processes 2" if summary.get("processes", 1) == 2 else ""),
     }
     if grown:
         record["grown_from"] = {"organism": "organism-p2a", "init_layers": recipe[0][1].get("init_layers")}

@@ -622,9 +622,9 @@ def train(
             the vision tower once (:func:`~vlmbind.organisms.model.shared_image_features`); False runs the vision
             tower in every forward, the plain path it must equal (up to the order of float sums).
         processes: 1, or 2 to train in two processes of ``threads`` threads each (default 1), each computing part
-            of every step's summed loss (:mod:`~vlmbind.organisms.processes`): about 1.5-1.9x faster than one
-            process on an idle 2-core machine, and the same run up to the order of float sums. A run may change its
-            process count when it resumes.
+            of every step's summed loss (:mod:`~vlmbind.organisms.processes`): faster than one process on an
+            idle 2-core machine (``benchmarks/two_processes.py``), and the same run up to the order of float sums.
+            A run may change its process count when it resumes.
 
     Returns:
         A :class:`TrainResult`.
@@ -980,7 +980,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a busy machine)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--processes", type=int, default=1,
-                        help="2: train in two processes of --threads threads each (about 1.5-1.9x faster on 2 cores)")
+                        help="2: train in two processes of --threads threads each (faster on an idle 2-core machine)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a process that train() started
     parser.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
