@@ -1,9 +1,9 @@
 """Training one organism in two processes: each computes part of a step's summed loss, and the gradients are added.
 
-Why: a training step of an organism is many small operations, so a second torch thread buys 1.1-1.5x
-(``benchmarks/training.py``), while two independent one-thread jobs on the two cores each run at full speed; two
-processes of one thread each, each computing part of the step, get more of the second core
-(``benchmarks/two_processes.py`` has the ratios per stage).
+Why: a training step of an organism is many small operations, and a second torch thread speeds it up by 1.1-1.6x
+depending on the stage and the run, while two independent one-thread jobs on the two cores each keep their speed.
+Two processes of one thread each, each computing part of the step, measured 1.4-1.7x against one thread and on a
+par with two threads, ahead where the step's work splits evenly (``benchmarks/two_processes.py``).
 The step's loss is a sum of terms that run their own forwards (the behaviour loss; the SIIT losses of the ``iit``
 part; those of the ``strict`` part), and the gradient of a sum is the sum of the gradients, so the step splits by
 terms, not by rows, and every term means what it means in one process (a mean ablation still averages over the
