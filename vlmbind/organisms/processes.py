@@ -185,19 +185,12 @@ def check_processes(processes: Any, siit: Any) -> int:
 
 
 def launch(config_dict: Mapping[str, Any], out: Path, *, resume: bool, progress: bool, until: int | None,
-           threads: int | None) -> int:
+           threads: int | None) -> None:
     """Run the two training processes on ``config_dict`` into ``out`` and wait for both.
-
-    Returns:
-        The step the run's newest checkpoint held before it started (0 for a fresh run), for the caller's speed.
 
     Raises:
         TrainingError: a process failed (its message, where it wrote one), or was stopped.
     """
-    from .train import list_checkpoints
-
-    before = list_checkpoints(out) if out.is_dir() else []
-    start = int(json.loads((before[-1] / "trainer_state.json").read_text())["step"]) if resume and before else 0
     with tempfile.TemporaryDirectory(prefix="vlmbind-train-") as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(json.dumps(config_dict, default=str))
@@ -235,7 +228,6 @@ def launch(config_dict: Mapping[str, Any], out: Path, *, resume: bool, progress:
             tail = logs[rank].read_text()[-2000:].strip() if logs[rank].is_file() else ""
             raise TrainingError(f"training process {rank} of 2 stopped with exit code {code}"
                                 + (f":\n{tail}" if tail else " (its output is above)"))
-    return start
 
 
 def _wait(procs: list[subprocess.Popen]) -> tuple[int, int] | None:

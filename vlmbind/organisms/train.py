@@ -644,8 +644,10 @@ def train(
     if processes == 2:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        before = list_checkpoints(out)
+        start = int(_read_state(before[-1])["step"]) if resume and before else 0
         t0 = time.perf_counter()
-        start = launch(config.to_dict(), out, resume=resume, progress=progress, until=until, threads=threads)
+        launch(config.to_dict(), out, resume=resume, progress=progress, until=until, threads=threads)
         return _result_of(out, start, time.perf_counter() - t0)
     return _train_here(config, out_dir, resume=resume, progress=progress, until=until, threads=threads,
                        share_image_features=share_image_features)
