@@ -20,16 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from vlmbind.organisms.recipes import recipe_stages, stage_config
+from training import _config  # the stage's configuration for a timed run (benchmarks/training.py)
+from vlmbind.organisms.recipes import recipe_stages
 from vlmbind.organisms.train import train
 
 WAYS = (("1 process, 1 thread", 1, 1), ("1 process, 2 threads", 1, 2), ("2 processes, 1 thread each", 2, 1))
-
-
-def _config(fields: dict, steps: int):
-    fields = {k: v for k, v in fields.items() if k not in ("init_from", "init_layers", "until")}
-    fields.update(steps=steps, eval_every=0, checkpoint_every=steps, keep_checkpoints=1)
-    return stage_config(fields)[0]
 
 
 def _time(config, processes: int, threads: int) -> float:
@@ -46,8 +41,8 @@ def run(stages: list[int], steps: int, organism: str = "organism-vsm") -> dict:
         name, fields = recipe[index - 1]
         row = {"stage": name, "steps": fields.get("until") or fields["steps"]}
         for label, processes, threads in WAYS:
-            many = _time(_config(fields, steps), processes, threads)
-            one = _time(_config(fields, 1), processes, threads)
+            many = _time(_config(fields, steps, 0), processes, threads)
+            one = _time(_config(fields, 1, 0), processes, threads)
             row[label] = round((many - one) / (steps - 1), 3)
             print(name, label, row[label], file=sys.stderr, flush=True)
         base = row[WAYS[0][0]]

@@ -831,21 +831,15 @@ def _train_here(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool
                         parts[name] = float(extra[name].detach())
                 return total
 
-            def step_on(loss: torch.Tensor) -> float:
-                loss.backward()
-                if config.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                return float(loss.detach())
-
-            def step_split(loss: torch.Tensor | None) -> float:
+            def step_on(loss: torch.Tensor | None) -> float:
+                """Backward, (two processes: add the ranks' gradients and logged losses), clip, step."""
                 if loss is not None:
                     loss.backward()
-                numbers = {k: v for k, v in parts.items() if k in LOGGED_LOSSES}
-                summed, total = sync_step(split, synced, numbers, LOGGED_LOSSES,
-                                          float(loss.detach()) if loss is not None else 0.0)
-                parts.update(summed)
+                total = float(loss.detach()) if loss is not None else 0.0
+                if split is not None:
+                    numbers = {k: v for k, v in parts.items() if k in LOGGED_LOSSES}
+                    summed, total = sync_step(split, synced, numbers, LOGGED_LOSSES, total)
+                    parts.update(summed)
                 if config.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                 optimizer.step()
@@ -858,7 +852,7 @@ def _train_here(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool
                     loss = behaviour_loss()
                     if siit is not None:
                         loss = siit_loss(split.siit_parts(), loss)
-                value = step_split(loss)
+                value = step_on(loss)
             elif siit is None or siit.single_loss:
                 with images_shared():
                     loss = behaviour_loss()
