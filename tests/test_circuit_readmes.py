@@ -97,3 +97,47 @@ def test_the_id_selection_attempt_backs_what_the_docs_say():
         if condition == "id_selection":
             assert scores["significant"].sum() == 1 and bool(best["significant"])
             assert f"[{best['ci_low']:.2f}, {best['ci_high']:.2f}]" in text
+
+
+def test_the_from_scratch_replicate_backs_what_the_docs_say():
+    """The recipe's second from-scratch run: its recorded wall time and the figures the docs quote from its record."""
+    runs = CIRCUITS / "ground_truth" / "results" / "organism-vsm_training"
+    record = json.loads((runs / "32-two-process-replicate-attempt.json").read_text())
+    recipe = record["recipe"]
+    assert recipe["processes"] == 2 and recipe["threads"] == 1 and len(recipe["stages"]) == 12
+    assert abs(recipe["wall_time_s"] - sum(s["wall_time_s"] for s in recipe["stages"])) < 1e-6
+    minutes = f"{recipe['wall_time_s'] / 60:.1f}"
+    docs = (CIRCUITS.parent / "docs" / "ground_truth.md").read_text()
+    readme = (CIRCUITS / "ground_truth" / "README.md").read_text()
+    assert minutes == "145.9" and f"**{minutes} min**" in docs and f"{minutes} min" in readme
+    stage_minutes = ", ".join(f"{s['wall_time_s'] / 60:.1f}" for s in recipe["stages"])
+    assert stage_minutes.replace(", 15.2", " and 15.2") in docs
+    retrieval = {(s["objects"], s["entropy"]): s["interchange_accuracy"]
+                 for s in record["interchange"]["variables"]["id_retrieval"]["settings"]}
+    assert (round(retrieval[(3, "high")], 2), round(retrieval[(4, "high")], 2)) == (0.84, 0.91)
+    assert max(v["unplanted_changes_max"] for v in record["interchange"]["variables"].values()) <= 1 / 384 + 1e-12
+    summary = json.loads((runs / "32-validation" / "validation.json").read_text())["summary"]
+    ablation = summary["ablation"]
+    assert all(mode["top"] == 0.0 for mode in ablation.values())
+    assert round(ablation["mean"]["random"], 2) == 0.87 and round(ablation["mean"]["random_min"], 2) == 0.45
+    assert (round(summary["edit"]["efficacy"], 2), round(summary["edit"]["random_control"], 2)) == (0.97, 0.0)
+
+
+def test_the_edit_control_geometry_backs_what_the_docs_say():
+    record = json.loads((CIRCUITS / "ground_truth" / "results" / "edit_control_geometry.json").read_text())
+    assert record["model"] == "organism-vsm" and record["n_eval"] == 512 and record["positions"] == "answer"
+    both = record["by_heads"]["2.3 3.1"]
+
+    def quoted(figure):
+        low, high = figure["ci95"]
+        return f"{figure['rate']:.2f} [{low:.2f}, {high:.2f}]"
+
+    docs = (CIRCUITS.parent / "docs" / "ground_truth.md").read_text()
+    readme = (CIRCUITS / "ground_truth" / "README.md").read_text()
+    for figure in ("control_names_t", "described_answers_on_nearest"):
+        assert quoted(both[figure]) in docs and quoted(both[figure]) in readme
+    for figure in ("names_t_when_t_nearest", "names_t_when_other_nearest", "edit_efficacy"):
+        assert quoted(both[figure]) in readme
+    # the landing follows the grid: the nearer described object more often than a coin flip would give
+    assert both["described_answers_on_nearest"]["ci95"][0] > 0.5
+    assert both["names_t_when_t_nearest"]["ci95"][0] > both["names_t_when_other_nearest"]["ci95"][1]

@@ -8,7 +8,9 @@ table's fresh pairs, 64 per object count and entropy, seed 1000, each head of a 
 ``results/organism-vsm_training/N-validation/`` (``vlmbind validate`` as ``run.py`` runs it; N is LABEL's number).
 The checkpoint gets organism-vsm's ``vlmbind_training.json`` beside its weights so that it loads as the organism.
 With ``--strictness`` (minutes more) the record's ``interchange`` field is the interchange table's whole measurement
-of the checkpoint (``interchange.py``'s, every unplanted head interchanged alone included).
+of the checkpoint (``interchange.py``'s, every unplanted head interchanged alone included). With
+``--recipe-summary`` (a recipe run's ``recipe_summary.json``) the record's ``recipe`` field holds every stage's wall
+time and last training evaluation, and the recipe's total wall time.
 """
 
 from __future__ import annotations
@@ -50,12 +52,20 @@ def by_objects(vlm, n_pairs: int = 64, seed: int = 1000) -> dict:
             "n_per_cell": n_pairs, "accuracy": accuracy}
 
 
+def recipe_record(summary: dict) -> dict:
+    """A recipe run's summary without this machine's paths: stage, steps, wall time and last evaluation per stage."""
+    stages = [{k: stage.get(k) for k in ("stage", "steps", "wall_time_s", "last_eval")} for stage in summary["stages"]]
+    return {"organism": summary["organism"], "seed": summary["seed"], "threads": summary["threads"],
+            "processes": summary.get("processes", 1), "stages": stages, "wall_time_s": summary["wall_time_s"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint")
     p.add_argument("label", help="N-name: the record is results/organism-vsm_training/N-name-attempt.json")
     p.add_argument("--start", required=True, help="what the attempt started from, in words")
     p.add_argument("--strictness", action="store_true", help="also measure the interchange table (strictness)")
+    p.add_argument("--recipe-summary", help="the recipe run's recipe_summary.json: its stage times go in the record")
     args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     shutil.copy(organism_dir("organism-vsm") / TRAINING_FILE, checkpoint / TRAINING_FILE)
@@ -64,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     number = args.label.split("-")[0]
     validate(vlm, n_pairs=24, seed=1000).save(RUNS / f"{number}-validation", figure=False)
     record = {"stage": args.label, "step": state["step"], "wall_time_s": state["wall_time_s"],
-              "threads": state["threads"], "config": state["config"], "evals": state["evals"],
+              "threads": state["threads"], "processes": state.get("processes", 1), "config": state["config"], "evals": state["evals"],
               "loss_every_50": state["losses"][::50], "siit_losses_every_50": state["siit_losses"][::50],
               "start": args.start, "by_objects": by_objects(vlm),
               "validation": f"{number}-validation/validation.json (vlmbind validate, 24 pairs, seed 1000, as run.py)",
               "command": "python circuits/ground_truth/record_attempt.py " + " ".join(argv or sys.argv[1:])}
+    if args.recipe_summary:
+        record["recipe"] = recipe_record(json.loads(Path(args.recipe_summary).read_text()))
     if args.strictness:
         record["interchange"] = measure(str(checkpoint), vlm.training["planted"], 64, 1000)
     write_json_atomic(record, RUNS / f"{args.label}-attempt.json")
