@@ -138,6 +138,13 @@ def test_the_edit_control_geometry_backs_what_the_docs_say():
         assert quoted(both[figure]) in docs and quoted(both[figure]) in readme
     for figure in ("names_t_when_t_nearest", "names_t_when_other_nearest", "edit_efficacy"):
         assert quoted(both[figure]) in readme
+    lines = both["control_names_t_by_line_through_t"]
+    for line in ("same_row", "same_column", "neither"):
+        assert quoted(lines[line]) in docs and quoted(lines[line]) in readme
+    assert lines["neither"]["ci95"][1] < min(lines["same_row"]["ci95"][0], lines["same_column"]["ci95"][0])
+    distance = {int(k): v["rate"] for k, v in both["control_names_t_by_distance_to_t"].items()}
+    assert [f"{distance[k]:.2f}" for k in (1, 3, 4, 6)] == ["0.70", "0.08", "0.08", "0.43"]
+    assert "0.70 at\n  one cell to 0.08 at three and four" in readme and "0.43, at five to six" in readme
     # the landing follows the grid: the nearer described object more often than a coin flip would give
     assert both["described_answers_on_nearest"]["ci95"][0] > 0.5
     assert both["names_t_when_t_nearest"]["ci95"][0] > both["names_t_when_other_nearest"]["ci95"][1]

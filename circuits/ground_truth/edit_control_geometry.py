@@ -1,6 +1,6 @@
 """Where the position-ID edit's empty-cell control lands: on the described object nearest to the empty cell?
 
-    python circuits/ground_truth/edit_control_geometry.py [--model organism-vsm] [--n-eval 256] [--alpha 1]
+    python circuits/ground_truth/edit_control_geometry.py [--model organism-vsm] [--n-eval 512] [--alpha 1]
                                                           [--seed 1000]
                                                           [--out circuits/ground_truth/results/edit_control_geometry.json]
 
@@ -9,9 +9,9 @@ name the object at the edit's target cell ``t``. With three objects a scene has 
 towards ``c`` lands on a described object at random, half of those answers name ``t``. This script asks whether the
 landing follows the geometry instead: for each control answer that names a described object, is it the one nearest to
 ``c`` (Euclidean distance in grid cells; scenes where both are equally near are left out)? And how often does the
-control name ``t`` when ``t`` is the nearer one, against when the other described object is? It runs the same
-``edit_studies`` call as ``vlmbind validate`` (same seed, estimation and evaluation scenes, ``answer`` positions), with
-more evaluation scenes; the first 64 are validate's.
+control name ``t`` when ``t`` is the nearer one, against when the other described object is, and by the distance
+from ``c`` to ``t`` and whether ``c`` shares ``t``'s row or column? It runs the same ``edit_studies`` call as ``vlmbind validate`` (same seed, estimation and
+evaluation scenes, ``answer`` positions), with more evaluation scenes; the first 64 are validate's.
 """
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def landing(records: list[dict], scenes: dict, alpha: float) -> dict:
         counts = when_t_nearest if nearest == r["t_name"] else when_other_nearest
         counts[0] += hit
         counts[1] += 1
+    by_distance = {}  # names t, by the distance from the empty cell c to t (grid cells, rounded up)
+    for r in rows:
+        key = str(int(np.ceil(np.hypot(*(np.asarray(r["c"], dtype=float) - np.asarray(r["t"], dtype=float))))))
+        hits, n = by_distance.get(key, (0, 0))
+        by_distance[key] = (hits + (r["outcome"] == "switch"), n + 1)
+    by_line = {}  # names t, by whether c lies in t's row, t's column, or neither
+    for r in rows:
+        key = "same_row" if r["c"][0] == r["t"][0] else "same_column" if r["c"][1] == r["t"][1] else "neither"
+        hits, n = by_line.get(key, (0, 0))
+        by_line[key] = (hits + (r["outcome"] == "switch"), n + 1)
     edit = [r for r in records if r["alpha"] == alpha and r["arm"] == "edit"]
     return {"edit_efficacy": share(sum(r["outcome"] == "switch" for r in edit), len(edit)),
             "control_names_t": share(named_t, len(rows)),
@@ -72,13 +82,15 @@ def landing(records: list[dict], scenes: dict, alpha: float) -> dict:
             "described_answers_on_nearest": share(nearest_hits, nearest_n),
             "names_t_when_t_nearest": share(*when_t_nearest),
             "names_t_when_other_nearest": share(*when_other_nearest),
-            "scenes_with_equally_near_objects": ties}
+            "scenes_with_equally_near_objects": ties,
+            "control_names_t_by_distance_to_t": {k: share(*by_distance[k]) for k in sorted(by_distance, key=int)},
+            "control_names_t_by_line_through_t": {k: share(*by_line[k]) for k in sorted(by_line)}}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="organism-vsm")
-    p.add_argument("--n-eval", type=int, default=256)
+    p.add_argument("--n-eval", type=int, default=512)
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--out", default=str(HERE / "results" / "edit_control_geometry.json"))
