@@ -10,8 +10,9 @@ towards ``c`` lands on a described object at random, half of those answers name 
 landing follows the geometry instead: for each control answer that names a described object, is it the one nearest to
 ``c`` (Euclidean distance in grid cells; scenes where both are equally near are left out)? And how often does the
 control name ``t`` when ``t`` is the nearer one, against when the other described object is, and by the distance
-from ``c`` to ``t`` and whether ``c`` shares ``t``'s row or column? It runs the same ``edit_studies`` call as ``vlmbind validate`` (same seed, estimation and
-evaluation scenes, ``answer`` positions), with more evaluation scenes; the first 64 are validate's.
+from ``c`` to ``t`` and whether ``c`` shares ``t``'s row or column? It runs the same ``edit_studies`` call as
+``vlmbind validate`` (same seed, estimation and evaluation scenes, ``answer`` positions), with more evaluation
+scenes; the first 64 are validate's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import inspect
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -43,48 +45,46 @@ def share(hits: int, n: int) -> dict:
 
 
 def landing(records: list[dict], scenes: dict, alpha: float) -> dict:
-    """Counts for the control rows at ``alpha``: names t, names a described object, lands on the nearest one."""
+    """Counts for the control rows at ``alpha``: names t, names a described object, lands on the nearest one, and
+    names t by where the empty cell lies relative to t."""
     rows = [r for r in records if r["alpha"] == alpha and r["arm"] == "control"]
-    named_t = described = nearest_hits = nearest_n = 0
-    when_t_nearest, when_other_nearest, ties = [0, 0], [0, 0], 0
+    tally: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])  # (figure, group) -> [hits, n]
+
+    def count(figure: str, group: str, hit: bool) -> None:
+        tally[figure, group][0] += hit
+        tally[figure, group][1] += 1
+
+    ties = 0
     for r in rows:
-        scene, c = scenes[r["id"]], np.asarray(r["c"], dtype=float)
-        distance = {scene.objects[j].name: float(np.hypot(*(np.array([scene.objects[j].row, scene.objects[j].col]) - c)))
-                    for j in scene.fields["described"]}
-        nearest = min(distance, key=distance.get)
-        tie = len(set(np.round(list(distance.values()), 6))) < len(distance)
+        scene, c, t = scenes[r["id"]], np.asarray(r["c"], dtype=float), np.asarray(r["t"], dtype=float)
         hit = r["outcome"] == "switch"
-        named_t += hit
-        described += bool(r["described"])
-        if tie:
-            ties += 1
+        count("control_names_t", "", hit)
+        count("control_names_described", "", bool(r["described"]))
+        count("control_names_t_by_distance_to_t", str(int(np.ceil(np.hypot(*(c - t))))), hit)
+        line = "same_row" if c[0] == t[0] else "same_column" if c[1] == t[1] else "neither"
+        count("control_names_t_by_line_through_t", line, hit)
+        distance = {scene.objects[j].name: float(np.hypot(scene.objects[j].row - c[0], scene.objects[j].col - c[1]))
+                    for j in scene.fields["described"]}
+        if len(set(np.round(list(distance.values()), 6))) < len(distance):
+            ties += 1  # both described objects equally near: no nearer one
             continue
+        nearest = min(distance, key=distance.get)
         if r["described"]:
-            nearest_hits += r["parsed"] == nearest
-            nearest_n += 1
-        counts = when_t_nearest if nearest == r["t_name"] else when_other_nearest
-        counts[0] += hit
-        counts[1] += 1
-    by_distance = {}  # names t, by the distance from the empty cell c to t (grid cells, rounded up)
-    for r in rows:
-        key = str(int(np.ceil(np.hypot(*(np.asarray(r["c"], dtype=float) - np.asarray(r["t"], dtype=float))))))
-        hits, n = by_distance.get(key, (0, 0))
-        by_distance[key] = (hits + (r["outcome"] == "switch"), n + 1)
-    by_line = {}  # names t, by whether c lies in t's row, t's column, or neither
-    for r in rows:
-        key = "same_row" if r["c"][0] == r["t"][0] else "same_column" if r["c"][1] == r["t"][1] else "neither"
-        hits, n = by_line.get(key, (0, 0))
-        by_line[key] = (hits + (r["outcome"] == "switch"), n + 1)
+            count("described_answers_on_nearest", "", r["parsed"] == nearest)
+        count("names_t_when_t_nearest" if nearest == r["t_name"] else "names_t_when_other_nearest", "", hit)
     edit = [r for r in records if r["alpha"] == alpha and r["arm"] == "edit"]
-    return {"edit_efficacy": share(sum(r["outcome"] == "switch" for r in edit), len(edit)),
-            "control_names_t": share(named_t, len(rows)),
-            "control_names_described": share(described, len(rows)),
-            "described_answers_on_nearest": share(nearest_hits, nearest_n),
-            "names_t_when_t_nearest": share(*when_t_nearest),
-            "names_t_when_other_nearest": share(*when_other_nearest),
-            "scenes_with_equally_near_objects": ties,
-            "control_names_t_by_distance_to_t": {k: share(*by_distance[k]) for k in sorted(by_distance, key=int)},
-            "control_names_t_by_line_through_t": {k: share(*by_line[k]) for k in sorted(by_line)}}
+    out = {"edit_efficacy": share(sum(r["outcome"] == "switch" for r in edit), len(edit))}
+    for (figure, group), (hits, n) in sorted(tally.items(), key=lambda kv: (kv[0][0], _group_order(kv[0][1]))):
+        if group:
+            out.setdefault(figure, {})[group] = share(hits, n)
+        else:
+            out[figure] = share(hits, n)
+    out["scenes_with_equally_near_objects"] = ties
+    return out
+
+
+def _group_order(group: str) -> tuple:
+    return (0, int(group), "") if group.isdigit() else (1, 0, group)
 
 
 def main(argv: list[str] | None = None) -> int:
