@@ -145,6 +145,8 @@ def test_the_edit_control_geometry_backs_what_the_docs_say():
     distance = {int(k): v["rate"] for k, v in both["control_names_t_by_distance_to_t"].items()}
     assert [f"{distance[k]:.2f}" for k in (1, 3, 4, 6)] == ["0.70", "0.08", "0.08", "0.43"]
     assert "0.70 at\n  one cell to 0.08 at three and four" in readme and "0.43, at five to six" in readme
+    top = (CIRCUITS.parent / "README.md").read_text()
+    assert f"({both['control_names_t']['rate']:.2f} on {record['n_eval']}\nscenes)" in top
     # the landing follows the grid: the nearer described object more often than a coin flip would give
     assert both["described_answers_on_nearest"]["ci95"][0] > 0.5
     assert both["names_t_when_t_nearest"]["ci95"][0] > both["names_t_when_other_nearest"]["ci95"][1]
