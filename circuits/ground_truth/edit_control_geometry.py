@@ -32,6 +32,7 @@ from vlmbind.analysis.edits import edit_studies
 from vlmbind.analysis.validate import validate
 from vlmbind.evaluate import training_defaults
 from vlmbind.io import write_json_atomic
+from vlmbind.sites import parse_heads
 from vlmbind.stimuli import scene_description
 
 HERE = Path(__file__).parent
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(HERE / "results" / "edit_control_geometry.json"))
     args = p.parse_args(argv)
     vlm = vb.load(args.model)
-    selection = [tuple(int(x) for x in h.split(".")) for h in vlm.training["planted"]["id_selection"]]
+    selection = parse_heads(vlm.training["planted"]["id_selection"])
     head_sets = [selection] + ([[h] for h in selection] if len(selection) > 1 else [])
     stimulus = training_defaults(vlm, "scene", {"n_objects": 3, "entropy": "high"})
     studies = edit_studies(vlm, head_sets, [args.alpha], n_estimate=N_ESTIMATE, n_eval=args.n_eval, seed=args.seed,
