@@ -152,6 +152,56 @@ def test_the_edit_control_geometry_backs_what_the_docs_say():
     assert both["names_t_when_t_nearest"]["ci95"][0] > both["names_t_when_other_nearest"]["ci95"][1]
 
 
+def test_the_edit_alpha_sweep_backs_what_the_docs_say():
+    record = json.loads((CIRCUITS / "ground_truth" / "results" / "edit_alpha_sweep.json").read_text())
+    assert record["model"] == "organism-vsm" and record["heads"] == "2.3 3.1" and record["positions"] == "answer"
+    choose, confirm = record["choose"]["by_alpha"], record["confirm"]["by_alpha"]
+    assert record["choose"]["seed"] != record["confirm"]["seed"] and record["choose"]["n_eval"] == 512
+
+    def quoted(figure):
+        low, high = figure["ci95"]
+        return f"{figure['rate']:.2f} [{low:.2f}, {high:.2f}]"
+
+    def flat(text):
+        return " ".join(text.split())
+
+    docs = flat((CIRCUITS.parent / "docs" / "ground_truth.md").read_text())
+    readme = flat((CIRCUITS / "ground_truth" / "README.md").read_text())
+    top = flat((CIRCUITS.parent / "README.md").read_text())
+    # the rule as the script states it: the largest efficacy minus control on the choose seed, ties to the smaller
+    margins = {float(a): arms["edit"]["t"]["rate"] - arms["control"]["t"]["rate"] for a, arms in choose.items()}
+    best = max(margins.values())
+    assert record["chosen_alpha"] == min(a for a, m in margins.items() if m == best) == 0.9
+    assert set(confirm) == {"0.9", "1"}
+    for alpha in ("0.6", "0.7", "0.8", "1"):
+        edit, control = choose[alpha]["edit"]["t"], choose[alpha]["control"]["t"]
+        assert f"{quoted(edit)} and {quoted(control)}" in docs
+    for alpha in ("0.7", "0.8"):
+        assert f"{quoted(choose[alpha]['edit']['t'])} and {quoted(choose[alpha]['control']['t'])}" in readme
+    assert (f"alpha 0.7: {choose['0.7']['edit']['t']['rate']:.2f} and {choose['0.7']['control']['t']['rate']:.2f}"
+            in top)
+    # no alpha meets both targets, and the control cannot tell the target from the other described object
+    assert not any(arms["edit"]["t"]["rate"] >= 0.79 and arms["control"]["t"]["rate"] <= 0.10
+                   for arms in list(choose.values()) + list(confirm.values()))
+    for arms in choose.values():
+        t, other = arms["control"]["t"], arms["control"]["other_described"]
+        assert t["ci95"][0] <= other["rate"] <= t["ci95"][1]
+        assert arms["edit"]["other_described"]["rate"] <= 0.03
+        assert sum(v["rate"] for v in arms["control"].values()) == pytest.approx(1.0)
+    at1 = choose["1"]
+    assert f"{at1['control']['t']['rate']:.2f}, {quoted(at1['control']['other_described'])} and {quoted(at1['control']['absent'])}" in docs
+    assert quoted(at1["edit"]["other_described"]) in docs and quoted(at1["edit"]["other_described"]) in readme
+    assert quoted(at1["control"]["other_described"]) in readme
+    # the same call as edit_control_geometry.py at alpha 1 on the same seed: the same answers
+    geometry = json.loads((CIRCUITS / "ground_truth" / "results" / "edit_control_geometry.json").read_text())
+    assert geometry["seed"] == record["choose"]["seed"] and geometry["alpha"] == 1.0
+    assert geometry["by_heads"]["2.3 3.1"]["answers"] == at1
+    chosen = confirm["0.9"]
+    for figure in (chosen["edit"]["t"], chosen["control"]["t"]):
+        assert quoted(figure) in docs and quoted(figure) in readme
+    assert quoted(chosen["random_direction"]["t"]) in docs
+
+
 def test_random_k_over_many_draws_backs_what_the_docs_say():
     results = CIRCUITS / "ground_truth" / "results"
     shipped = json.loads((results / "random_k_draws.json").read_text())["modes"]

@@ -10,7 +10,9 @@ towards ``c`` lands on a described object at random, half of those answers name 
 landing follows the geometry instead: for each control answer that names a described object, is it the one nearest to
 ``c`` (Euclidean distance in grid cells; scenes where both are equally near are left out)? And how often does the
 control name ``t`` when ``t`` is the nearer one, against when the other described object is, and by the distance
-from ``c`` to ``t`` and whether ``c`` shares ``t``'s row or column? It runs the same ``edit_studies`` call as
+from ``c`` to ``t`` and whether ``c`` shares ``t``'s row or column? Per arm (edit, empty-cell control, random
+direction) it also splits the answers into ``t``, the missing object, the other described object and no object of
+the scene. It runs the same ``edit_studies`` call as
 ``vlmbind validate`` (same seed, estimation and evaluation scenes, ``answer`` positions), with more evaluation
 scenes; the first 64 are validate's.
 """
@@ -74,7 +76,9 @@ def landing(records: list[dict], scenes: dict, alpha: float) -> dict:
             count("described_answers_on_nearest", "", r["parsed"] == nearest)
         count("names_t_when_t_nearest" if nearest == r["t_name"] else "names_t_when_other_nearest", "", hit)
     edit = [r for r in records if r["alpha"] == alpha and r["arm"] == "edit"]
-    out = {"edit_efficacy": share(sum(r["outcome"] == "switch" for r in edit), len(edit))}
+    out = {"edit_efficacy": share(sum(r["outcome"] == "switch" for r in edit), len(edit)),
+           "answers": {arm: answers([r for r in records if r["alpha"] == alpha and r["arm"] == arm])
+                       for arm in dict.fromkeys(r["arm"] for r in records)}}
     for (figure, group), (hits, n) in sorted(tally.items(), key=lambda kv: (kv[0][0], _group_order(kv[0][1]))):
         if group:
             out.setdefault(figure, {})[group] = share(hits, n)
@@ -82,6 +86,17 @@ def landing(records: list[dict], scenes: dict, alpha: float) -> dict:
             out[figure] = share(hits, n)
     out["scenes_with_equally_near_objects"] = ties
     return out
+
+
+def answers(rows: list[dict]) -> dict:
+    """What one arm's answers name: ``t``, the missing object (``original``), the other described object, or no
+    object of the scene (``absent``: another colour-shape pair, or no parse)."""
+    def kind(r: dict) -> str:
+        if r["outcome"] in ("switch", "original"):
+            return "t" if r["outcome"] == "switch" else "original"
+        return "other_described" if r["described"] else "absent"
+    kinds = [kind(r) for r in rows]
+    return {k: share(kinds.count(k), len(kinds)) for k in ("t", "original", "other_described", "absent")}
 
 
 def _group_order(group: str) -> tuple:
