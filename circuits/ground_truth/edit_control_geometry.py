@@ -92,8 +92,10 @@ def answers(rows: list[dict]) -> dict:
     """What one arm's answers name: ``t``, the missing object (``original``), the other described object, or no
     object of the scene (``absent``: another colour-shape pair, or no parse)."""
     def kind(r: dict) -> str:
-        if r["outcome"] in ("switch", "original"):
-            return "t" if r["outcome"] == "switch" else "original"
+        if r["outcome"] == "switch":
+            return "t"
+        if r["outcome"] == "original":
+            return "original"
         return "other_described" if r["described"] else "absent"
     kinds = [kind(r) for r in rows]
     return {k: share(kinds.count(k), len(kinds)) for k in ("t", "original", "other_described", "absent")}
