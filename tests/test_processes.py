@@ -229,17 +229,27 @@ def test_ctrl_c_writes_a_checkpoint_at_the_last_finished_step_and_stops_both(tmp
     config_path = tmp_path / "run.json"
     config = _config(steps=10_000, siit=None, checkpoint_every=10_000, eval_every=0)
     config_path.write_text(json.dumps(config.to_dict(), default=str))
-    launcher = subprocess.Popen([sys.executable, "-m", "vlmbind.organisms", "--config", str(config_path), "--out",
-                                 str(tmp_path / "run"), "--processes", "2", "--quiet"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while len(_workers_left(tmp_path / "run")) < 2 and time.time() < deadline:
-        time.sleep(0.5)
-    time.sleep(20)  # let them import, build the model and train some steps
-    launcher.send_signal(signal.SIGINT)
-    launcher.wait(timeout=300)
-    assert launcher.returncode != 0
-    checkpoints = sorted((tmp_path / "run").glob("checkpoint-*"))
-    assert len(checkpoints) == 1, launcher.stderr.read().decode()[-2000:]
-    assert 0 < _state(checkpoints[0])["step"] < 10_000
-    assert _workers_left(tmp_path / "run") == []
+    # A shell that starts the suite in the background without job control leaves SIGINT ignored, and an ignored
+    # signal stays ignored across exec: give the launcher Python's Ctrl-C handler, as a terminal would have it.
+    argv = ["vlmbind.organisms", "--config", str(config_path), "--out", str(tmp_path / "run"), "--processes", "2",
+            "--quiet"]
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             f"sys.argv = {argv!r}; runpy.run_module('vlmbind.organisms', run_name='__main__', alter_sys=True)")
+    launcher = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 300
+        while len(_workers_left(tmp_path / "run")) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+        time.sleep(20)  # let them import, build the model and train some steps
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(timeout=300)
+        assert launcher.returncode != 0
+        checkpoints = sorted((tmp_path / "run").glob("checkpoint-*"))
+        assert len(checkpoints) == 1, launcher.stderr.read().decode()[-2000:]
+        assert 0 < _state(checkpoints[0])["step"] < 10_000
+        assert _workers_left(tmp_path / "run") == []
+    finally:  # a failed run must not leave training processes behind on the machine
+        launcher.kill()
+        launcher.wait()
+        for pid in _workers_left(tmp_path / "run"):
+            os.kill(int(pid), signal.SIGKILL)
