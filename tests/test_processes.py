@@ -220,9 +220,11 @@ def test_the_recipe_runner_trains_each_stage_in_the_processes_asked(tmp_path, mo
     assert "processes must be 1 or 2" in capsys.readouterr().err
 
 
-def test_ctrl_c_writes_a_checkpoint_at_the_last_finished_step_and_stops_both(tmp_path):
-    """A Ctrl-C reaches the launcher, which passes one interrupt on to rank 0: rank 0 writes a checkpoint at its last
-    finished step (as one process does) and both processes are gone afterwards."""
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_a_stopped_launcher_leaves_a_checkpoint_and_no_training_process(tmp_path, stop):
+    """A Ctrl-C (SIGINT) or a SIGTERM reaches the launcher, which passes one interrupt on to rank 0; a SIGKILL passes
+    nothing on, and rank 0 sees its parent gone. Either way rank 0 writes a checkpoint at its last finished step (as
+    one process does on Ctrl-C) and both training processes are gone soon after."""
     import signal
     import time
 
@@ -241,13 +243,16 @@ def test_ctrl_c_writes_a_checkpoint_at_the_last_finished_step_and_stops_both(tmp
         while len(_workers_left(tmp_path / "run")) < 2 and time.time() < deadline:
             time.sleep(0.5)
         time.sleep(20)  # let them import, build the model and train some steps
-        launcher.send_signal(signal.SIGINT)
+        launcher.send_signal(getattr(signal, stop))
         launcher.wait(timeout=300)
         assert launcher.returncode != 0
+        deadline = time.time() + 120
+        while _workers_left(tmp_path / "run") and time.time() < deadline:
+            time.sleep(0.5)
+        assert _workers_left(tmp_path / "run") == []
         checkpoints = sorted((tmp_path / "run").glob("checkpoint-*"))
         assert len(checkpoints) == 1, launcher.stderr.read().decode()[-2000:]
         assert 0 < _state(checkpoints[0])["step"] < 10_000
-        assert _workers_left(tmp_path / "run") == []
     finally:  # a failed run must not leave training processes behind on the machine
         launcher.kill()
         launcher.wait()

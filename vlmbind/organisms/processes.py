@@ -23,10 +23,16 @@ Rank 0 evaluates, writes checkpoints and logs; rank 1 only trains. The result eq
 order of float sums (the split is fixed by the config, so a two-process run repeats bit for bit and resumes
 exactly). :func:`launch` starts the two processes (``python -m vlmbind.organisms ... --rank R``, plain arguments
 and a JSON config: nothing is pickled) and waits for them.
+
+Stopping: a Ctrl-C or a SIGTERM to the launcher is passed on to rank 0 as an interrupt, which writes a checkpoint at
+its last finished step, as one process does on Ctrl-C; rank 1 is stopped after it. If the launcher dies without
+passing anything on (SIGKILL), rank 0 notices that its parent is gone (:func:`stop_when_orphaned`) and stops the same
+way, and rank 1 stops at its next exchange with rank 0: no training process outlives its launcher for long.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -34,8 +40,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,29 +204,30 @@ def launch(config_dict: Mapping[str, Any], out: Path, *, resume: bool, progress:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
         procs: list[subprocess.Popen] = []
         logs = [Path(tmp) / f"stderr-rank{r}.txt" for r in (0, 1)]
-        try:
-            for rank in (0, 1):
-                cmd = [sys.executable, "-m", "vlmbind.organisms", "--config", str(config_path), "--out", str(out),
-                       "--threads", str(threads or 1), "--processes", "2", "--rank", str(rank),
-                       "--rendezvous", str(Path(tmp) / "rendezvous")]
-                cmd += ["--resume"] if resume else []
-                cmd += ["--until", str(until)] if until is not None else []
-                cmd += [] if progress and rank == 0 else ["--quiet"]
-                stderr = None if progress and rank == 0 else logs[rank].open("w")
-                # a session of their own: a Ctrl-C reaches this process only, which passes one on to rank 0
-                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
-                                              start_new_session=True))
-            failed = _wait(procs)
-        except KeyboardInterrupt:  # rank 0 writes a checkpoint at the last finished step; rank 1 is stopped after
-            if procs and procs[0].poll() is None:
-                procs[0].send_signal(signal.SIGINT)
-                procs[0].wait()
-            raise
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        with _sigterm_as_interrupt():  # a SIGTERM stops the run as a Ctrl-C does
+            try:
+                for rank in (0, 1):
+                    cmd = [sys.executable, "-m", "vlmbind.organisms", "--config", str(config_path), "--out", str(out),
+                           "--threads", str(threads or 1), "--processes", "2", "--rank", str(rank),
+                           "--rendezvous", str(Path(tmp) / "rendezvous"), "--launcher", str(os.getpid())]
+                    cmd += ["--resume"] if resume else []
+                    cmd += ["--until", str(until)] if until is not None else []
+                    cmd += [] if progress and rank == 0 else ["--quiet"]
+                    stderr = None if progress and rank == 0 else logs[rank].open("w")
+                    # a session of their own: a Ctrl-C reaches this process only, which passes one on to rank 0
+                    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                                  start_new_session=True))
+                failed = _wait(procs)
+            except KeyboardInterrupt:  # rank 0 writes a checkpoint at the last finished step; rank 1 is stopped after
+                if procs and procs[0].poll() is None:
+                    procs[0].send_signal(signal.SIGINT)
+                    procs[0].wait()
+                raise
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
         if failed is not None:
             rank, code = failed
             message = Path(tmp) / ERROR_FILE.format(rank=rank)
@@ -228,6 +236,41 @@ def launch(config_dict: Mapping[str, Any], out: Path, *, resume: bool, progress:
             tail = logs[rank].read_text()[-2000:].strip() if logs[rank].is_file() else ""
             raise TrainingError(f"training process {rank} of 2 stopped with exit code {code}"
                                 + (f":\n{tail}" if tail else " (its output is above)"))
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Within: a SIGTERM stops the launcher as a Ctrl-C does (rank 0 checkpoints, no process is left behind).
+    Signal handlers can only be set in the main thread; elsewhere SIGTERM keeps its handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def stop_when_orphaned(launcher: int, interval: float = 1.0) -> threading.Thread:
+    """Interrupt this process's main thread (as the launcher's Ctrl-C would) once its parent is no longer
+    ``launcher``: the launcher died without passing a stop on. Returns the watching (daemon) thread."""
+    # the launcher's interrupt must arrive even where SIGINT was ignored when the launcher started (a run started in
+    # the background): the workers have a session of their own, so nothing else sends them one
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=watch, name="vlmbind-launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _wait(procs: list[subprocess.Popen]) -> tuple[int, int] | None:

@@ -57,7 +57,7 @@ from .data import (
 )
 from .model import OrganismSize, build_organism, grid_side, shared_image_features
 from .processes import (RankSplit, behaviour_shares, check_processes, error_file, join, launch, leave,
-                        sync_step)
+                        stop_when_orphaned, sync_step)
 from .siit import (
     SIIT_EVAL_STREAM,
     SIIT_PARTS,
@@ -979,6 +979,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="2: train in two processes of --threads threads each (faster on an idle 2-core machine)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a process that train() started
     parser.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--launcher", type=int, default=None, help=argparse.SUPPRESS)  # the starting process's pid
     args = parser.parse_args(argv)
     if args.rank is not None:
         return _worker(args)
@@ -1002,6 +1003,8 @@ def _worker(args: argparse.Namespace) -> int:
         print("error: --rank is for the processes train(processes=2) starts; run with --processes 2 instead",
               file=sys.stderr)
         return 2
+    if args.rank == 0 and args.launcher is not None:
+        stop_when_orphaned(args.launcher)  # rank 1 stops at its next exchange with a stopped rank 0
     try:
         config = TrainConfig.from_json(args.config)
         split = join(args.rank, args.rendezvous)
