@@ -301,3 +301,29 @@ def test_lora_finetunes_a_saved_tiny_model(tmp_path):
             batch, labels = lora_batch(m, triples)
             losses.append(float(answer_loss(m.logits(batch), labels)))
     assert losses[0] - losses[1] > 0.5, losses  # the merged adapter carries what was learnt
+
+
+def test_a_sigterm_to_the_command_line_leaves_a_checkpoint_to_resume_from(tmp_path):
+    """A scheduler stops a job with SIGTERM: the one-process run writes a checkpoint at its last finished step, as a
+    Ctrl-C does, and the run resumes from it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config_path = tmp_path / "run.json"
+    config_path.write_text(json.dumps(small_config(steps=10_000, checkpoint_every=10_000).to_dict(), default=str))
+    proc = subprocess.Popen([sys.executable, "-m", "vlmbind.organisms", "--config", str(config_path), "--out",
+                             str(tmp_path / "run"), "--quiet", "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        time.sleep(25)  # import, build the model, train some steps
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        assert proc.returncode != 0
+        checkpoints = list_checkpoints(tmp_path / "run")
+        assert len(checkpoints) == 1, proc.stderr.read().decode()[-2000:]
+        assert 0 < json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"] < 10_000
+    finally:
+        proc.kill()
+        proc.wait()

@@ -204,7 +204,7 @@ def launch(config_dict: Mapping[str, Any], out: Path, *, resume: bool, progress:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
         procs: list[subprocess.Popen] = []
         logs = [Path(tmp) / f"stderr-rank{r}.txt" for r in (0, 1)]
-        with _sigterm_as_interrupt():  # a SIGTERM stops the run as a Ctrl-C does
+        with sigterm_as_interrupt():  # a SIGTERM stops the run as a Ctrl-C does
             try:
                 for rank in (0, 1):
                     cmd = [sys.executable, "-m", "vlmbind.organisms", "--config", str(config_path), "--out", str(out),
@@ -243,9 +243,10 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Within: a SIGTERM stops the launcher as a Ctrl-C does (rank 0 checkpoints, no process is left behind).
-    Signal handlers can only be set in the main thread; elsewhere SIGTERM keeps its handler."""
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within: a SIGTERM raises KeyboardInterrupt, so it stops a training run as a Ctrl-C does (a checkpoint at the
+    last finished step; with two processes, none left behind). Signal handlers can only be set in the main thread;
+    elsewhere SIGTERM keeps its handler."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

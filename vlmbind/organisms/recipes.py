@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import TrainingError
 from ..models import TRAINING_FILE
 from ..shipped import organism_dir
+from .processes import sigterm_as_interrupt
 from .train import CHECKPOINT_PREFIX, TrainConfig, train
 
 COLOURS = ("red", "green", "blue", "yellow")
@@ -295,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-from", help="a shipped organism of this recipe: continue after the stages it holds")
     args = parser.parse_args(argv)
     try:
-        summary = run_recipe(args.name, args.out, threads=args.threads, seed=args.seed, progress=not args.quiet,
-                             start_from=args.start_from, processes=args.processes)
+        with sigterm_as_interrupt():  # a scheduler's SIGTERM leaves the stage's checkpoint, as a Ctrl-C does
+            summary = run_recipe(args.name, args.out, threads=args.threads, seed=args.seed,
+                                 progress=not args.quiet, start_from=args.start_from, processes=args.processes)
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -57,7 +57,7 @@ from .data import (
 )
 from .model import OrganismSize, build_organism, grid_side, shared_image_features
 from .processes import (RankSplit, behaviour_shares, check_processes, error_file, join, launch, leave,
-                        stop_when_orphaned, sync_step)
+                        sigterm_as_interrupt, stop_when_orphaned, sync_step)
 from .siit import (
     SIIT_EVAL_STREAM,
     SIIT_PARTS,
@@ -985,8 +985,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker(args)
     try:
         config = TrainConfig.from_json(args.config)
-        result = train(config, args.out, resume=args.resume, progress=not args.quiet, until=args.until,
-                       threads=args.threads, processes=args.processes)
+        with sigterm_as_interrupt():  # a scheduler's SIGTERM leaves a checkpoint to resume from, as a Ctrl-C does
+            result = train(config, args.out, resume=args.resume, progress=not args.quiet, until=args.until,
+                           threads=args.threads, processes=args.processes)
     except VlmbindError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
