@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import vlmbind as vb
-from vlmbind.evaluate import training_defaults
+from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli import scene_description
 
 

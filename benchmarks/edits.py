@@ -19,7 +19,7 @@ import time
 import vlmbind as vb
 from vlmbind.analysis.edits import edit_studies, edit_study
 from vlmbind.analysis.validate import held_out_objects, recorded_planted
-from vlmbind.choices import DEFAULT_ALPHAS
+from vlmbind.core.choices import DEFAULT_ALPHAS
 
 
 def run(model: str, n_estimate: int, n_eval: int) -> dict:

@@ -6,7 +6,7 @@ one position anyway) and a small vision tower; what sets the cost of a sweep is 
 the ~1000 image tokens of a real scene (64 x 64 patches of 14 px, merged 2 x 2 into 32 x 32 = 1024 tokens). It is
 built directly on the device in the chosen dtype (7B parameters in float32 would not fit most hosts' memory). Two
 conditions: a last-token patch (``id_selection``) and a mid-prompt span (``id_retrieval``, the second-to-last object's
-text span), each a :class:`~vlmbind.patching.PatchTask` built like ``vlmbind locate`` builds it, with the
+text span), each a :class:`~vlmbind.engine.patching.PatchTask` built like ``vlmbind locate`` builds it, with the
 counterfactual head outputs pushed far from the clean ones (``--strength``) so that head effects stand above the
 dtype's rounding. Timed given the task (the alignment and the counterfactual run are the same for every method):
 ``exact_diffs`` over all 784 heads (one run per ``--max-tokens`` value and one in the ``batched`` layout; the fastest
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.patching import DEFAULT_MEMORY_BUDGET, PatchTask, attribution_diffs, exact_diffs, naive_diffs
-from vlmbind.models import VLM
+from vlmbind.engine.patching import DEFAULT_MEMORY_BUDGET, PatchTask, attribution_diffs, exact_diffs, naive_diffs
+from vlmbind.engine.vlm import VLM
 from vlmbind.stimuli import Canvas, scene_pairs
 from vlmbind.tiny.qwen import build_qwen_vl
 

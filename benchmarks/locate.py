@@ -27,8 +27,8 @@ import torch
 import vlmbind as vb
 from vlmbind.analysis import locate
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.patching import METHOD_FUNCTIONS
-from vlmbind.evaluate import training_defaults
+from vlmbind.engine.patching import METHOD_FUNCTIONS
+from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli import Canvas, scene_pairs
 
 CONDITIONS = {"last_token": "id_selection", "mid_prompt": "id_retrieval"}
@@ -36,7 +36,7 @@ CONDITIONS = {"last_token": "id_selection", "mid_prompt": "id_retrieval"}
 
 def small_qwen() -> vb.VLM:
     """The 8 x 8-head, hidden-256 Qwen2.5-VL with 256 image tokens (448 px images)."""
-    from vlmbind.models import VLM
+    from vlmbind.engine.vlm import VLM
     from vlmbind.tiny.qwen import build_qwen_vl
 
     model, processor = build_qwen_vl("qwen2_5_vl", 0, 448, layers=8, hidden=256, heads=8, kv_heads=4,
@@ -130,7 +130,7 @@ def run_case(vlm: vb.VLM, pairs: list, methods: list[str]) -> dict:
 def phases(vlm: vb.VLM, pair) -> dict:
     """Where exact's time goes on one pair (seconds): building the task (alignment + counterfactual run) and the sweep,
     against one plain forward of the clean prompt."""
-    from vlmbind.patching import exact_diffs
+    from vlmbind.engine.patching import exact_diffs
 
     heads = [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads)]
     t = time.perf_counter()

@@ -54,7 +54,7 @@ def _status_kib(field: str) -> int:
 def _build() -> Any:
     import torch
 
-    from vlmbind.models import VLM
+    from vlmbind.engine.vlm import VLM
     from vlmbind.tiny.qwen import build_qwen_vl
     from vlmbind.tiny.real import real_tokenizer
 

@@ -3,7 +3,7 @@
 For each family and condition: exact mediation scores of every head on the same pairs with float32 weights and with
 bfloat16 weights (scores are always computed in float32 from the logits), then the Spearman correlation of the
 per-head mean scores, the overlap of the top-5 heads, and the median relative difference of the scores that matter
-(|float32 score| above a tenth of the largest). The figures are written to ``vlmbind/precision.json`` (read by the
+(|float32 score| above a tenth of the largest). The figures are written to ``vlmbind/engine/precision.json`` (read by the
 warning ``vlmbind`` prints when a user scores in bfloat16) and to the table in ``benchmarks/RESULTS.md``.
 
     .venv/bin/python benchmarks/precision.py [--pairs 8] [--threads 2]
@@ -24,13 +24,13 @@ from scipy.stats import spearmanr
 
 import vlmbind as vb
 from vlmbind.analysis import locate
-from vlmbind.evaluate import training_defaults
-from vlmbind.io import write_json_atomic
+from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.core.io import write_json_atomic
 from vlmbind.stimuli.scenes import scene_pairs
 from vlmbind.tiny import real
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "vlmbind" / "precision.json"
+OUT = ROOT / "vlmbind" / "engine" / "precision.json"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 BEGIN, END = "<!-- precision table: begin -->", "<!-- precision table: end -->"
 CONDITIONS = ("id_selection", "feature_retrieval")

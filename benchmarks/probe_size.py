@@ -21,7 +21,7 @@ import torch
 
 import vlmbind as vb
 from vlmbind.analysis.binding import colorshape_splits, default_world, probe_sites
-from vlmbind.io import write_json_atomic
+from vlmbind.core.io import write_json_atomic
 from vlmbind.probes import ProbeConfig
 
 

@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 
 import vlmbind as vb
-from vlmbind.models import TRAINING_FILE
+from vlmbind.engine.vlm import TRAINING_FILE
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.model import shared_image_features
 from vlmbind.organisms.recipes import recipe_stages, stage_config
 from vlmbind.organisms.siit import (HeadInterchange, SIITSpec, answer_changes, answer_changes_per_set,
                                     evaluation_pairs)
 from vlmbind.organisms.train import train
-from vlmbind.shipped import organism_dir
+from vlmbind.core.shipped import organism_dir
 from vlmbind.stimuli import Canvas
 
 

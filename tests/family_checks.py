@@ -18,8 +18,8 @@ from PIL import Image, ImageDraw
 
 import vlmbind as vb
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.errors import UnsupportedModelError
-from vlmbind.patching import PatchTask, exact_diffs, naive_diffs
+from vlmbind.core.errors import UnsupportedModelError
+from vlmbind.engine.patching import PatchTask, exact_diffs, naive_diffs
 
 # one head in every layer of a 4-layer tiny model
 HEADS = ((0, 1), (1, 2), (2, 0), (3, 3))

@@ -9,7 +9,7 @@ import pytest
 from answer_corpus import CANVAS, FAMILIES, FORMATS, RESIZED, entries
 
 from vlmbind.adapters.base import ADAPTERS
-from vlmbind.evaluate import score
+from vlmbind.analysis.evaluation import score
 from vlmbind.stimuli import Canvas
 from vlmbind.stimuli.answers import (
     FRAMES,
@@ -22,7 +22,7 @@ from vlmbind.stimuli.answers import (
     to_canvas,
 )
 from vlmbind.stimuli.points import pointing_spans
-from vlmbind.tokens import decode_generated
+from vlmbind.core.tokens import decode_generated
 
 
 

@@ -2,7 +2,7 @@
 
 Two tables. ``CLI_CASES``: an argv for ``vlmbind`` that must exit 2 with exactly one stderr line
 ``vlmbind: error: <reason>`` naming the problem, nothing on stdout, and no file in the ``--out`` it was given.
-``API_CASES``: a library call that must raise a named :class:`~vlmbind.errors.VlmbindError` subclass whose message
+``API_CASES``: a library call that must raise a named :class:`~vlmbind.core.errors.VlmbindError` subclass whose message
 matches a pattern. The categories follow issue 8: unknown models and families, missing and corrupt weights, corrupt,
 truncated, oversized (decompression bomb) and animated images, empty prompts and images, misaligned counterfactual
 pairs, heads / layers out of range, misspelt sites, NaN / inf activations, empty data sets, unwritable outputs, bad
@@ -36,7 +36,7 @@ from vlmbind import stimuli as vbs
 from vlmbind.analysis import rsa as rsa_mod
 from vlmbind.analysis.edits import check_heads
 from vlmbind.analysis.tracking import centroid
-from vlmbind.errors import (
+from vlmbind.core.errors import (
     InputError,
     InterventionError,
     ModelLoadError,
@@ -45,9 +45,9 @@ from vlmbind.errors import (
     UnsupportedModelError,
     VlmbindError,
 )
-from vlmbind.export import export_results
-from vlmbind.images import read_image, to_rgb
-from vlmbind.io import check_out_dir, write_bytes_atomic
+from vlmbind.app.export import export_results
+from vlmbind.core.images import read_image, to_rgb
+from vlmbind.core.io import check_out_dir, write_bytes_atomic
 from vlmbind.probes import Entropies, ProbeConfig, binding_information, pairwise_probe, split_indices
 from vlmbind.stimuli import PairAlignmentError, StimulusError
 from vlmbind.stimuli.core import Canvas

@@ -12,7 +12,7 @@ import torch
 from conftest import PROMPT, draw_scene
 
 import vlmbind as vb
-from vlmbind.batches import append_tokens
+from vlmbind.engine.batches import append_tokens
 
 
 def test_every_per_token_input_is_declared(tiny):

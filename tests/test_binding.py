@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import vlmbind as vb
-from vlmbind.activations import FORMAT, ActivationSet
+from vlmbind.engine.activations import FORMAT, ActivationSet
 from vlmbind.analysis.binding import codes, colorshape_splits, default_sites, probe_sites
-from vlmbind.errors import NoImageTokensError
+from vlmbind.core.errors import NoImageTokensError
 from vlmbind.probes import ProbeConfig
 from vlmbind.stimuli.colorshape import entropies
 
@@ -56,7 +56,7 @@ def test_codes_in_the_vectors_come_back_as_bits_and_noise_gives_none():
 
 
 def test_pairwise_probe_on_an_encoder_capture_reads_the_token_tables():
-    from vlmbind.encoders import build_tiny_encoder
+    from vlmbind.engine.encoders import build_tiny_encoder
 
     enc = build_tiny_encoder("tiny-clip", patch=8)  # 8 px patches: each 16 px object covers several
     examples, split = colorshape_splits(24, 8, 8, seed=2)

@@ -11,9 +11,9 @@ import torch
 from conftest import get_tiny
 
 import vlmbind as vb
-import vlmbind.activations as cap
-from vlmbind.activations import ActivationSet, capture
-from vlmbind.errors import NoImageTokensError
+import vlmbind.engine.activations as cap
+from vlmbind.engine.activations import ActivationSet, capture
+from vlmbind.core.errors import NoImageTokensError
 from vlmbind.stimuli.core import object_token_positions
 from vlmbind.tiny import TINY_NAMES
 
@@ -172,7 +172,7 @@ def test_bad_calls(tmp_path):
 
 
 def test_overwrite_replaces_a_capture_and_leaves_other_files(tmp_path):
-    from vlmbind.errors import InputError
+    from vlmbind.core.errors import InputError
     from vlmbind.stimuli.colorshape import balanced_color_shape
 
     vlm = vb.load("organism-p2a")

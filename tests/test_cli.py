@@ -23,8 +23,8 @@ from PIL import Image
 
 import vlmbind as vb
 from vlmbind import cli, tiny
-from vlmbind.commands import demo
-from vlmbind.errors import InputError
+from vlmbind.app.commands import demo
+from vlmbind.core.errors import InputError
 from vlmbind.viz import attention_overlay, head_heatmap, write_html_atomic, write_text_atomic
 
 DEMO_FILES = ("validation", "causal", "representations", "attention_mass.csv", "heatmap.html", "overlay.html",
@@ -69,7 +69,7 @@ def test_models_json_lists_every_registered_name_with_its_shape(capsys):
 
 def test_models_failing_row_is_reported_and_exits_1(monkeypatch, capsys):
     names = vb.registered_names()[:2]
-    monkeypatch.setattr("vlmbind.loading.registered_names", lambda: names)
+    monkeypatch.setattr("vlmbind.engine.loading.registered_names", lambda: names)
 
     def fake_describe(name):
         if name == names[1]:
@@ -77,7 +77,7 @@ def test_models_failing_row_is_reported_and_exits_1(monkeypatch, capsys):
         return {"name": name, "display_name": "Fake", "layers": 2, "heads": 3, "kv_heads": 1,
                 "grids": [{"name": "image", "image": 0, "rows": 2, "cols": 2}], "image_tokens": 4, "source": "x"}
 
-    monkeypatch.setattr("vlmbind.commands.models.describe_model", fake_describe)
+    monkeypatch.setattr("vlmbind.app.commands.models.describe_model", fake_describe)
     assert cli.main(["models"]) == 1
     out = capsys.readouterr().out
     assert "2 x 3 (1)" in out and "image 2x2 = 4" in out
@@ -129,7 +129,7 @@ def test_unexpected_failure_exits_1_with_one_line(monkeypatch, tmp_path, capsys)
     def broken(vlm, seed):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr("vlmbind.commands.demo._demo_scene", broken)
+    monkeypatch.setattr("vlmbind.app.commands.demo._demo_scene", broken)
     monkeypatch.delenv("VLMBIND_DEBUG", raising=False)
     assert cli.main(["demo", "--model", "tiny-qwen2_5_vl", "--out", str(tmp_path / "o")]) == 1
     line = _one_error_line(capsys.readouterr().err)

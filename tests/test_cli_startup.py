@@ -3,7 +3,7 @@ subcommand's ``--help``, a misspelt registered name (close matches) and a hub id
 (one line saying how to fetch it) import no torch and finish well under a second on an idle machine. The limits
 below are generous (the test machine may be busy); the measured times are printed (``pytest -s``).
 
-The choices the parsers offer live in :mod:`vlmbind.choices`; the heavy modules that use them import them from there,
+The choices the parsers offer live in :mod:`vlmbind.core.choices`; the heavy modules that use them import them from there,
 and the registries they keep of their own must agree with them (checked here).
 """
 
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from vlmbind import choices
-from vlmbind.commands import build_parser
-from vlmbind.commands.arguments import check_model
-from vlmbind.errors import ModelLoadError, UnsupportedModelError
+from vlmbind.core import choices
+from vlmbind.app.commands import build_parser
+from vlmbind.app.commands.arguments import check_model
+from vlmbind.core.errors import ModelLoadError, UnsupportedModelError
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS_DIR = ROOT / "vlmbind" / "commands"
+COMMANDS_DIR = ROOT / "vlmbind" / "app" / "commands"
 HEAVY = ("torch", "transformers", "numpy", "pandas", "scipy", "PIL", "plotly", "safetensors", "sklearn", "dash")
 HELP_LIMIT_S = 3.0
 ERROR_LIMIT_S = 4.0
@@ -34,7 +34,7 @@ ERROR_LIMIT_S = 4.0
 # runs the command in a fresh interpreter, then writes the heavy modules it imported to $VLMBIND_TEST_MODULES
 _RUN = (
     "import json, os, sys\n"
-    "from vlmbind.commands import main\n"
+    "from vlmbind.app.commands import main\n"
     "code = main(sys.argv[1:])\n"
     "heavy = " + repr(HEAVY) + "\n"
     "with open(os.environ['VLMBIND_TEST_MODULES'], 'w') as f:\n"
@@ -82,16 +82,16 @@ def test_import_vlmbind_does_not_import_torch():
 
 def test_the_public_names_load_on_use():
     """Every name of ``__all__`` resolves (lazily), ``dir`` lists them, and ``vb.evaluate`` stays the function even
-    when something imported the module ``vlmbind.evaluate`` before the package's name was looked up."""
+    when something imported the module ``vlmbind.analysis.evaluation`` before the package's name was looked up."""
     code = (
         "import sys\n"
-        "import vlmbind.evaluate\n"
+        "import vlmbind.analysis.evaluation\n"
         "import vlmbind as vb\n"
-        "module = sys.modules['vlmbind.evaluate']\n"
+        "module = sys.modules['vlmbind.analysis.evaluation']\n"
         "assert vb.evaluate is module.evaluate and callable(vb.evaluate)\n"
         "from vlmbind import load, VLM, stimuli, InputError\n"
         "assert load is vb.load and VLM is vb.VLM and stimuli is sys.modules['vlmbind.stimuli']\n"
-        "assert InputError is sys.modules['vlmbind.errors'].InputError\n"
+        "assert InputError is sys.modules['vlmbind.core.errors'].InputError\n"
         "missing = [n for n in vb.__all__ if getattr(vb, n, None) is None]\n"
         "assert not missing, missing\n"
         "assert set(vb.__all__) <= set(dir(vb))\n"
@@ -180,7 +180,7 @@ def test_check_model_passes_registered_names_paths_and_cached_hub_ids(tmp_path, 
 @pytest.mark.parametrize("name", ["orgnism-p2a", "tiny-qwen25", "organism-nope", "tiny-lava", "tiny_clip"])
 def test_the_cli_check_raises_what_load_raises(name):
     """The light check and :func:`vlmbind.load` refuse a misspelt name with the same error and message."""
-    from vlmbind import loading
+    from vlmbind.engine import loading
 
     with pytest.raises(UnsupportedModelError) as light:
         check_model(argparse.Namespace(model=name))
@@ -191,18 +191,20 @@ def test_the_cli_check_raises_what_load_raises(name):
 
 
 def test_the_choices_are_the_heavy_modules_constants():
-    """One source of truth: the heavy modules use the constants of vlmbind.choices (the same objects), and the
+    """One source of truth: the heavy modules use the constants of vlmbind.core.choices (the same objects), and the
     registries they keep of their own have exactly the names listed there."""
-    from vlmbind import encoders, export, loading, models, patching, shipped, tiny
-    from vlmbind.analysis import ablation, binding, mediation, rsa, tracking, validate
+    from vlmbind import tiny
+    from vlmbind.analysis import ablation, binding, evaluation, mediation, rsa, tracking, validate
+    from vlmbind.app import export
+    from vlmbind.core import shipped
+    from vlmbind.engine import encoders, loading, patching
+    from vlmbind.engine import vlm as models
     from vlmbind.stimuli import answers, colorshape, tasks
-
-    # vlmbind.evaluate is the function (vb.evaluate); its module is in sys.modules, imported by vlmbind.analysis
 
     same = {
         "PROMPT_FORMATS": models.PROMPT_FORMATS, "FRAMES": answers.FRAMES, "ABLATION_MODES": ablation.MODES,
         "CONDITIONS": mediation.CONDITIONS, "METHODS": mediation.METHODS, "LOCATE_CHECKPOINT": mediation.CHECKPOINT,
-        "IG_STEPS": patching.IG_STEPS, "EVAL_CHECKPOINT": sys.modules["vlmbind.evaluate"].CHECKPOINT,
+        "IG_STEPS": patching.IG_STEPS, "EVAL_CHECKPOINT": evaluation.CHECKPOINT,
         "VALIDATION_METHODS": validate.VALIDATION_METHODS, "DEFAULT_ALPHAS": validate.DEFAULT_ALPHAS,
         "TRACK_QUERIES": tracking.QUERIES, "TRACK_TASKS": tracking.TASKS, "PAIR_CONDITIONS": tasks.PAIR_CONDITIONS,
         "PROBE_FAMILIES": binding.PROBE_FAMILIES, "PROBE_CHECKPOINT": binding.CHECKPOINT,
@@ -223,7 +225,7 @@ def test_the_choices_are_the_heavy_modules_constants():
 
 
 def test_the_parsers_offer_the_choices():
-    """The flags take their choices and defaults from vlmbind.choices (spot checks of each kind)."""
+    """The flags take their choices and defaults from vlmbind.core.choices (spot checks of each kind)."""
     parser = build_parser()
     subs = parser._subparsers._group_actions[0].choices
 
@@ -243,8 +245,8 @@ def test_the_parsers_offer_the_choices():
 
 
 def test_command_modules_import_only_light_modules_at_the_top():
-    """What vlmbind/commands/*.py import at module level (not inside functions or ``if TYPE_CHECKING``): the
-    standard library, vlmbind.choices / errors / version and the command package's own modules."""
+    """What vlmbind/app/commands/*.py import at module level (not inside functions or ``if TYPE_CHECKING``): the
+    standard library, vlmbind.core.choices / errors / version and the command package's own modules."""
     light_own = {"choices", "errors", "version"}
     bad = []
     for path in sorted(COMMANDS_DIR.glob("*.py")):
@@ -268,7 +270,7 @@ def test_every_flag_has_help_text():
     """Every option of every subcommand says what it does in --help."""
     import argparse
 
-    from vlmbind.commands import build_parser
+    from vlmbind.app.commands import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -107,8 +107,8 @@ def test_the_docs_hold_commands_and_python():
 
 @pytest.mark.parametrize("path", [p for p in DOCS if p.is_file()], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_documented_command_parses(path):
-    from vlmbind.commands import build_parser
-    from vlmbind.commands.arguments import UsageError
+    from vlmbind.app.commands import build_parser
+    from vlmbind.app.commands.arguments import UsageError
 
     parser = build_parser()
     for line in command_lines(path):
@@ -144,7 +144,7 @@ def test_readme_python_runs_as_written(tmp_path):
     ["locate", "--model", "organism-p2a", "--condition", "id_selection", "--n-pairs", "16", "--out", "{tmp}/loc"],
 ])
 def test_concrete_readme_commands_run(argv, tmp_path, capsys):
-    from vlmbind.commands import main
+    from vlmbind.app.commands import main
 
     assert main([a.format(tmp=tmp_path) for a in argv]) == 0, capsys.readouterr().err
 
@@ -164,7 +164,7 @@ def test_readme_families_table_is_the_generated_one():
     """The README's families table is `vlmbind models --families` (derived from the adapters' declarations), every
     cell says yes, n/a because ... or no: ..., and every registered family has a row."""
     from vlmbind.adapters.base import ADAPTERS
-    from vlmbind.commands.models import families_table
+    from vlmbind.app.commands.models import families_table
 
     rows, table = families_table()
     readme = (ROOT / "README.md").read_text()

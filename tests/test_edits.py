@@ -20,7 +20,7 @@ from vlmbind.analysis.edits import (
     estimate_position_ids,
     greedy_decode,
 )
-from vlmbind.evaluate import training_defaults
+from vlmbind.analysis.evaluation import training_defaults
 
 S = vb.stimuli
 _VLM: dict[str, vb.VLM] = {}

@@ -10,7 +10,7 @@ import transformers as t
 from PIL import Image
 
 import vlmbind as vb
-from vlmbind.encoders import ENCODER_NAMES, VisionEncoder, build_tiny_encoder
+from vlmbind.engine.encoders import ENCODER_NAMES, VisionEncoder, build_tiny_encoder
 
 S = vb.stimuli
 

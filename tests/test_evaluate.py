@@ -9,7 +9,7 @@ import pytest
 from conftest import get_tiny
 
 import vlmbind as vb
-from vlmbind.evaluate import evaluate, score
+from vlmbind.analysis.evaluation import evaluate, score
 from vlmbind.stimuli import Canvas
 
 S = vb.stimuli

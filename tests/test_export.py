@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from vlmbind import cli
-from vlmbind.errors import InputError
-from vlmbind.export import MANIFEST, export_results, safe_target
+from vlmbind.core.errors import InputError
+from vlmbind.app.export import MANIFEST, export_results, safe_target
 from vlmbind.viz import shared_plotlyjs
 
 MODEL = "organism-p2a"
@@ -181,7 +181,7 @@ def test_signed_scores_always_get_a_diverging_scale_centred_at_zero():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the result contract (vlmbind.results): every kind loads back what it saved
+# the result contract (vlmbind.core.results): every kind loads back what it saved
 # ----------------------------------------------------------------------------------------------------------------
 # per kind, the files whose bytes save(load(folder)) must reproduce (the others hold what is not saved: timings per
 # probe, attribution's verified scores, per-example records)
@@ -196,7 +196,7 @@ EXACT_FILES = {
 
 
 def test_every_kind_is_registered_with_the_contract():
-    from vlmbind.results import RESULTS, Result
+    from vlmbind.core.results import RESULTS, Result
 
     # same_object round-trips in tests/test_same_object.py (the demo writes none)
     assert set(EXACT_FILES) | {"repair", "representations", "same_object"} == set(RESULTS)
@@ -208,7 +208,7 @@ def test_every_kind_is_registered_with_the_contract():
 
 
 def test_saved_results_load_back_and_save_the_same_files(runs, tmp_path):
-    from vlmbind.results import detect, load_result
+    from vlmbind.core.results import detect, load_result
 
     seen = set()
     for name, root in runs.items():
@@ -246,7 +246,7 @@ def test_loaded_scores_keep_means_stderr_and_ranking(runs):
 def test_a_folder_with_two_results_or_none_is_named(tmp_path, runs):
     import shutil
 
-    from vlmbind.results import detect, load_result
+    from vlmbind.core.results import detect, load_result
 
     both = tmp_path / "both"
     shutil.copytree(runs["demo"] / "causal/locate/id_selection", both)
@@ -294,7 +294,7 @@ def test_default_export_folder_is_never_in_a_source_tree(runs, tmp_path):
     import shutil
     import subprocess
 
-    from vlmbind.export import default_export_dir
+    from vlmbind.app.export import default_export_dir
 
     repo = tmp_path / "repo"
     shipped = repo / "circuits" / "x" / "results"

@@ -13,7 +13,7 @@ from conftest import PROMPT, draw_scene
 from PIL import Image
 
 import vlmbind as vb
-from vlmbind.errors import InputError
+from vlmbind.core.errors import InputError
 from vlmbind.tiny.gemma3 import SLIDING_WINDOW
 
 

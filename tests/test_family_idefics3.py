@@ -32,7 +32,7 @@ from family_checks import (
 import vlmbind as vb
 from vlmbind.adapters import adapter_class_for_config
 from vlmbind.adapters.idefics3 import Idefics3Adapter, SmolVLMAdapter
-from vlmbind.errors import UnsupportedModelError
+from vlmbind.core.errors import UnsupportedModelError
 
 NAMES = ("tiny-idefics3", "tiny-smolvlm")
 TILES = {(224, 224): (2, 2), (448, 224): (1, 2), (224, 448): (2, 1), (320, 224): (2, 2)}
@@ -274,7 +274,7 @@ def test_nnsight_sees_the_connector_rows_and_the_residual_stream(smolvlm):
 def test_transformer_lens_bridge_sees_the_connector(idefics3):
     """The bridge (TL's Idefics3 adapter) gives HF's logits, and its ``vision_projector.hook_out`` is vlmbind's
     ``projector.hook_out`` (the hooks of the text blocks: tests/test_transformer_lens.py); SmolVLM has no bridge."""
-    from vlmbind.interop import bridge_inputs, transformer_lens_bridge
+    from vlmbind.engine.interop import bridge_inputs, transformer_lens_bridge
 
     batch = idefics3.prepare([draw_scene(0), draw_scene(1, (448, 224))], [PROMPT, "the red object is a"])
     bridge = transformer_lens_bridge(idefics3)

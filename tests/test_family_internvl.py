@@ -42,7 +42,7 @@ import vlmbind as vb
 from vlmbind.adapters import adapter_class_for_config
 from vlmbind.adapters.base import ModelAdapter
 from vlmbind.adapters.internvl import InternVLAdapter
-from vlmbind.errors import UnsupportedModelError
+from vlmbind.core.errors import UnsupportedModelError
 
 NAME = "tiny-internvl"
 # (W, H) -> (cols, rows) of tiles

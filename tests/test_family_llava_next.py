@@ -23,8 +23,8 @@ from family_checks import assert_exact_equals_naive, assert_painting_is_local, c
 
 import vlmbind as vb
 from vlmbind.adapters.llava_next import LlavaNextAdapter
-from vlmbind.interventions import PatchHeadEntries
-from vlmbind.patching import PatchTask
+from vlmbind.engine.interventions import PatchHeadEntries
+from vlmbind.engine.patching import PatchTask
 
 NAME = "tiny-llava_next"
 

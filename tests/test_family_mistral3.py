@@ -182,7 +182,7 @@ def test_nnsight_sees_the_same_projector_rows_and_residual_stream(vlm):
 def test_transformer_lens_bridge_agrees(vlm):
     """Same logits as HF on a left-padded batch of two image sizes; vlmbind's sites equal the bridge's hooks of the
     same name and the projector equals the bridge's ``vision_projector``; a head ablation agrees."""
-    from vlmbind.interop import bridge_inputs, transformer_lens_bridge
+    from vlmbind.engine.interop import bridge_inputs, transformer_lens_bridge
 
     batch = vlm.prepare([draw_scene(0), draw_scene(1, (320, 224))], TWO_PROMPTS)
     assert batch.inputs["attention_mask"].min() == 0, "the batch should be left-padded"

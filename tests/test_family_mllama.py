@@ -30,11 +30,11 @@ from vlmbind.adapters.capabilities import capability_cells
 from vlmbind.adapters.mllama import MllamaAdapter
 from vlmbind.analysis import tracking
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.batches import append_tokens
-from vlmbind.decoding import generate_ids, greedy_decode
-from vlmbind.errors import NoImageTokensError, SiteError
-from vlmbind.interop import transformer_lens_architectures
-from vlmbind.patching import PatchTask, exact_diffs, naive_diffs, prefix_end
+from vlmbind.engine.batches import append_tokens
+from vlmbind.engine.decoding import generate_ids, greedy_decode
+from vlmbind.core.errors import NoImageTokensError, SiteError
+from vlmbind.engine.interop import transformer_lens_architectures
+from vlmbind.engine.patching import PatchTask, exact_diffs, naive_diffs, prefix_end
 
 CROSS, SELF = (1, 3), (0, 2, 4)
 KEYS_PER_TILE = 17
@@ -299,7 +299,7 @@ def test_exact_equals_naive_on_both_layer_kinds(vlm, one, where):
 
 # ---- the UI ------------------------------------------------------------------------------------------------------------
 def test_ui_overlays_a_cross_attention_head_on_the_key_grid_and_ablates_it(vlm):
-    from vlmbind.ui import UIController
+    from vlmbind.app.ui import UIController
 
     ctl = UIController(vlm)
     state = ctl.generate_stimulus(0)[0]

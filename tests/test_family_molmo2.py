@@ -27,7 +27,7 @@ from transformers.models.molmo2.image_processing_molmo2 import compute_crop_geom
 import vlmbind as vb
 from vlmbind.adapters.base import get_module
 from vlmbind.adapters.molmo2 import Molmo2Adapter, pooled_cell_boxes
-from vlmbind.errors import InputError
+from vlmbind.core.errors import InputError
 
 
 @pytest.fixture(scope="module")

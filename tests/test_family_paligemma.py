@@ -17,10 +17,10 @@ from PIL import Image
 
 import vlmbind as vb
 from vlmbind.adapters.base import ModelAdapter
-from vlmbind.batches import append_tokens
-from vlmbind.decoding import generate_ids, greedy_decode
-from vlmbind.interop import transformer_lens_architectures
-from vlmbind.patching import PatchTask, exact_diffs, naive_diffs, packable, prefix_end
+from vlmbind.engine.batches import append_tokens
+from vlmbind.engine.decoding import generate_ids, greedy_decode
+from vlmbind.engine.interop import transformer_lens_architectures
+from vlmbind.engine.patching import PatchTask, exact_diffs, naive_diffs, packable, prefix_end
 
 FULL_LAYER = 1  # layer_types alternate sliding (0, 2) and full (1, 3)
 

@@ -25,8 +25,8 @@ from transformers import DynamicCache
 import vlmbind as vb
 from vlmbind.adapters import adapter_class_for_config
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.errors import HeadLayoutError, InputError, InterventionError, NoAttentionPatternError, SiteError
-from vlmbind.patching import (
+from vlmbind.core.errors import HeadLayoutError, InputError, InterventionError, NoAttentionPatternError, SiteError
+from vlmbind.engine.patching import (
     attribution_diffs,
     exact_diffs,
     integrated_gradients_diffs,
@@ -34,7 +34,7 @@ from vlmbind.patching import (
     packable,
     prefix_end,
 )
-from vlmbind.sites import resolve_sites
+from vlmbind.core.sites import resolve_sites
 from vlmbind.tiny.qwen3_5 import build_qwen3_5
 
 LINEAR, FULL = (0, 2), (1, 3)
@@ -329,7 +329,7 @@ def test_transformer_lens_deltanet_hooks_agree(vlm, batch):
     """TL names the DeltaNet mixer ``blocks.{l}.linear_attn``, with no ``hook_z``: its recurrence output and gate,
     through the layer's own gated norm, give vlmbind's z there, and its output is vlmbind's ``hook_attn_out``
     (tests/test_transformer_lens.py checks the shared names on every layer, attn.* on the softmax ones)."""
-    from vlmbind.interop import bridge_inputs, transformer_lens_bridge
+    from vlmbind.engine.interop import bridge_inputs, transformer_lens_bridge
 
     bridge = transformer_lens_bridge(vlm)
     ids, kwargs = bridge_inputs(vlm, batch)

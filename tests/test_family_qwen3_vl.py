@@ -22,11 +22,11 @@ from conftest import PROMPT, draw_scene, expected_boxes, get_tiny
 from family_checks import check_exact_equals_naive, painted_cell_changes
 
 import vlmbind as vb
-from vlmbind.activations import capture
+from vlmbind.engine.activations import capture
 from vlmbind.adapters import adapter_class_for_config
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.errors import SiteError
-from vlmbind.patching import exact_diffs, naive_diffs
+from vlmbind.core.errors import SiteError
+from vlmbind.engine.patching import exact_diffs, naive_diffs
 
 NAMES = ("tiny-qwen3_vl", "tiny-qwen3_vl_moe")
 TWO_PROMPTS = [PROMPT, "the red object is a"]
@@ -277,7 +277,7 @@ def test_nnsight_sees_the_same_residual_stream_and_injection(moe):
 @pytest.fixture(scope="module")
 def bridged(vlm) -> dict:
     """A TransformerLens bridge on a copy of the model, and its cache on a left-padded batch of two."""
-    from vlmbind.interop import bridge_inputs, transformer_lens_bridge
+    from vlmbind.engine.interop import bridge_inputs, transformer_lens_bridge
 
     batch = vlm.prepare([draw_scene(0), draw_scene(1)], TWO_PROMPTS)
     bridge = transformer_lens_bridge(vlm)

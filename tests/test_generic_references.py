@@ -7,7 +7,7 @@ import torch
 from conftest import PROMPT, draw_scene
 
 import vlmbind as vb
-from vlmbind.hooks import ATTENTION_IMPL
+from vlmbind.engine.hooks import ATTENTION_IMPL
 
 
 @pytest.fixture

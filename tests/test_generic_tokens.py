@@ -14,7 +14,7 @@ import torch
 from conftest import PROMPT, silenced_vision_attention
 from PIL import Image, ImageDraw
 
-from vlmbind.errors import SpanNotFoundError
+from vlmbind.core.errors import SpanNotFoundError
 
 
 def _features(vlm, image):

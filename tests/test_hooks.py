@@ -7,14 +7,14 @@ import torch
 from conftest import PROMPT, draw_scene
 
 import vlmbind as vb
-from vlmbind.errors import NoImageTokensError
-from vlmbind.hooks import _PROB_EDITS, ATTENTION_IMPL
+from vlmbind.core.errors import NoImageTokensError
+from vlmbind.engine.hooks import _PROB_EDITS, ATTENTION_IMPL
 
 
 def _hook_count(model: torch.nn.Module) -> int:
     """Hooks vlmbind registered (transformers installs its own output-capturing hooks; those are not ours)."""
     return sum(
-        getattr(fn, "__module__", "") == "vlmbind.hooks"
+        getattr(fn, "__module__", "") == "vlmbind.engine.hooks"
         for m in model.modules()
         for fn in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
     )
@@ -162,7 +162,7 @@ def test_generate_applies_interventions_and_cleans_up(tiny):
 
 
 def test_hook_counter_sees_our_hooks(tiny, batch):
-    from vlmbind.hooks import HookSession
+    from vlmbind.engine.hooks import HookSession
 
     with HookSession(tiny.adapter, tiny.sites(["blocks.*attn.hook_z", "vision.*"]), index=batch.index):
         assert _hook_count(tiny.model) == tiny.n_layers + tiny.adapter.n_vision_layers

@@ -12,7 +12,7 @@ from test_hooks import _clean_state
 
 import vlmbind as vb
 from vlmbind.analysis.edits import AddToHeadRows, greedy_decode
-from vlmbind.hooks import PatchHeadEntries
+from vlmbind.engine.hooks import PatchHeadEntries
 
 FAMILIES = ["tiny-qwen2_5_vl", "tiny-gemma3"]  # a plainly causal family and one with sliding windows
 

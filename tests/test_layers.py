@@ -17,20 +17,19 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vlmbind"
 
-# bottom to top; a module may import modules of its own layer and of the layers below. Longest prefix wins.
+# bottom to top: a module's layer is its folder under vlmbind/ (a root module's, its own name), so a new module in a
+# folder needs no edit here; a module may import modules of its own layer and of the layers below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("vlmbind.errors", "vlmbind.version", "vlmbind.io", "vlmbind.images", "vlmbind.sites",
-              "vlmbind.tokens", "vlmbind.shipped", "vlmbind.userfiles", "vlmbind.choices")),
-    ("data", ("vlmbind.stimuli", "vlmbind.probes", "vlmbind.viz", "vlmbind.results")),
-    ("models", ("vlmbind.adapters", "vlmbind.tiny", "vlmbind.organisms.model")),
-    ("engine", ("vlmbind.interventions", "vlmbind.hooks", "vlmbind.batches", "vlmbind.decoding", "vlmbind.models",
-                "vlmbind.encoders", "vlmbind.loading", "vlmbind.patching", "vlmbind.activations", "vlmbind.interop",
-                "vlmbind.parallel", "vlmbind.precision")),
-    ("analyses", ("vlmbind.analysis", "vlmbind.evaluate", "vlmbind.sweeps", "vlmbind.organisms")),
-    ("top", ("vlmbind", "vlmbind.commands", "vlmbind.cli", "vlmbind.ui", "vlmbind.export", "vlmbind.report",
-             "vlmbind.__main__")),
+    ("core", ("core", "version")),
+    ("data", ("stimuli", "probes", "viz")),
+    ("models", ("adapters", "tiny")),
+    ("engine", ("engine",)),
+    ("analyses", ("analysis", "organisms")),
+    ("app", ("app", "cli", "__main__", "")),
 )
 ROOT = "vlmbind"
+# what may sit at the package root besides its folders
+ROOT_MODULES = {"vlmbind", "vlmbind.__main__", "vlmbind.cli", "vlmbind.version"}
 
 
 def module_names(package: Path) -> dict[str, Path]:
@@ -80,12 +79,15 @@ def import_graph(package: Path) -> dict[str, dict[str, int]]:
 
 
 def layer_of(module: str) -> int | None:
-    best, found = -1, None
-    for rank, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
-                best, found = len(prefix), rank
-    return found
+    """The rank of ``module``'s layer, read from its first folder under the package (None: no layer has it)."""
+    parts = module.split(".")
+    if parts[0] != ROOT:
+        return None
+    top = parts[1] if len(parts) > 1 else ""
+    for rank, (_, folders) in enumerate(LAYERS):
+        if top in folders:
+            return rank
+    return None
 
 
 def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
@@ -137,7 +139,19 @@ def import_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def test_every_module_has_a_layer():
     unplaced = [m for m in module_names(PACKAGE) if layer_of(m) is None]
-    assert not unplaced, f"give these modules a layer in tests/test_layers.py and docs/architecture.md: {unplaced}"
+    assert not unplaced, f"put these modules in a layer's folder (docs/architecture.md): {unplaced}"
+
+
+def test_the_package_root_holds_only_its_entry_points():
+    """Every module but the entry points and the version sits in its layer's folder."""
+    at_root = {m for m in module_names(PACKAGE) if m.count(".") <= 1 and (PACKAGE / f"{m.split('.')[-1]}.py").is_file()}
+    assert at_root | {"vlmbind"} <= ROOT_MODULES, sorted(at_root - ROOT_MODULES)
+
+
+def test_a_new_module_takes_its_folders_layer():
+    assert LAYERS[layer_of("vlmbind.engine.brand_new")][0] == "engine"
+    assert LAYERS[layer_of("vlmbind.analysis.brand_new")][0] == "analyses"
+    assert layer_of("vlmbind.brand_new") is None  # a new root module has no layer: it belongs in a folder
 
 
 def test_imports_go_down_only():
@@ -149,8 +163,8 @@ def test_no_import_circles():
 
 
 # modules whose functions import what they use: the command line, so that `vlmbind --help` and the checks of the
-# arguments import nothing heavy (its modules import vlmbind.choices, vlmbind.errors and .arguments at the top)
-DEFERRING = ("vlmbind.commands",)
+# arguments import nothing heavy (its modules import vlmbind.core.choices, vlmbind.core.errors and .arguments at the top)
+DEFERRING = ("vlmbind.app.commands",)
 
 
 def test_imports_are_at_the_top_of_modules():
@@ -177,8 +191,8 @@ def test_imports_are_at_the_top_of_modules():
 
 
 @pytest.mark.parametrize("where, source", [
-    ("top", "from .commands import main\n"),
-    ("function", "def _sneaky():\n    from .analysis.mediation import locate\n    return locate\n"),
+    ("top", "from ..app.commands import main\n"),
+    ("function", "def _sneaky():\n    from ..analysis.mediation import locate\n    return locate\n"),
     ("package", "import vlmbind.organisms.train\n"),
 ])
 def test_the_checks_catch_an_upward_import(tmp_path, where, source):
@@ -186,26 +200,26 @@ def test_the_checks_catch_an_upward_import(tmp_path, where, source):
     top, inside a function, or through a package whose ``__init__`` sits higher."""
     copy = tmp_path / "vlmbind"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
-    hooks = copy / "hooks.py"
+    hooks = copy / "engine" / "hooks.py"
     hooks.write_text(hooks.read_text() + "\n" + source)
     bad = upward_imports(import_graph(copy))
-    assert len(bad) >= 1 and all(line.startswith("vlmbind.hooks:") for line in bad), bad
+    assert len(bad) >= 1 and all(line.startswith("vlmbind.engine.hooks:") for line in bad), bad
     assert "engine -> " in bad[0]
 
 
 def test_the_circle_check_catches_a_circle(tmp_path):
     copy = tmp_path / "vlmbind"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
-    errors = copy / "errors.py"
+    errors = copy / "core" / "errors.py"
     errors.write_text(errors.read_text() + "\nfrom .io import write_text_atomic  # noqa\n")
-    assert ["vlmbind.errors", "vlmbind.io"] in import_circles(import_graph(copy))
+    assert ["vlmbind.core.errors", "vlmbind.core.io"] in import_circles(import_graph(copy))
 
 
 def test_every_command_module_is_in_the_table():
-    """A subcommand is one module in vlmbind/commands plus its entry in COMMANDS (the architecture recipe)."""
-    from vlmbind import commands
+    """A subcommand is one module in vlmbind/app/commands plus its entry in COMMANDS (the architecture recipe)."""
+    from vlmbind.app import commands
 
-    modules = {p.stem for p in (PACKAGE / "commands").glob("*.py")} - {"__init__", "arguments"}
+    modules = {p.stem for p in (PACKAGE / "app" / "commands").glob("*.py")} - {"__init__", "arguments"}
     assert {c.__name__.rsplit(".", 1)[1] for c in commands.COMMANDS} == modules
     parser = commands.build_parser()
     names = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
@@ -222,9 +236,9 @@ def test_a_new_analysis_module_registers_its_result_kind(tmp_path):
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
     (copy / "analysis" / "planted.py").write_text(
         "from dataclasses import dataclass\n"
-        "from ..results import Result, register_result\n\n\n"
+        "from ..core.results import Result, register_result\n\n\n"
         "@register_result\n@dataclass\nclass Planted(Result):\n    kind = 'planted'\n")
-    code = "import vlmbind.export, vlmbind.results as r; print(sorted(r.RESULTS))"
+    code = "import vlmbind.app.export, vlmbind.core.results as r; print(sorted(r.RESULTS))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -234,11 +248,11 @@ def test_a_new_analysis_module_registers_its_result_kind(tmp_path):
 def test_no_package_name_hides_one_of_its_modules():
     """``from .rsa import rsa`` in a package ``__init__`` would make ``vlmbind.analysis.rsa`` the function; every
     submodule stays reachable as a module, except the public functions named as their module on purpose
-    (``vb.evaluate``, ``vb.stimuli.rsa_set``, ``vlmbind.organisms.train``)."""
+    (``vb.stimuli.rsa_set``, ``vlmbind.organisms.train``)."""
     import importlib
     import types
 
-    on_purpose = {"vlmbind.evaluate", "vlmbind.stimuli.rsa_set", "vlmbind.organisms.train"}
+    on_purpose = {"vlmbind.stimuli.rsa_set", "vlmbind.organisms.train"}
     hidden = []
     for name, path in module_names(PACKAGE).items():
         if path.name != "__init__.py":

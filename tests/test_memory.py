@@ -19,7 +19,7 @@ import torch
 from conftest import get_tiny
 from test_patching import all_heads, strong_task
 
-from vlmbind.patching import exact_diffs, naive_diffs, prefix_end
+from vlmbind.engine.patching import exact_diffs, naive_diffs, prefix_end
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
@@ -39,7 +39,7 @@ print("RESULT " + json.dumps({"code": code, "peak": resource.getrusage(resource.
 CHILD_CAPTURE = """
 import json, resource, sys
 import vlmbind as vb
-from vlmbind.evaluate import training_defaults
+from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli import scene_description
 n, out = int(sys.argv[1]), sys.argv[2]
 vlm = vb.load("organism-p2a")
@@ -165,7 +165,7 @@ def test_batched_layout_keeps_the_prefix_cache_under_the_budget(condition):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_layout_keeps_its_attention_under_the_budget(attn):
-    from vlmbind.patching import packed_bytes
+    from vlmbind.engine.patching import packed_bytes
 
     vlm = get_tiny("tiny-qwen2_5_vl")
     task = strong_task(vlm, "mid_prompt")

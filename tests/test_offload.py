@@ -18,8 +18,8 @@ import torch
 
 import vlmbind as vb
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.patching import PatchTask, exact_diffs, naive_diffs
-from vlmbind.hooks import AblateHeads, AddToHeads, PatchHeads, ZeroImageAttention
+from vlmbind.engine.patching import PatchTask, exact_diffs, naive_diffs
+from vlmbind.engine.hooks import AblateHeads, AddToHeads, PatchHeads, ZeroImageAttention
 from vlmbind.tiny import TINY_NAMES
 
 S = vb.stimuli

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import vlmbind as vb
-from vlmbind.errors import TrainingError
+from vlmbind.core.errors import TrainingError
 from vlmbind.organisms import (
     BatchBuilder,
     TaskMixture,

@@ -16,10 +16,11 @@ import pytest
 from conftest import get_tiny
 
 import vlmbind as vb
-from vlmbind import parallel, sweeps
+from vlmbind.analysis import sweeps
+from vlmbind.engine import parallel
 from vlmbind.analysis import locate
 from vlmbind.cli import main
-from vlmbind.evaluate import CHECKPOINT, evaluate
+from vlmbind.analysis.evaluation import CHECKPOINT, evaluate
 
 S = vb.stimuli
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -202,7 +203,7 @@ def test_eval_checkpoint_of_another_run_is_refused(tmp_path):
     with pytest.raises(vb.InputError, match="not a vlmbind eval checkpoint"):
         evaluate(vlm, ds, batch_size=2, checkpoint=path)
     # a checkpoint with the first batch done: only the second batch is generated again
-    from vlmbind.evaluate import run_key
+    from vlmbind.analysis.evaluation import run_key
 
     path.write_text(json.dumps({"run": run_key(vlm, list(ds), 2, False)}) + "\n"
                     + json.dumps({"batch": 0, "records": full.records[:2]}) + "\n")

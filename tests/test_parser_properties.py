@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from vlmbind import cli
 from vlmbind.analysis.edits import check_alphas, check_heads
-from vlmbind.errors import InputError
-from vlmbind.commands.arguments import int_at_least, parse_range
-from vlmbind.sites import parse_heads
+from vlmbind.core.errors import InputError
+from vlmbind.app.commands.arguments import int_at_least, parse_range
+from vlmbind.core.sites import parse_heads
 from vlmbind.stimuli.points import p2a_text, parse_count, parse_points, parse_yes_no
 
 SETTINGS = settings(max_examples=150, deadline=None)

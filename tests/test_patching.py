@@ -13,8 +13,8 @@ from conftest import get_tiny
 
 import vlmbind as vb
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.interventions import PatchHeads
-from vlmbind.patching import PatchTask, attribution_diffs, exact_diffs, integrated_gradients_diffs, naive_diffs
+from vlmbind.engine.interventions import PatchHeads
+from vlmbind.engine.patching import PatchTask, attribution_diffs, exact_diffs, integrated_gradients_diffs, naive_diffs
 from vlmbind.tiny import TINY_NAMES
 
 S = vb.stimuli
@@ -62,7 +62,7 @@ def test_exact_equals_naive_on_every_family(name, condition):
 
 
 def test_exact_equals_naive_on_the_organism_and_on_its_scenes():
-    from vlmbind.evaluate import training_defaults
+    from vlmbind.analysis.evaluation import training_defaults
 
     vlm = vb.load("organism-p2a")
     kwargs = training_defaults(vlm, "scene", {"n_objects": 3})
@@ -241,7 +241,7 @@ def test_attention_swap_refuses_a_model_that_does_not_point():
 
 def test_attribution_is_reported_beside_exact_on_its_top_candidates(tmp_path):
     vlm = vb.load("organism-p2a")
-    from vlmbind.evaluate import training_defaults
+    from vlmbind.analysis.evaluation import training_defaults
 
     pairs = S.scene_pairs(3, "feature_retrieval", 2, **training_defaults(vlm, "scene", {"n_objects": 3}))
     attribution = vb.locate(vlm, pairs, method="attribution", verify_top=4)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from vlmbind.errors import InputError, TrainingError
+from vlmbind.core.errors import InputError, TrainingError
 from vlmbind.probes import (
     FAMILIES,
     Entropies,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from test_siit import _planting_config
-from vlmbind.errors import TrainingError
+from vlmbind.core.errors import TrainingError
 from vlmbind.organisms.processes import RankSplit, sync_step
 from vlmbind.organisms.siit import SIITSpec
 from vlmbind.organisms.train import TrainConfig, train

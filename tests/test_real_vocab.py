@@ -19,7 +19,7 @@ import vlmbind as vb
 from vlmbind import cli
 from vlmbind.analysis import locate
 from vlmbind.analysis.mediation import scene_task
-from vlmbind.evaluate import training_defaults
+from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli.scenes import scene_pairs
 from vlmbind.tiny import real
 from vlmbind.tiny.vocabularies import FETCH_COMMAND, SOURCES, VocabularyMissingError, vocabulary_dir
@@ -158,7 +158,7 @@ def test_cli_locate_on_a_saved_real_vocabulary_model(saved, loaded, family, tmp_
 
 
 def test_bfloat16_scores_print_the_measured_agreement(saved, tmp_path, capsys):
-    from vlmbind.precision import PRECISION_FILE
+    from vlmbind.engine.precision import PRECISION_FILE
 
     measured = json.loads(PRECISION_FILE.read_text())
     code = cli.main(["locate", "--model", saved("qwen2_5_vl"), "--device", "cpu", "--dtype", "bfloat16",
@@ -187,7 +187,7 @@ def test_bad_placement_exits_2_with_one_line(saved, tmp_path, capsys, argv, need
 
 def test_greedy_ignores_the_checkpoints_penalties(loaded):
     """Qwen2.5-VL-Instruct's generation config carries repetition_penalty 1.05, which HF applies under greedy too."""
-    from vlmbind.decoding import greedy_decode
+    from vlmbind.engine.decoding import greedy_decode
 
     vlm = loaded("qwen2_5_vl")
     pairs = list(scene_pairs(3, "id_retrieval", 0, **training_defaults(vlm, "scene", {"n_objects": 3})))

@@ -14,8 +14,8 @@ from conftest import PROMPT, draw_scene, get_tiny
 
 import vlmbind as vb
 from vlmbind.analysis.ablation import ablation_study
-from vlmbind.decoding import greedy_decode
-from vlmbind.evaluate import evaluate, training_defaults
+from vlmbind.engine.decoding import greedy_decode
+from vlmbind.analysis.evaluation import evaluate, training_defaults
 from vlmbind.stimuli import scene_description
 
 LAYER, HEADS = 1, [0, 2]

@@ -14,7 +14,7 @@ from sklearn.metrics.pairwise import cosine_similarity
 
 import vlmbind as vb
 from vlmbind.analysis.rsa import compare, model_matrices, pca, rsa, similarity_matrix
-from vlmbind.activations import FORMAT, ActivationSet
+from vlmbind.engine.activations import FORMAT, ActivationSet
 
 COLOURS, SHAPES = ["red", "green", "blue"], ["square", "circle", "star"]
 

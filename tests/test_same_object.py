@@ -11,7 +11,7 @@ import torch
 import vlmbind as vb
 from vlmbind.analysis.binding import colorshape_splits
 from vlmbind.analysis.same_object import class_rules, same_object_probes
-from vlmbind.errors import InputError
+from vlmbind.core.errors import InputError
 from vlmbind.probes import ProbeConfig, pairwise_probe
 from vlmbind.probes.pairwise import _clustered_se
 from vlmbind.stimuli.colorshape import ColorShapeSplits, balanced_color_shape

@@ -102,7 +102,7 @@ def no_unpickling_no_network(monkeypatch):
 
 
 def test_a_full_round_trip_unpickles_nothing_and_stays_offline(no_unpickling_no_network, tmp_path):
-    from vlmbind.activations import ActivationSet, capture
+    from vlmbind.engine.activations import ActivationSet, capture
     import pandas as pd
     from vlmbind.cli import main
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vlmbind as vb
-from vlmbind.errors import TrainingError
+from vlmbind.core.errors import TrainingError
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.model import shared_image_features
 from vlmbind.organisms.siit import HeadInterchange, answer_changes, answer_changes_per_set, interchange_batch

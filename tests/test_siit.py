@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import vlmbind as vb
-from vlmbind.errors import TrainingError
+from vlmbind.core.errors import TrainingError
 from vlmbind.organisms.data import BatchBuilder, answer_unlikelihood
 from vlmbind.organisms.siit import (
     SIIT_STREAM,
@@ -364,7 +364,7 @@ def test_growing_an_organism_keeps_its_function_exactly():
     from vlmbind.organisms.data import TaskMixture, TaskSpec
     from vlmbind.organisms.model import build_organism
     from vlmbind.organisms.train import load_weights
-    from vlmbind.shipped import organism_dir
+    from vlmbind.core.shipped import organism_dir
 
     source, processor = build_organism(seed=0, image_size=168)
     load_weights(source, organism_dir("organism-p2a"))

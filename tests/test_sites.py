@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vlmbind.errors import SiteError
-from vlmbind.sites import LM_HOOKS, Site, all_sites, parse_site, resolve_sites
+from vlmbind.core.errors import SiteError
+from vlmbind.core.sites import LM_HOOKS, Site, all_sites, parse_site, resolve_sites
 
 
 def test_parse_round_trip_every_site():

@@ -23,7 +23,7 @@ from vlmbind.analysis.tracking import (
 )
 from vlmbind.analysis.traces import extend_batch
 from vlmbind.cli import main
-from vlmbind.errors import InputError
+from vlmbind.core.errors import InputError
 from vlmbind.stimuli import Canvas, counting
 
 from conftest import PROMPT, draw_scene, get_tiny
@@ -118,7 +118,7 @@ def test_grid_to_point_frame_on_a_coarser_canvas(organism):
 
 
 def test_grid_to_pixels_uses_box_centres_of_a_scaled_grid():
-    from vlmbind.tokens import grid_boxes
+    from vlmbind.core.tokens import grid_boxes
 
     boxes = grid_boxes(2, 4, 28, 28, scale_x=0.5, scale_y=2.0)  # processed -> original pixels
     np.testing.assert_allclose(grid_to_pixels(np.array([[0, 0], [3, 1], [1.5, 0.5]]), boxes),

@@ -1,8 +1,8 @@
 """vlmbind against TransformerLens 4.3's TransformerBridge, and proof that nothing is installed at run time.
 
 For every family TL 4.3 bridges (Qwen2.5-VL, LLaVA, LLaVA-OneVision, Gemma-3) a bridge is booted once per module on
-a copy of the tiny model (:func:`vlmbind.interop.transformer_lens_bridge`) and fed the very processor outputs vlmbind
-runs (:func:`vlmbind.interop.bridge_inputs`), on a left-padded batch of two. Then: the bridge's logits equal HF's;
+a copy of the tiny model (:func:`vlmbind.engine.interop.transformer_lens_bridge`) and fed the very processor outputs vlmbind
+runs (:func:`vlmbind.engine.interop.bridge_inputs`), on a left-padded batch of two. Then: the bridge's logits equal HF's;
 vlmbind's captures equal the bridge's hooks of the same name; a head ablation done by vlmbind equals one done with a
 bridge hook. TL 4.3's ``boot_transformers`` runs ``pip install torchvision`` in the current interpreter when it
 cannot load a processor, so the boot and runs happen under a guard that blocks and records every process spawn (the
@@ -32,8 +32,8 @@ from conftest import PROMPT, draw_scene, get_tiny
 
 import vlmbind as vb
 from vlmbind.adapters import ADAPTERS
-from vlmbind.errors import ModelLoadError, UnsupportedModelError
-from vlmbind.interop import bridge_inputs, transformer_lens_architectures, transformer_lens_bridge
+from vlmbind.core.errors import ModelLoadError, UnsupportedModelError
+from vlmbind.engine.interop import bridge_inputs, transformer_lens_architectures, transformer_lens_bridge
 from vlmbind.tiny import TINY_NAMES
 
 BRIDGED = ("tiny-qwen2_5_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-llava_next", "tiny-qwen3_vl",

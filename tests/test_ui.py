@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 import vlmbind as vb
-from vlmbind import ui
-from vlmbind.evaluate import training_defaults
-from vlmbind.ui import UIController, build_app, decode_upload
+from vlmbind.app import ui
+from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.app.ui import UIController, build_app, decode_upload
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -154,8 +154,8 @@ def test_scores_frame_and_cli(vlm, tmp_path, monkeypatch, capsys) -> None:
         def run(self, **kw):
             calls.append(kw)
 
-    monkeypatch.setattr("vlmbind.commands.ui.build_app", lambda *a, **k: _App())
-    monkeypatch.setattr("vlmbind.loading.load", lambda name: vlm)
+    monkeypatch.setattr("vlmbind.app.commands.ui.build_app", lambda *a, **k: _App())
+    monkeypatch.setattr("vlmbind.engine.loading.load", lambda name: vlm)
     from vlmbind.cli import main
 
     assert main(["ui", "--port", "8123"]) == 0
@@ -348,7 +348,7 @@ def test_parallel_http_clients_get_the_serial_answers(vlm, ctl, state) -> None:
     assert got == expected * 2
     assert len({json.dumps(g["top"]) for g in got}) > 1, "the cases must give different answers to be a test"
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in vlm.model.modules()
-                   if any(getattr(f, "__module__", "") == "vlmbind.hooks"
+                   if any(getattr(f, "__module__", "") == "vlmbind.engine.hooks"
                           for f in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]))
 
 

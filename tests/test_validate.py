@@ -12,7 +12,7 @@ import pytest
 import vlmbind as vb
 from vlmbind.analysis.validate import ValidationResult, rank_metrics, recorded_planted
 from vlmbind.cli import main
-from vlmbind.results import detect
+from vlmbind.core.results import detect
 
 
 def test_rank_metrics_are_the_closed_form_ones():
@@ -477,7 +477,7 @@ def test_the_report_opening_shows_the_saved_validation_with_the_edit_controls_ch
     control and the control's chance rate, and the ablation table with the random arm from the top-k's layers."""
     from pathlib import Path
 
-    from vlmbind.report import validation_sections
+    from vlmbind.app.report import validation_sections
 
     result = ValidationResult.load(Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" /
                                    "organism-vsm")
@@ -694,7 +694,7 @@ def test_the_shipped_ablation_stage_is_recorded_as_the_docs_say():
     from pathlib import Path
 
     from vlmbind.organisms.recipes import recipe_stages
-    from vlmbind.shipped import organism_dir
+    from vlmbind.core.shipped import organism_dir
 
     runs = Path(__file__).parent.parent / "circuits" / "ground_truth" / "results" / "organism-vsm_training"
     docs = " ".join((Path(__file__).parent.parent / "docs" / "ground_truth.md").read_text().split())
@@ -754,7 +754,7 @@ def test_answer_changes_by_position_matches_hand_built_masks_and_the_saved_check
 
     import torch
 
-    from vlmbind.errors import TrainingError
+    from vlmbind.core.errors import TrainingError
     from vlmbind.organisms.data import IGNORE_INDEX, BatchBuilder
     from vlmbind.organisms.siit import HeadInterchange, answer_changes, interchange_batch, interchange_logits
     from vlmbind.stimuli import Canvas

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vlmbind as vb
-from vlmbind.errors import InputError
+from vlmbind.core.errors import InputError
 from vlmbind.stimuli.colorshape import balanced_color_shape
 
 from conftest import draw_scene, get_tiny

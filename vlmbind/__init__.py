@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import Any
 
 from . import version
@@ -26,31 +24,31 @@ _LAZY: dict[str, str] = {
     "HeadScores": "vlmbind.analysis",
     "ablation_study": "vlmbind.analysis",
     "edit_study": "vlmbind.analysis",
-    "capture": "vlmbind.activations",
-    "ActivationSet": "vlmbind.activations",
-    "evaluate": "vlmbind.evaluate",
-    "EvalResult": "vlmbind.evaluate",
-    "VLM": "vlmbind.models",
-    "Batch": "vlmbind.batches",
-    "RunOutput": "vlmbind.batches",
-    "load": "vlmbind.loading",
-    "registered_names": "vlmbind.loading",
-    "supported_families": "vlmbind.loading",
-    "AblateHeads": "vlmbind.interventions",
-    "AddToHeads": "vlmbind.interventions",
-    "PatchHeads": "vlmbind.interventions",
-    "ZeroImageAttention": "vlmbind.interventions",
-    "Site": "vlmbind.sites",
-    "resolve_sites": "vlmbind.sites",
-    "ImageGrid": "vlmbind.tokens",
-    "TokenIndex": "vlmbind.tokens",
-    "VlmbindError": "vlmbind.errors",
-    "UnsupportedModelError": "vlmbind.errors",
-    "ModelLoadError": "vlmbind.errors",
-    "SiteError": "vlmbind.errors",
-    "InterventionError": "vlmbind.errors",
-    "InputError": "vlmbind.errors",
-    "SpanNotFoundError": "vlmbind.errors",
+    "capture": "vlmbind.engine.activations",
+    "ActivationSet": "vlmbind.engine.activations",
+    "evaluate": "vlmbind.analysis.evaluation",
+    "EvalResult": "vlmbind.analysis.evaluation",
+    "VLM": "vlmbind.engine.vlm",
+    "Batch": "vlmbind.engine.batches",
+    "RunOutput": "vlmbind.engine.batches",
+    "load": "vlmbind.engine.loading",
+    "registered_names": "vlmbind.engine.loading",
+    "supported_families": "vlmbind.engine.loading",
+    "AblateHeads": "vlmbind.engine.interventions",
+    "AddToHeads": "vlmbind.engine.interventions",
+    "PatchHeads": "vlmbind.engine.interventions",
+    "ZeroImageAttention": "vlmbind.engine.interventions",
+    "Site": "vlmbind.core.sites",
+    "resolve_sites": "vlmbind.core.sites",
+    "ImageGrid": "vlmbind.core.tokens",
+    "TokenIndex": "vlmbind.core.tokens",
+    "VlmbindError": "vlmbind.core.errors",
+    "UnsupportedModelError": "vlmbind.core.errors",
+    "ModelLoadError": "vlmbind.core.errors",
+    "SiteError": "vlmbind.core.errors",
+    "InterventionError": "vlmbind.core.errors",
+    "InputError": "vlmbind.core.errors",
+    "SpanNotFoundError": "vlmbind.core.errors",
 }
 
 __all__ = [
@@ -64,9 +62,6 @@ __all__ = [
 
 # the public names that are modules themselves
 _MODULES = frozenset({"stimuli", "probes"})
-# public names that share their name with a submodule but are not it: ``vb.evaluate`` is the function in
-# ``vlmbind.evaluate``
-_SHADOWED = frozenset(n for n, m in _LAZY.items() if m == f"{__name__}.{n}" and n not in _MODULES)
 
 
 def __getattr__(name: str) -> Any:
@@ -83,16 +78,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """The package's module type: importing a submodule binds it on the package, which must not replace a public name
-    of the same name that is not the module (``vlmbind.evaluate`` stays the function, as with an eager import)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SHADOWED and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

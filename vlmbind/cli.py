@@ -1,10 +1,10 @@
-"""The ``vlmbind`` entry point (``[project.scripts]``); the command itself lives in :mod:`vlmbind.commands`."""
+"""The ``vlmbind`` entry point (``[project.scripts]``); the command itself lives in :mod:`vlmbind.app.commands`."""
 
 from __future__ import annotations
 
 import sys
 
-from .commands import build_parser, main
+from .app.commands import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

@@ -30,7 +30,7 @@ import pandas as pd
 import vlmbind as vb
 from vlmbind.analysis.binding import colorshape_splits, default_sites, default_world, probe_sites
 from vlmbind.analysis.rsa import rsa, rsa_stimuli
-from vlmbind.io import write_json_atomic, write_text_atomic
+from vlmbind.core.io import write_json_atomic, write_text_atomic
 from vlmbind.probes import ProbeConfig, binding_information
 from vlmbind.stimuli.colorshape import WORLDS, entropies
 

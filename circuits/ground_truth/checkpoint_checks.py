@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import vlmbind as vb
-from vlmbind.io import write_json_atomic
+from vlmbind.core.io import write_json_atomic
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.siit import (HeadInterchange, answer_changes, answer_changes_per_set,
                                    interchange_accuracy)
-from vlmbind.sites import parse_heads
+from vlmbind.core.sites import parse_heads
 from vlmbind.stimuli import Canvas, scene_pairs
 
 HERE = Path(__file__).parent

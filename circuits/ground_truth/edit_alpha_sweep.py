@@ -31,8 +31,8 @@ from pathlib import Path
 import vlmbind as vb
 from vlmbind.analysis.edits import edit_studies
 from vlmbind.analysis.validate import validate
-from vlmbind.io import write_json_atomic
-from vlmbind.sites import parse_heads
+from vlmbind.core.io import write_json_atomic
+from vlmbind.core.sites import parse_heads
 
 sys.path.insert(0, str(Path(__file__).parent))
 from edit_control_geometry import answers  # noqa: E402  (a sibling script)

@@ -21,10 +21,10 @@ from pathlib import Path
 import vlmbind as vb
 from vlmbind.analysis.ablation import wilson_interval
 from vlmbind.analysis.validate import recorded_planted
-from vlmbind.io import write_json_atomic, write_text_atomic
+from vlmbind.core.io import write_json_atomic, write_text_atomic
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.siit import HeadInterchange, answer_changes_per_set, interchange_accuracy, unpatched_accuracy
-from vlmbind.sites import parse_heads
+from vlmbind.core.sites import parse_heads
 from vlmbind.stimuli import Canvas, scene_pairs
 
 HERE = Path(__file__).parent

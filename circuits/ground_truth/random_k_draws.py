@@ -25,9 +25,9 @@ import pandas as pd
 
 import vlmbind as vb
 from vlmbind.analysis.ablation import ablation_study
-from vlmbind.evaluate import training_defaults
-from vlmbind.io import write_json_atomic
-from vlmbind.sites import parse_heads
+from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.core.io import write_json_atomic
+from vlmbind.core.sites import parse_heads
 from vlmbind.stimuli import scene_description
 
 HERE = Path(__file__).parent

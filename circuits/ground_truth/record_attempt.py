@@ -23,12 +23,12 @@ from pathlib import Path
 
 import vlmbind as vb
 from vlmbind.analysis.validate import validate
-from vlmbind.io import write_json_atomic
-from vlmbind.models import TRAINING_FILE
+from vlmbind.core.io import write_json_atomic
+from vlmbind.engine.vlm import TRAINING_FILE
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.siit import HeadInterchange, interchange_accuracy
-from vlmbind.shipped import organism_dir
-from vlmbind.sites import parse_heads
+from vlmbind.core.shipped import organism_dir
+from vlmbind.core.sites import parse_heads
 from vlmbind.stimuli import Canvas
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 import vlmbind as vb
-from vlmbind.io import write_json_atomic
+from vlmbind.core.io import write_json_atomic
 from vlmbind.organisms.data import BatchBuilder
 from vlmbind.organisms.siit import HeadInterchange, evaluating, interchange_batch, last_prompt_index, target_tokens
-from vlmbind.sites import parse_heads
+from vlmbind.core.sites import parse_heads
 from vlmbind.stimuli import Canvas, scene_pairs
 
 POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}

@@ -21,7 +21,7 @@ import pandas as pd
 import vlmbind as vb
 from vlmbind.analysis.ablation import wilson_interval
 from vlmbind.analysis.validate import ValidationResult, recorded_planted, validate
-from vlmbind.io import write_json_atomic, write_text_atomic
+from vlmbind.core.io import write_json_atomic, write_text_atomic
 
 HERE = Path(__file__).parent
 PLANTED = "organism-vsm"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import vlmbind as vb
-from vlmbind.evaluate import training_defaults
+from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli import scene_description
 
 sys.path.insert(0, str(Path(__file__).parent))

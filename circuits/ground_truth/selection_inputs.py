@@ -33,7 +33,7 @@ import torch
 import vlmbind as vb
 from vlmbind.analysis.ablation import wilson_interval
 from vlmbind.analysis.validate import recorded_planted
-from vlmbind.io import write_json_atomic
+from vlmbind.core.io import write_json_atomic
 from vlmbind.organisms.data import IGNORE_INDEX, BatchBuilder
 from vlmbind.organisms.siit import (
     HeadInterchange,
@@ -43,7 +43,7 @@ from vlmbind.organisms.siit import (
     target_cells,
     target_tokens,
 )
-from vlmbind.sites import parse_heads
+from vlmbind.core.sites import parse_heads
 from vlmbind.stimuli import Canvas
 
 sys.path.insert(0, str(Path(__file__).parent))

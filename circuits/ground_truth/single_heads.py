@@ -16,7 +16,7 @@ from pathlib import Path
 
 import vlmbind as vb
 from vlmbind.analysis.validate import held_out_objects
-from vlmbind.evaluate import training_defaults
+from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli import scene_description
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import vlmbind as vb
-from vlmbind.evaluate import evaluate, training_defaults
-from vlmbind.io import write_json_atomic, write_text_atomic
+from vlmbind.analysis.evaluation import evaluate, training_defaults
+from vlmbind.core.io import write_json_atomic, write_text_atomic
 
 S = vb.stimuli
 HERE = Path(__file__).parent

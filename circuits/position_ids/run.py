@@ -25,9 +25,9 @@ import numpy as np
 import vlmbind as vb
 from vlmbind.analysis.mediation import scene_task
 from vlmbind.analysis.overview import object_attention
-from vlmbind.evaluate import training_defaults
-from vlmbind.hooks import PatchHeads
-from vlmbind.io import write_json_atomic
+from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.engine.hooks import PatchHeads
+from vlmbind.core.io import write_json_atomic
 
 S = vb.stimuli
 HERE = Path(__file__).parent

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import vlmbind as vb
 from vlmbind.analysis import point_swap_pairs, track, tracking_dataset
-from vlmbind.io import write_json_atomic
+from vlmbind.core.io import write_json_atomic
 
 HERE = Path(__file__).parent
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import HeadLayoutError, NoAttentionPatternError, SiteError, UnsupportedModelError
-from ..tokens import ROLE_DTYPE, ImageGrid
+from ..core.errors import HeadLayoutError, NoAttentionPatternError, SiteError, UnsupportedModelError
+from ..core.tokens import ROLE_DTYPE, ImageGrid
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
 
@@ -98,7 +98,7 @@ class ModelAdapter:
     mask_per_layer_type: ClassVar[bool] = True
     mrope: ClassVar[bool] = False
     # per-token processor outputs besides input_ids and attention_mask (0 on text tokens): they grow with the
-    # sequence when tokens are appended (vlmbind.batches.append_tokens)
+    # sequence when tokens are appended (vlmbind.engine.batches.append_tokens)
     token_inputs: ClassVar[tuple[str, ...]] = ()
     # the value an appended token gets in a token input, where it is not 0 (PaliGemma's answer tokens: 1, causal;
     # "last": the last position's entry repeated, Llama-3.2-Vision's cross-attention mask)

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InputError
-from ..tokens import ImageGrid, grid_boxes
+from ..core.errors import InputError
+from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UnsupportedModelError
-from ..tokens import ImageGrid, grid_boxes
+from ..core.errors import UnsupportedModelError
+from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
 
 FAKE_TOKEN = "<fake_token_around_image>"

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
 
-from ..errors import UnsupportedModelError
-from ..tokens import ImageGrid, grid_boxes
+from ..core.errors import UnsupportedModelError
+from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
 
 START_IMAGE = "<img>"

@@ -6,7 +6,7 @@ resize / pad / crop / tiling arithmetic (calling HF's helpers where they exist) 
 original-image pixels. LLaVA-1.5: optional pad-to-square, shortest-edge resize and center crop, then CLIP's
 ``(crop / patch)^2`` grid in raster order (the CLS feature is dropped by ``vision_feature_select_strategy="default"``;
 a kept CLS feature would be role ``special``). LLaVA-OneVision (one image per prompt in the processor's view, which is
-what :meth:`~vlmbind.models.VLM.prepare` produces): first the ``base`` grid of the whole image stretched to one tile,
+what :meth:`~vlmbind.engine.vlm.VLM.prepare` produces): first the ``base`` grid of the whole image stretched to one tile,
 then the any-res tiles (the image resized into the best ``image_grid_pinpoints`` resolution, centred, padded and cut
 into tiles) stitched into one hi-res ``tiles`` grid, with the padding rows or columns removed and, past
 ``anyres_max_N`` tiles' worth of features, bilinearly down-sampled; every hi-res row is followed by the learned
@@ -28,8 +28,8 @@ from transformers.image_processing_utils import get_patch_output_size, select_be
 from transformers.image_transforms import get_resize_output_image_size, get_size_with_aspect_ratio
 from transformers.image_utils import ChannelDimension
 
-from ..errors import UnsupportedModelError
-from ..tokens import ImageGrid, grid_boxes
+from ..core.errors import UnsupportedModelError
+from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
 
 
@@ -156,7 +156,7 @@ class LlavaAdapter(_LlavaBase):
 
         Returns:
             ``(out_h, out_w, x_off, y_off, scale_x, scale_y)``: processed pixel ``x`` is original pixel
-            ``(x + x_off) / scale_x`` (likewise y), the convention of :func:`~vlmbind.tokens.grid_boxes`.
+            ``(x + x_off) / scale_x`` (likewise y), the convention of :func:`~vlmbind.core.tokens.grid_boxes`.
         """
         ip = self.image_processor
         canvas_w, canvas_h, pad_x, pad_y = width, height, 0, 0

@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import UnsupportedModelError
-from ..tokens import ImageGrid
+from ..core.errors import UnsupportedModelError
+from ..core.tokens import ImageGrid
 from .base import register_adapter
 from .llava import LlavaOnevisionAdapter, _resized_size, _size
 

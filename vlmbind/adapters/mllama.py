@@ -53,7 +53,7 @@ from transformers.models.mllama.image_processing_mllama import (
     get_optimal_tiled_canvas,
 )
 
-from ..tokens import ImageGrid, grid_boxes
+from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, get_module, register_adapter
 
 CROSS = "cross_attention"

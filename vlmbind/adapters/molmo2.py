@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from transformers.models.molmo2.image_processing_molmo2 import compute_crop_geometry
 
-from ..errors import InputError
-from ..tokens import ImageGrid
+from ..core.errors import InputError
+from ..core.tokens import ImageGrid
 from .base import ModelAdapter, register_adapter
 
 

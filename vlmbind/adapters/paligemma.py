@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import InputError
-from ..tokens import ImageGrid, grid_boxes
+from ..core.errors import InputError
+from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, get_module, register_adapter
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from transformers.vision_utils import get_vision_window_index
 
-from ..tokens import ImageGrid, grid_boxes
+from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
 
 

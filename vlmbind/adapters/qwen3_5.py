@@ -16,8 +16,8 @@ The language model mixes two token mixers, as ``text_config.layer_types`` says:
   within the head). So ``attn.hook_z`` is ``out_proj``'s input and per-head patching / zero / mean ablation reach
   the output only through that head, where the value heads are the model's ``n_heads x d_head``
   (``linear_num_value_heads == num_attention_heads`` and ``linear_value_head_dim == head_dim``; the checkpoints have
-  twice as many value heads of half the width, and :class:`~vlmbind.errors.HeadLayoutError` refuses those layers'
-  heads). ``attn.hook_pattern`` and ``image_attention`` raise :class:`~vlmbind.errors.NoAttentionPatternError`
+  twice as many value heads of half the width, and :class:`~vlmbind.core.errors.HeadLayoutError` refuses those layers'
+  heads). ``attn.hook_pattern`` and ``image_attention`` raise :class:`~vlmbind.core.errors.NoAttentionPatternError`
   there (:meth:`~vlmbind.adapters.base.ModelAdapter.pattern_layers`).
 
 The DeltaNet layers' cache holds their state after the whole prompt, which no slice rewinds to a prefix, so the

@@ -35,7 +35,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from ..errors import SiteError
+from ..core.errors import SiteError
 from .base import get_module, register_adapter
 from .qwen import _QwenVLAdapter
 

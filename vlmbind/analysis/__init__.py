@@ -1,7 +1,7 @@
 """Analyses over a model and stimuli (causal) or over captured activations (representational).
 
 Importing this package imports every analysis module, which registers every result kind
-(:data:`vlmbind.results.RESULTS`); a new analysis module is registered by existing, with no line to add here.
+(:data:`vlmbind.core.results.RESULTS`); a new analysis module is registered by existing, with no line to add here.
 """
 
 import importlib as _importlib

@@ -25,12 +25,12 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from ..choices import ABLATION_MODES as MODES
-from ..errors import InputError
-from ..evaluate import evaluate
-from ..io import write_json_atomic
-from ..results import Result, read_json_object, register_result, require_keys
+from ..core.choices import ABLATION_MODES as MODES
+from ..core.errors import InputError
+from ..core.io import write_json_atomic
+from ..core.results import Result, read_json_object, register_result, require_keys
 from ..viz.ablation import ablation_figure
+from .evaluation import evaluate
 
 
 @register_result

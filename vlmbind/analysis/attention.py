@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
+from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..viz import head_heatmap, write_html_atomic, write_text_atomic
 
 TITLE = "Attention mass from the last token to the image tokens"

@@ -2,7 +2,7 @@
 and VOB's pairwise IsSameObject probes per site (``vlmbind probe``).
 
 Design: the stimuli are BalancedColorShape's three disjoint splits (by F code), captured with
-:func:`~vlmbind.activations.capture` into one :class:`~vlmbind.activations.ActivationSet`; per site, the probes read
+:func:`~vlmbind.engine.activations.capture` into one :class:`~vlmbind.engine.activations.ActivationSet`; per site, the probes read
 ``Z`` from it: the mean over the site's stored tokens (image tokens of a language-model or projector site, every
 token of a vision-tower site; a VLM has no [CLS] vector, so the mean is the pooled representation) or, for the
 attention probe and the pairwise probes, the tokens themselves. The entropies are the stimuli's exact ones for the
@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..choices import DEFAULT_SITE_CHOICE, PROBE_FAMILIES  # noqa: F401  (DEFAULT_SITE_CHOICE: public here too)
-from ..choices import PROBE_CHECKPOINT as CHECKPOINT  # noqa: F401  (public here too)
-from ..errors import InputError
-from ..io import json_default, write_json_atomic, write_text_atomic
+from ..core.choices import DEFAULT_SITE_CHOICE, PROBE_FAMILIES  # noqa: F401  (DEFAULT_SITE_CHOICE: public here too)
+from ..core.choices import PROBE_CHECKPOINT as CHECKPOINT  # noqa: F401  (public here too)
+from ..core.errors import InputError
+from ..core.io import json_default, write_json_atomic, write_text_atomic
+from ..core.results import Result, read_csv_columns, read_json_object, register_result
 from ..probes import binding_information, pairwise_probe
-from ..results import Result, read_csv_columns, read_json_object, register_result
 from ..stimuli.colorshape import FBP, ORGANISM, ColorShapeSplits, ColorShapeWorld, entropies, world_named
 from ..stimuli.core import object_token_positions
 from ..viz import write_html_atomic

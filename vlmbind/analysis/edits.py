@@ -10,8 +10,8 @@ the share of held-out examples whose answer becomes the object at ``t``. The con
 with ``c`` a random *empty* cell of the scene (one holding no object), so a reader sees whether switching to ``t``
 needs ``t``'s ID or follows from any perturbation of that size. Answers are decoded greedily by re-running full
 forwards (no key/value cache) on the growing sequence, so the edit sits at one absolute position, the prompt's last,
-in every step; the first two words are scored like :func:`vlmbind.evaluate.score`. The edit's vector differs per
-example, while :class:`~vlmbind.hooks.AddToHeads` takes one vector for the whole batch, so :class:`AddToHeadRows`
+in every step; the first two words are scored like :func:`vlmbind.analysis.evaluation.score`. The edit's vector differs per
+example, while :class:`~vlmbind.engine.hooks.AddToHeads` takes one vector for the whole batch, so :class:`AddToHeadRows`
 (an ``AddToHeads`` whose vector may be ``B h D``, one per row) batches several examples per forward; it is tested
 against ``AddToHeads`` and against a plain ``o_proj`` pre-hook. Entropy repair (:func:`entropy_repair`) estimates
 IDs on high-entropy scenes (distinct features) and on low-entropy scenes (shared features), and adds
@@ -36,17 +36,17 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..choices import EDIT_POSITIONS
-from ..decoding import greedy_decode
-from ..errors import InputError, TooFewEstimatesError
-from ..evaluate import score, training_defaults
-from ..interventions import AddToHeadRows
-from ..io import write_json_atomic
-from ..results import Result, read_json_object, register_result
-from ..sites import parse_heads
+from ..core.choices import EDIT_POSITIONS
+from ..core.errors import InputError, TooFewEstimatesError
+from ..core.io import write_json_atomic
+from ..core.results import Result, read_json_object, register_result
+from ..core.sites import parse_heads
+from ..engine.decoding import greedy_decode
+from ..engine.interventions import AddToHeadRows
 from ..stimuli import scene_description
 from ..viz import write_html_atomic
 from ..viz.edits import edit_figure, edit_traces, repair_figure, repair_traces
+from .evaluation import score, training_defaults
 
 Cell = tuple[int, int]
 
@@ -583,7 +583,7 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
     example (a push of the edit's size in no particular direction). Both count outputs that name the object at t.
 
     Scenes come from ``scene_description(n_estimate + n_eval, seed)`` with the model's own training canvas and
-    pools (:func:`vlmbind.evaluate.training_defaults`): the first ``n_estimate`` estimate the IDs, the rest are
+    pools (:func:`vlmbind.analysis.evaluation.training_defaults`): the first ``n_estimate`` estimate the IDs, the rest are
     evaluated. Per evaluated example, ``t`` is a uniformly drawn described object's cell and ``c`` a uniformly drawn
     empty cell, both among cells with an estimate (seeded by ``seed``); examples whose missing object's cell, or all
     of whose candidate cells, lack an estimate are skipped and counted.

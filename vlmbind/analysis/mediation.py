@@ -36,12 +36,12 @@ from safetensors.numpy import save
 from scipy.stats import false_discovery_control, spearmanr, ttest_1samp
 from tqdm.auto import tqdm
 
-from ..choices import CONDITIONS, METHODS  # noqa: F401  (CONDITIONS: public here too)
-from ..choices import LOCATE_CHECKPOINT as CHECKPOINT  # noqa: F401  (public here too)
-from ..errors import InputError
-from ..io import write_bytes_atomic, write_json_atomic, write_text_atomic
-from ..patching import METHOD_FUNCTIONS, PatchTask
-from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
+from ..core.choices import CONDITIONS, METHODS  # noqa: F401  (CONDITIONS: public here too)
+from ..core.choices import LOCATE_CHECKPOINT as CHECKPOINT  # noqa: F401  (public here too)
+from ..core.errors import InputError
+from ..core.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
+from ..engine.patching import METHOD_FUNCTIONS, PatchTask
 from ..stimuli.scenes import check_alignment
 from ..viz import head_heatmap, write_html_atomic
 
@@ -51,7 +51,7 @@ ESTIMATES = ("attribution", "integrated_gradients")
 
 def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str, separator: str = " ") -> tuple[list[int], int, int]:
     """``(shared prefix ids, id of a, id of a*)`` at the first token where ``separator + answer`` and
-    ``separator + answer_cf`` differ (``separator``: :meth:`vlmbind.models.VLM.answer_separator`).
+    ``separator + answer_cf`` differ (``separator``: :meth:`vlmbind.engine.vlm.VLM.answer_separator`).
 
     Raises:
         InputError: the answers tokenise identically (nothing to score).
@@ -358,7 +358,7 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     Args:
         vlm: a loaded VLM.
         pairs: a :class:`~vlmbind.stimuli.PairSet`, a list of pairs (one condition), or
-            :class:`~vlmbind.analysis.patching.PatchTask` objects with a ``condition`` given by ``method_kwargs``.
+            :class:`~vlmbind.engine.patching.PatchTask` objects with a ``condition`` given by ``method_kwargs``.
         method: ``"exact"`` (fast, equal to naive), ``"naive"`` (one forward per pair and head) or
             ``"attribution"`` (first-order estimate, AtP: one forward-backward per pair) or
             ``"integrated_gradients"`` (the gradient averaged along the path from the clean to the counterfactual
@@ -371,8 +371,8 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
             the same run (model, method, condition, layers, pairs) is continued from, so a killed run resumes where
             it stopped and ends with the same numbers. It is removed when the run completes.
         gather: ``attribution``: maps these pairs' ``N L H`` estimates to the estimates the verification candidates
-            are chosen from (a sweep's ranks pool theirs through it, :func:`vlmbind.sweeps.locate`); None: their own.
-        prompt_format: ``raw`` or ``chat`` (None: the model's, :attr:`vlmbind.models.VLM.active_prompt_format`);
+            are chosen from (a sweep's ranks pool theirs through it, :func:`vlmbind.analysis.sweeps.locate`); None: their own.
+        prompt_format: ``raw`` or ``chat`` (None: the model's, :attr:`vlmbind.engine.vlm.VLM.active_prompt_format`);
             scene pairs only, recorded in the summary.
         method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``; ``integrated_gradients``:
             ``steps``).

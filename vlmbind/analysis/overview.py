@@ -3,7 +3,7 @@ look, what ablating them does, and the position-ID edit. ``vlmbind demo`` runs i
 
 Design: every part reuses the toolkit's own analyses (:func:`~vlmbind.analysis.locate`,
 :func:`~vlmbind.analysis.ablation_study`, :func:`~vlmbind.analysis.edit_study`) on the model's own training stimuli
-(:func:`vlmbind.evaluate.training_defaults`), so the page shows what a user would get from the commands it lists.
+(:func:`vlmbind.analysis.evaluation.training_defaults`), so the page shows what a user would get from the commands it lists.
 One part is a check on the others: :func:`object_attention` measures where a head looks from the last token, the
 missing object or every object alike. A head that changes the answer when patched but spreads its attention over all
 objects is more likely counting features than retrieving the missing object's, a simpler strategy that produces the
@@ -22,17 +22,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..activations import capture
-from ..errors import InputError
-from ..evaluate import training_defaults
-from ..io import write_json_atomic, write_text_atomic
+from ..core.errors import InputError
+from ..core.io import write_json_atomic, write_text_atomic
+from ..core.results import Result, read_csv_columns, read_json_object, register_result
+from ..engine.activations import capture
 from ..probes import ProbeConfig
-from ..results import Result, read_csv_columns, read_json_object, register_result
 from ..stimuli import counting, scene_description, scene_pairs
 from ..stimuli.core import object_token_positions
 from .ablation import AblationResult, ablation_study
 from .binding import BindingResult, colorshape_splits, default_sites, default_world, probe_sites
 from .edits import EditResult, edit_study
+from .evaluation import training_defaults
 from .mediation import HeadScores, locate
 from .rsa import RSAResult, rsa, rsa_stimuli
 from .traces import point_swap_pairs

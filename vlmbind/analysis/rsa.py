@@ -1,7 +1,7 @@
 """Representational similarity analysis and PCA of object representations (PbP, VSM; docs/methods.md section 2).
 
 Per site: each object's representation is the mean of the image tokens it covers (language-model sites, projectors
-that keep the image tokens' order, standalone encoders: :meth:`~vlmbind.activations.ActivationSet.objects`); for
+that keep the image tokens' order, standalone encoders: :meth:`~vlmbind.engine.activations.ActivationSet.objects`); for
 other sites (a VLM's vision tower, whose token order is its own; LLaVA-OneVision's tiled projector rows), the mean over
 all of the example's tokens, which on the single-object set (one object on a white background) is a representation
 of that object. The empirical similarity matrix (Pearson correlation across objects by default, or
@@ -28,11 +28,11 @@ import pandas as pd
 from scipy import stats
 from sklearn.decomposition import PCA
 
-from ..choices import RSA_DEFAULT_SITES as DEFAULT_SITES  # noqa: F401  (public here too)
-from ..choices import SIMILARITIES
-from ..errors import InputError
-from ..io import write_json_atomic, write_text_atomic
-from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
+from ..core.choices import RSA_DEFAULT_SITES as DEFAULT_SITES  # noqa: F401  (public here too)
+from ..core.choices import SIMILARITIES
+from ..core.errors import InputError
+from ..core.io import write_json_atomic, write_text_atomic
+from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..stimuli import rsa_set
 from ..stimuli.core import Canvas
 from ..viz import write_html_atomic

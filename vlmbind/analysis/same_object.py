@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..activations import capture
-from ..errors import InputError
-from ..io import write_json_atomic, write_text_atomic
+from ..core.errors import InputError
+from ..core.io import write_json_atomic, write_text_atomic
+from ..core.results import Result, read_csv_columns, read_json_object, register_result
+from ..engine.activations import capture
 from ..probes import PAIRWISE_FAMILIES, pairwise_probe
-from ..results import Result, read_csv_columns, read_json_object, register_result
 from ..stimuli.colorshape import SPLITS, world_named
 from ..stimuli.same_object import same_object_scenes
 from ..viz import write_html_atomic

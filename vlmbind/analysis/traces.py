@@ -19,19 +19,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decoding import generate_ids
-from ..errors import InputError
-from ..evaluate import training_defaults
-from ..patching import PatchTask
+from ..core.errors import InputError
+from ..core.tokens import decoded_spans
+from ..engine.decoding import generate_ids
+from ..engine.patching import PatchTask
 from ..stimuli import counting, visual_search
 from ..stimuli.points import point_spans
-from ..tokens import decoded_spans
+from .evaluation import training_defaults
 
 _OPEN = re.compile(r"\(\s*")
 
 
 def extend_batch(vlm: Any, batch: Any, ids: list[int]) -> Any:
-    """A one-row batch with ``ids`` appended as text tokens (:meth:`vlmbind.models.VLM.extend`)."""
+    """A one-row batch with ``ids`` appended as text tokens (:meth:`vlmbind.engine.vlm.VLM.extend`)."""
     return vlm.extend(batch, ids)
 
 

@@ -8,7 +8,7 @@ column and y the row index of a cell's centre. The centroids of the tokens that 
 averaged, mapped to the point's coordinate frame and compared with the point: RMSE per layer, for head-averaged maps
 (maps averaged over heads first, then thresholded) and per head.
 
-Design: generation keeps the key/value cache and a thin :class:`~vlmbind.hooks.HookSession` subclass stores only the
+Design: generation keeps the key/value cache and a thin :class:`~vlmbind.engine.hooks.HookSession` subclass stores only the
 newest query row of every attention pattern (the prefill's last position, then each cached step's single row), so
 memory grows with the trace, not with its square; tests check these rows against HF ``output_attentions`` of one full
 forward on the same sequence. Which query belongs to a token is a choice (``query``): ``"emit"`` (default) takes the
@@ -41,20 +41,20 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from ..choices import TRACK_QUERIES as QUERIES
-from ..choices import TRACK_TASKS as TASKS
-from ..decoding import generate_ids
-from ..errors import InputError, close_matches
-from ..evaluate import max_new_tokens_for, training_defaults
-from ..hooks import LastQuerySession
-from ..io import json_default, write_text_atomic
-from ..results import Result, read_csv_columns, read_json_object, register_result, require_keys
+from ..core.choices import TRACK_QUERIES as QUERIES
+from ..core.choices import TRACK_TASKS as TASKS
+from ..core.errors import InputError, close_matches
+from ..core.io import json_default, write_text_atomic
+from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
+from ..core.tokens import decode_generated, decoded_spans, hidden_ids
+from ..engine.decoding import generate_ids
+from ..engine.hooks import LastQuerySession
 from ..stimuli import counting, visual_search
 from ..stimuli.answers import UnknownFrameError, canvas_geometry, pixels_to_cells, to_canvas
 from ..stimuli.points import PointSpan, pointing_spans
-from ..tokens import decode_generated, decoded_spans, hidden_ids
 from ..viz import write_html_atomic
 from ..viz.tracking import points_figure, rmse_figure
+from .evaluation import max_new_tokens_for, training_defaults
 
 __all__ = [
     "CentroidResult", "TrackResult", "centroid", "grid_to_pixels", "pixels_to_canvas", "grid_to_point_frame",
@@ -539,7 +539,7 @@ def track(vlm: Any, dataset: Any, *, threshold: float = 0.9, query: str = "emit"
         batch_size: examples generated together (left-padded).
         max_new_tokens: trace length limit (default: each batch's longest expected answer plus 4 tokens).
         point_frame: the coordinate frame of points whose format does not say it and the model does not declare
-            (a key of :data:`vlmbind.stimuli.answers.FRAMES`; see :meth:`vlmbind.models.VLM.point_frames`).
+            (a key of :data:`vlmbind.stimuli.answers.FRAMES`; see :meth:`vlmbind.engine.vlm.VLM.point_frames`).
         progress: show a progress bar.
 
     Returns:

@@ -41,20 +41,20 @@ from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from ..choices import DEFAULT_ALPHAS, VALIDATION_METHODS
-from ..errors import InputError, TooFewEstimatesError
-from ..evaluate import training_defaults
-from ..io import write_json_atomic, write_text_atomic
-from ..models import TRAINING_FILE
-from ..patching import METHOD_FUNCTIONS
-from ..results import Result, read_json_object, register_result, require_keys
-from ..shipped import ORGANISM_NAMES, organism_dir
-from ..sites import parse_heads
+from ..core.choices import DEFAULT_ALPHAS, VALIDATION_METHODS
+from ..core.errors import InputError, TooFewEstimatesError
+from ..core.io import write_json_atomic, write_text_atomic
+from ..core.results import Result, read_json_object, register_result, require_keys
+from ..core.shipped import ORGANISM_NAMES, organism_dir
+from ..core.sites import parse_heads
+from ..engine.patching import METHOD_FUNCTIONS
+from ..engine.vlm import TRAINING_FILE
 from ..stimuli import scene_description, scene_pairs
 from ..viz import write_html_atomic
 from ..viz.validation import validation_figure
 from .ablation import MODES, ablation_study
 from .edits import EDIT_POSITIONS, edit_studies
+from .evaluation import training_defaults
 from .mediation import HeadScores, locate, scene_task
 
 SCENE_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")

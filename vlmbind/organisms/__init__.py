@@ -6,7 +6,7 @@ generators as a pure function of ``(seed, step, row)`` and turns them into batch
 :mod:`.train` runs AdamW on answer tokens with atomic, resumable safetensors checkpoints; :mod:`.recipes` holds the
 staged curricula of the shipped organisms; :mod:`.lora` fine-tunes any supported family with LoRA adapters on the
 text attention projections (the PbP experiment on real checkpoints); :mod:`.siit` adds strict interchange-intervention
-training to plant a known mechanism at chosen heads (``TrainConfig.siit``). :mod:`vlmbind.shipped` knows where the
+training to plant a known mechanism at chosen heads (``TrainConfig.siit``). :mod:`vlmbind.core.shipped` knows where the
 trained weights live inside the package. LoRA (peft) loads on first use.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
+from ..core.shipped import ORGANISM_NAMES, organism_dir, shipped_organisms
 from .train import TrainConfig, TrainResult, train  # eager: the function `train` must win over the submodule name
 
 _LAZY = {

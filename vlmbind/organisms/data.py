@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import InputError, TrainingError, close_matches
+from ..core.errors import InputError, TrainingError, close_matches
 from ..stimuli.core import Canvas, Example, StimulusError
 from ..stimuli.scenes import binding_query, scene_description
 from ..stimuli.search import COUNT_SPLITS, SEARCH_SPLITS, counting, visual_search

@@ -1,7 +1,7 @@
 """LoRA fine-tuning of any supported family on the stimuli tasks (the PbP experiment on real checkpoints).
 
 Design: the base model is loaded through :func:`vlmbind.load` and batches go through the family's own processor
-(:meth:`vlmbind.models.VLM.prepare`, left-padded), so a fine-tuned checkpoint sees its inputs exactly as evaluation
+(:meth:`vlmbind.engine.vlm.VLM.prepare`, left-padded), so a fine-tuned checkpoint sees its inputs exactly as evaluation
 will show them. Each row's text is the prompt followed by `` answer`` and the tokenizer's eos; with left padding the
 answer is the tail of every row, and the labels mark exactly those tokens (checked against the answer's own
 tokenisation, so a tokenizer that merges across the prompt/answer boundary is an error, not a silent shift). peft
@@ -10,7 +10,7 @@ attention module as the family adapter declares it (``q_proj`` / ``k_proj`` / ``
 projection), never the vision tower or the projector. Only adapter weights train; afterwards the adapters are removed
 from the in-memory model (its base weights are untouched) and saved with safetensors (``adapter_model.safetensors``,
 ``adapter_config.json``) plus ``lora_run.json`` (hyper-parameters and the loss curve); :func:`load_lora` loads base
-plus adapter back as a :class:`~vlmbind.models.VLM` with the adapter merged.
+plus adapter back as a :class:`~vlmbind.engine.vlm.VLM` with the adapter merged.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..batches import Batch
-from ..errors import TrainingError
-from ..loading import load
-from ..models import VLM
+from ..core.errors import TrainingError
+from ..engine.batches import Batch
+from ..engine.loading import load
+from ..engine.vlm import VLM
 from ..stimuli.core import Dataset, Example
 from .data import IGNORE_INDEX, TaskMixture, TrainingExample, answer_loss
 from .train import cosine_lr

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from ..errors import TrainingError
+from ..core.errors import TrainingError
 from ..tiny.qwen import build_qwen_vl
 
 __all__ = ["CELL_PX", "OrganismSize", "build_organism", "grid_side", "shared_image_features"]

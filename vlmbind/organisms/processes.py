@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..errors import TrainingError
+from ..core.errors import TrainingError
 from .data import IGNORE_INDEX
 
 PROCESS_COUNTS = (1, 2)

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import TrainingError
-from ..models import TRAINING_FILE
-from ..shipped import organism_dir
+from ..core.errors import TrainingError
+from ..core.shipped import organism_dir
+from ..engine.vlm import TRAINING_FILE
 from .processes import sigterm_as_interrupt
 from .train import CHECKPOINT_PREFIX, TrainConfig, train
 

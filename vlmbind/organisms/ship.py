@@ -16,10 +16,10 @@ from typing import Any
 
 from safetensors import safe_open
 
-from ..errors import TrainingError
-from ..io import write_text_atomic
-from ..models import TRAINING_FILE
-from ..shipped import organism_dir
+from ..core.errors import TrainingError
+from ..core.io import write_text_atomic
+from ..core.shipped import organism_dir
+from ..engine.vlm import TRAINING_FILE
 from .recipes import RECIPES, recipe_stages
 from .siit import DEFAULT_ABLATION_MODES
 

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from ..adapters.base import adapter_class_for_config
-from ..errors import TrainingError
-from ..sites import parse_heads
+from ..core.errors import TrainingError
+from ..core.sites import parse_heads
 from ..stimuli.core import Canvas
 from ..stimuli.scenes import RECOLOURS, SWAPS, CounterfactualPair, scene_pairs
 from .data import IGNORE_INDEX, BatchBuilder, answer_correct, answer_loss, answer_unlikelihood

@@ -41,8 +41,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from ..errors import TrainingError, VlmbindError, close_matches
-from ..sites import parse_heads
+from ..core.errors import TrainingError, VlmbindError, close_matches
+from ..core.sites import parse_heads
 from ..stimuli.core import StimulusError
 from .data import (
     REGIMES,

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as nnf
 
-from ..errors import InputError, TrainingError, close_matches
+from ..core.errors import InputError, TrainingError, close_matches
 from .training import LN2, FitInfo, ProbeConfig, feature_stats, fit
 
 FAMILIES = ("linear", "quadratic", "dnn", "shared_factor", "attention")

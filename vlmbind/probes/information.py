@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..errors import InputError
+from ..core.errors import InputError
 from .autoregressive import (
     ArrayLike,
     TrainedProbe,

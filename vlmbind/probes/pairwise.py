@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as nnf
 
-from ..errors import InputError, TrainingError, close_matches
+from ..core.errors import InputError, TrainingError, close_matches
 from .autoregressive import ArrayLike, as_tensor, prior_log_odds
 from .information import split_indices
 from .training import LN2, FitInfo, ProbeConfig, feature_stats, fit

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import TrainingError
+from ..core.errors import TrainingError
 
 LN2 = math.log(2.0)
 ATTENTION_STARTS = ("cold", "mean")

@@ -30,8 +30,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..choices import FRAMES
-from ..errors import InputError
+from ..core.choices import FRAMES
+from ..core.errors import InputError
 from .core import COLOURS, LETTERS, SHAPES
 from .points import POINT_FORMATS, PointSpan, pointing_spans
 

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..errors import InputError, VlmbindError, close_matches
-from ..images import read_image
-from ..io import json_default
+from ..core.errors import InputError, VlmbindError, close_matches
+from ..core.images import read_image
+from ..core.io import json_default
 
 
 class StimulusError(InputError):
@@ -427,7 +427,7 @@ def object_token_positions(index: Any, objects: Sequence[SceneObject], image: in
     """The image-token positions each object covers, from a prepared batch row's TokenIndex.
 
     Args:
-        index: the :class:`~vlmbind.tokens.TokenIndex` of the row holding the example's image.
+        index: the :class:`~vlmbind.core.tokens.TokenIndex` of the row holding the example's image.
         objects: the example's objects.
         image: which image of the row.
         min_overlap: keep tokens whose box overlaps the object's box by more than this share of the token's area.

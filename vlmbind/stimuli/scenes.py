@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import close_matches
-from ..images import read_image
+from ..core.errors import close_matches
+from ..core.images import read_image
 from .core import (
     COLOURS,
     SHAPES,
@@ -583,7 +583,7 @@ def check_alignment(vlm: Any, pairs: PairSet | Sequence[CounterfactualPair], *, 
     the image size or aspect ratio (Qwen2-VL's dynamic resolution, LLaVA-OneVision's any-res tiles).
 
     Args:
-        vlm: a loaded :class:`~vlmbind.models.VLM`.
+        vlm: a loaded :class:`~vlmbind.engine.vlm.VLM`.
         pairs: the pairs, prepared as one batch (slice a large PairSet).
         chat: wrap prompts in the processor's chat template.
 

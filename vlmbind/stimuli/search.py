@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import close_matches
+from ..core.errors import close_matches
 from .core import (
     COLOURS, SHAPES, Canvas, Dataset, Example, SceneObject, StimulusError, check_colours, check_shapes, example_rng,
     place, random_cells, raster, render,

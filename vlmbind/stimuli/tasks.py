@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from ..choices import PAIR_CONDITIONS  # noqa: F401  (public here too)
+from ..core.choices import PAIR_CONDITIONS  # noqa: F401  (public here too)
 from .core import Canvas, StimulusError
 
 # task -> (module, function, options it accepts besides n / seed / out)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from ..images import read_image
+from ..core.images import read_image
 from .core import Dataset, Example, StimulusError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -21,7 +21,7 @@ DEFAULT_PROMPT = "describe the objects in this image :"
 
 
 def _open_rgb(path: Path) -> Image.Image:
-    """The image at ``path`` as RGB (policy: :mod:`vlmbind.images`; animated images are refused)."""
+    """The image at ``path`` as RGB (policy: :mod:`vlmbind.core.images`; animated images are refused)."""
     return read_image(path, StimulusError)
 
 

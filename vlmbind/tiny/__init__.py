@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UnsupportedModelError, close_matches
+from ..core.errors import UnsupportedModelError, close_matches
 from . import gemma3, llava, molmo2, qwen  # noqa: F401  (each registers its builders)
 from . import llava_next  # noqa: F401
 from . import qwen3_vl  # noqa: F401

@@ -42,7 +42,7 @@ from transformers import (
     SmolVLMVideoProcessor,
 )
 
-from ..errors import ModelLoadError
+from ..core.errors import ModelLoadError
 from .common import build_tokenizer, rescale_linear_weights, seeded
 from .registry import register_tiny
 

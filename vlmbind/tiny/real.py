@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from ..errors import UnsupportedModelError
+from ..core.errors import UnsupportedModelError
 from .gemma3 import tiny_gemma3
 from .llava import tiny_llava
 from .molmo2 import IMAGE_TOKENS as MOLMO2_IMAGE_TOKENS

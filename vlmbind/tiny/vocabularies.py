@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import VlmbindError
+from ..core.errors import VlmbindError
 
 FETCH_COMMAND = "make setup (or: .venv/bin/python scripts/fetch_tokenizers.py)"
 STAMP = "vlmbind_vocabulary.json"

@@ -27,8 +27,8 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from ..errors import InputError
-from ..io import write_bytes_atomic, write_text_atomic  # noqa: F401  (re-exported by vlmbind.viz)
+from ..core.errors import InputError
+from ..core.io import write_bytes_atomic, write_text_atomic  # noqa: F401  (re-exported by vlmbind.viz)
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..errors import InputError
+from ..core.errors import InputError
 
 # RSA's model matrices, in the order tables and figures list them
 MODEL_MATRICES = ("conjunctive", "compositional", "position")

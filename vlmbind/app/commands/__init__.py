@@ -1,0 +1,82 @@
+"""The ``vlmbind`` command: the table of subcommands, the parser and :func:`main`, which owns the exit codes.
+
+Design: each subcommand is a module here with ``add_parser(sub, common)`` and a ``cmd_*`` function from parsed arguments
+to ``(summary, text, exit code)``: a JSON-serialisable summary (printed with ``--json``) and a short human summary
+(printed otherwise), so scripts and people read the same facts. :func:`main` owns the exit codes: 0 on success; 2 on
+bad usage or bad input, with exactly one line ``vlmbind: error: <reason>`` on stderr (argparse's own errors are
+routed through the same line, and every :class:`~vlmbind.core.errors.VlmbindError` message already names the bad value and
+the fix); 1 for any other failure, also as one line (set ``VLMBIND_DEBUG=1`` to see the traceback).
+
+A new subcommand is one module with those two functions and one entry in :data:`COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from ...core.errors import VlmbindError
+from . import ablate, demo, edit, export, locate, models, probe, rsa, stimuli, track, ui, validate
+from . import eval as eval_command
+from .arguments import Parser, UsageError, one_line
+
+# the subcommands in the order `vlmbind --help` lists them
+COMMANDS = (models, demo, stimuli, eval_command, locate, track, rsa, probe, ablate, edit, validate, export, ui)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``vlmbind`` argument parser with its subcommands."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
+    parser = Parser(prog="vlmbind", description="Mechanistic interpretability of vision-language models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    for command in COMMANDS:
+        command.add_parser(sub, common)
+    return parser
+
+
+def fail(reason: str) -> None:
+    print(f"vlmbind: error: {one_line(reason)}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``vlmbind`` command.
+
+    Args:
+        argv: the arguments after the program name (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit code: 0 success, 2 bad usage or bad input, 1 any other failure.
+    """
+    args_list = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    parser = build_parser()
+    try:
+        args = parser.parse_args(args_list)
+    except UsageError as exc:
+        fail(f"{exc}; see 'vlmbind --help'")
+        return 2
+    except SystemExit as exc:  # --help prints and exits 0
+        return exc.code if isinstance(exc.code, int) else 0
+    args.rank_entry = main  # what spawned ranks of a sweep run (parallel's entry point, handed down)
+    try:
+        summary, text, code = args.func(args, ["vlmbind", *args_list])
+        print(json.dumps(summary, indent=2) if args.json else text)
+        sys.stdout.flush()
+    except VlmbindError as exc:
+        fail(str(exc))
+        return 2
+    except KeyboardInterrupt:
+        fail("interrupted")
+        return 130
+    except BrokenPipeError:  # e.g. `vlmbind models | head -1`
+        return 0
+    except Exception as exc:  # noqa: BLE001 - the one place that turns any failure into exit code 1
+        if os.environ.get("VLMBIND_DEBUG"):
+            traceback.print_exc()
+        fail(f"{type(exc).__name__}: {exc} (set VLMBIND_DEBUG=1 to see the traceback)")
+        return 1
+    return code

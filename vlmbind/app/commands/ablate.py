@@ -1,0 +1,84 @@
+"""``vlmbind ablate``: task accuracy with heads ablated (top-k vs random-k vs bottom-k of a scores.csv)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.choices import ABLATION_MODES as MODES
+from ...core.errors import InputError
+from .arguments import add_placement, add_prompt_format, check_model, load_model, out_dir, parse_range
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("ablate", parents=[common], help="task accuracy with heads ablated (top-k vs random vs bottom)",
+                       description="Ablate heads given by --heads, or the top / random / bottom k of a scores.csv "
+                                   "written by `vlmbind locate`, and report task accuracy for each arm.")
+    p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
+    add_placement(p)
+    add_prompt_format(p)
+    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"),
+                   help="the task whose accuracy is measured")
+    heads = p.add_mutually_exclusive_group(required=True)
+    heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
+    heads.add_argument("--scores", help="a scores.csv from vlmbind locate")
+    p.add_argument("--top-k", type=int, default=5, help="heads per arm (default 5)")
+    p.add_argument("--mode", choices=MODES, default="image_attention",
+                   help="image_attention (zero attention to image tokens), zero, mean (the head's output replaced by its mean "
+                        "over every token) or role_mean (by its mean over the tokens of the same role: image, text)")
+    p.add_argument("--renormalize", action="store_true", help="image_attention: renormalise the remaining attention")
+    p.add_argument("--seeds", type=int, default=5,
+                   help="random-k draws, each from the heads outside the top-k (default 5)")
+    p.add_argument("--bottom-by", choices=("abs", "score"), default="abs",
+                   help="the bottom arm: the k smallest |score| (default; the heads least involved either way) or "
+                        "the k lowest scores (the most negative heads)")
+    p.add_argument("--n", type=int, default=200, help="evaluation examples (default 200)")
+    p.add_argument("--seed", type=int, default=1, help="stimulus seed")
+    p.add_argument("--objects", type=parse_range, help="objects per display: N or LOW-HIGH (default: the task's)")
+    p.add_argument("--out", default=None, help="output directory (default runs/ablate/<model>-<task>)")
+    p.set_defaults(func=cmd_ablate)
+
+
+def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    import pandas as pd
+
+    from ...analysis.ablation import ablation_study
+    from ...analysis.evaluation import training_defaults
+    from ...core.sites import parse_heads
+    from ...core.userfiles import read_scores
+    from ...stimuli.tasks import generate
+
+    if args.n < 1:
+        raise InputError(f"--n must be a positive number of examples, got {args.n}")
+    if args.top_k < 1:
+        raise InputError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.seeds < 1:
+        raise InputError(f"--seeds must be at least 1 (the random-k arms to compare with), got {args.seeds}")
+    out = out_dir(args, "ablate", args.task)
+    vlm = load_model(args)
+    kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
+    dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
+    if args.scores:
+        scores = read_scores(args.scores, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
+        result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=args.mode,
+                                renormalize=args.renormalize, seeds=tuple(range(args.seeds)),
+                                bottom_by=args.bottom_by)
+    else:
+        heads = parse_heads(args.heads)
+        if not heads:
+            raise InputError(f"--heads {args.heads!r} lists no heads; pass LAYER.HEAD pairs, e.g. 2.1,3.0")
+        bad = [f"{l}.{h}" for l, h in heads if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
+        if bad:
+            raise InputError(f"heads {bad} do not exist: the model has layers 0..{vlm.n_layers - 1} and heads "
+                             f"0..{vlm.n_heads - 1}")
+        ranked = heads + [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads) if (l, h) not in heads]
+        frame = pd.DataFrame([{"layer": l, "head": h, "score": float(len(ranked) - i)} for i, (l, h) in
+                              enumerate(ranked)])
+        result = ablation_study(vlm, dataset, frame, k=len(heads), mode=args.mode, renormalize=args.renormalize,
+                                seeds=tuple(range(args.seeds)), bottom_by=args.bottom_by)
+    result.save(out)
+    summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
+               "out": str(out), "command": " ".join(command)}
+    text = (f"{vlm.name} on {args.task} (n={args.n}), {args.mode} ablation of {result.k} heads\n  "
+            + result.text().replace("\n", "\n  ") + f"\n  wrote {out}/results.json")
+    return summary, text, 0

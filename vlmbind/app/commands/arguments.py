@@ -1,0 +1,230 @@
+"""What the subcommands share: the parser class that raises instead of exiting, argument types, the capture options,
+and the preamble of every command that runs a model (:func:`check_model`, :func:`out_dir`, then :func:`load_model`
+or, for the sweeps, :func:`model_session` and :func:`rank_done`).
+
+The preamble's order is part of the contract: a ``--model`` that cannot load by its name alone (a misspelt registered
+name, a hub id whose config is not in the Hugging Face cache: :func:`check_model`) fails first, before torch is
+imported; then a bad ``--out`` fails (nothing written, no model loaded), then checks of the run's size against the
+ranks and of leftovers of an interrupted run, then the ranks start and each loads the model.
+
+This module and the commands' ``add_parser`` functions import nothing heavy (the choices come from
+:mod:`vlmbind.core.choices`), so ``vlmbind --help`` and those errors answer at once; the heavy modules are imported by the
+functions that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...core.choices import (
+    ATTN_IMPLEMENTATIONS,
+    DTYPE_NAMES,
+    FRAMES,
+    PROMPT_FORMATS,
+    hub_config_message,
+    is_registered,
+    registered_names,
+    unknown_name_error,
+)
+from ...core.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from ...engine.parallel import Group
+
+
+class UsageError(Exception):
+    """An argparse usage error, raised instead of argparse's print-and-exit."""
+
+
+class Parser(argparse.ArgumentParser):
+    """ArgumentParser that raises on bad usage so ``main`` prints one line and returns 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def int_at_least(low: int, example: str):
+    """An argparse type: an int >= ``low``; ``example`` shows a valid value in the message."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass e.g. {example}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; pass e.g. {example}")
+        return value
+
+    return parse
+
+
+non_negative_int = int_at_least(0, "--seed 0")
+positive_int = int_at_least(1, "16")
+
+
+def parse_range(text: str) -> int | tuple[int, int]:
+    """``"7"`` -> 7, ``"2-4"`` -> (2, 4) (inclusive)."""
+    try:
+        if "-" in text.strip().lstrip("-"):
+            lo, hi = (int(p) for p in text.split("-", 1))
+            if lo > hi:
+                raise argparse.ArgumentTypeError(f"range {text!r} is empty: write LOW-HIGH with LOW <= HIGH")
+            return lo, hi
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count or a range like 2-4") from None
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def add_capture_arguments(p: Any) -> None:
+    """``--processes`` and ``--shard-size`` of the commands that capture a data set (``probe``, ``rsa``)."""
+    p.add_argument("--processes", type=int, default=1,
+                   help="split the capture's shards over N worker processes (default 1; implied by torchrun / "
+                        "accelerate launch)")
+    p.add_argument("--shard-size", type=int, default=64, help="examples per activation shard (default 64)")
+
+
+def add_prompt_format(p: Any) -> None:
+    """``--prompt-format raw|chat`` (default: the model's own, chat for checkpoints with a chat template)."""
+    p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=None,
+                   help="how prompts reach the model: raw text after the image, or the chat template's user turn "
+                        "(default: chat for checkpoints with a chat template, raw for organisms and tiny models)")
+
+
+def add_placement(p: Any) -> None:
+    """Where and in what precision the model runs: ``--device``, ``--dtype``, ``--device-map``,
+    ``--attn-implementation`` (the keywords of :func:`vlmbind.load`)."""
+    g = p.add_argument_group("placement and precision")
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one); default: the CPU")
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                   help="weights' dtype (default: float32 on the CPU, the checkpoint's own on a GPU); scores are "
+                        "computed in float32 either way, but bfloat16 weights change them (a warning says how much)")
+    g.add_argument("--device-map", default=None, help="accelerate placement for large checkpoints, e.g. auto")
+    g.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default=None,
+                   help="attention kernel (default sdpa for checkpoints); runs that read or edit attention "
+                        "patterns switch to vlmbind's eager attention on their own")
+
+
+def placement(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`vlmbind.load` keywords of :func:`add_placement`'s flags (absent flags: none)."""
+    keys = ("device", "dtype", "device_map", "attn_implementation")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """Refuse ``--model`` at once, without importing torch, when :func:`vlmbind.load` would refuse it by its name
+    alone: a misspelt registered name (the same :class:`~vlmbind.core.errors.UnsupportedModelError`, with close matches),
+    or a hub id whose config is not in the Hugging Face cache (vlmbind never downloads; the same
+    :class:`~vlmbind.core.errors.ModelLoadError` wording, saying how to fetch it or to pass a directory). Registered names
+    and local paths pass; :func:`vlmbind.load` checks them (and repeats these checks for the Python API). Every command
+    that runs a model calls it first, before its own imports; :func:`load_model` and :func:`model_session` call it
+    too."""
+    name = os.fspath(args.model)
+    if is_registered(name):
+        return
+    unknown = unknown_name_error(name, registered_names())
+    if unknown is not None:
+        raise unknown
+    if Path(name).exists() or name.startswith((".", "/", "~")):
+        return
+    reason = _not_cached(name)
+    if reason:
+        raise ModelLoadError(hub_config_message(name, reason))
+
+
+def _not_cached(hub_id: str) -> str | None:
+    """Why ``hub_id``'s config cannot be read from the Hugging Face cache (the cache transformers reads), or None when
+    it is there or the id is one the hub library refuses (then loading says why)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(hub_id, "config.json")
+    except Exception:  # noqa: BLE001 - an id the hub library refuses: the full load reports it as today
+        return None
+    if isinstance(found, str):
+        return None
+    return "its config.json is not in the Hugging Face cache"
+
+
+def out_dir(args: argparse.Namespace, command: str, *qualifiers: str) -> Path:
+    """``--out``, or ``runs/<command>/<model>[-<qualifier>...]``, checked before any work (:func:`check_out_dir`)."""
+    from ...core.io import check_out_dir
+
+    default = "-".join([f"runs/{command}/{Path(str(args.model)).name}", *qualifiers])
+    return check_out_dir(args.out or default)
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """``--model``, loaded in this process (commands that run on one process), in ``--prompt-format``."""
+    from ...engine import loading
+
+    check_model(args)
+    return _warned(_formatted(loading.load(args.model, **placement(args)), args))
+
+
+def _formatted(vlm: Any, args: argparse.Namespace) -> Any:
+    """``vlm`` prompting in ``--prompt-format`` (the one place a command's choice reaches every prompt)."""
+    vlm.use_prompt_format(getattr(args, "prompt_format", None))
+    return vlm
+
+
+def _warned(vlm: Any) -> Any:
+    """``vlm``, after printing the measured low-precision warning to stderr when its weights are bf16 / fp16."""
+    from ...engine.precision import low_precision_warning
+
+    warning = low_precision_warning(vlm)
+    if warning:
+        print(warning, file=sys.stderr)
+    return vlm
+
+
+@contextlib.contextmanager
+def model_session(args: argparse.Namespace, command: list[str], out: Path | None = None, *,
+                  sweep: str | None = None, checkpoint: Path | None = None) -> Iterator[tuple[Group, Any]]:
+    """The ranks of a sweep (``--processes``) and the model each loads: ``(group, vlm)``.
+
+    With ``sweep`` (the command's part prefix), leftovers of an interrupted run in ``out`` are refused unless
+    ``--resume`` (see :func:`vlmbind.engine.parallel.check_leftovers`); spawned ranks rerun the command line through
+    ``args.rank_entry`` (the command's ``main``).
+    """
+    from ...engine import loading, parallel
+
+    check_model(args)
+    if sweep is not None:
+        world = parallel.world_size(args.processes)
+        parallel.check_leftovers(out, sweep, checkpoint, world, args.resume)
+    with parallel.session(args.processes, command[1:], entry=args.rank_entry, quiet=True) as group:
+        options = placement(args)
+        if "device" not in options and "device_map" not in options:
+            options.update(group.load_kwargs())
+        vlm = _formatted(loading.load(args.model, **options), args)
+        yield group, (_warned(vlm) if group.is_main else vlm)
+
+
+def rank_done(group: Group, out: str | Path) -> tuple[dict[str, Any], str, int]:
+    """The CLI result of a rank other than 0 (its work is in the parts; rank 0 writes the results)."""
+    from ...engine import parallel
+
+    return ({"rank": group.rank, "processes": group.world, "out": str(out)},
+            f"rank {group.rank} of {group.world}: part written to {Path(out) / parallel.PARTS}", 0)
+
+
+def add_point_frame(p: Any) -> None:
+    """``--point-frame``: the coordinate frame of generated points whose format does not carry one."""
+    p.add_argument("--point-frame", choices=tuple(FRAMES), default=None,
+                   help="coordinate frame of points the model writes in a format without its own frame (plain "
+                        "(x, y) from a checkpoint vlmbind did not train, JSON from a family that declares none); "
+                        "default: refuse such points rather than compare numbers in an unknown frame")

@@ -1,0 +1,93 @@
+"""``vlmbind eval``: task accuracy of a model by greedy generation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.choices import EVAL_CHECKPOINT as CHECKPOINT
+from ...core.errors import InputError
+from .arguments import (
+    add_placement,
+    add_point_frame,
+    add_prompt_format,
+    check_model,
+    model_session,
+    out_dir,
+    parse_range,
+    rank_done,
+)
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("eval", parents=[common], help="task accuracy of a model by greedy generation",
+                       description="Generate a task's stimuli, let the model answer greedily, and score the answers.")
+    p.add_argument("--model", required=True, help="registered name, model directory or hub id")
+    add_placement(p)
+    add_prompt_format(p)
+    add_point_frame(p)
+    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"),
+                   help="the task to answer")
+    p.add_argument("--n", type=int, default=200, help="number of examples (default 200)")
+    p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1; training uses others)")
+    p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH")
+    p.add_argument("--regime", choices=("direct", "p2a"), help="search / count: the answer format")
+    p.add_argument("--entropy", choices=("high", "low"), help="scene: distinct or shared features")
+    p.add_argument("--kind", choices=("disjunctive", "conjunctive"), help="search: the display type")
+    p.add_argument("--diversity", choices=("low", "high"), help="count: one colour and shape, or many")
+    p.add_argument("--image-size", type=int, help="canvas side in pixels (default: the model's training size)")
+    p.add_argument("--grid", type=parse_range, help="object grid: N or ROWS-COLS")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per generation batch (default 16)")
+    p.add_argument("--out", default=None, help="output directory (default runs/eval/<model>-<task>)")
+    p.add_argument("--resume", action="store_true",
+                   help=f"continue an interrupted run from OUT/{CHECKPOINT} (same arguments)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="split the batches over N worker processes (default 1; implied by torchrun / accelerate "
+                        "launch)")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from ...analysis import sweeps
+    from ...analysis.evaluation import evaluate, training_defaults
+    from ...engine import parallel
+    from ...stimuli.tasks import generate, task_kwargs
+
+    if args.n < 1:
+        raise InputError(f"--n must be a positive number of examples, got {args.n}")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    world = parallel.world_size(args.processes)
+    n_batches = -(-args.n // args.batch_size)
+    if n_batches < world:
+        raise InputError(f"--n {args.n} in batches of {args.batch_size} makes {n_batches} batches, fewer than "
+                         f"--processes {world}; lower --batch-size or --processes")
+    out = out_dir(args, "eval", args.task)
+    checkpoint = out / CHECKPOINT
+    # options eval does not take stay None (not given) for the task's check
+    options = {k: getattr(args, k) for k in ("objects", "entropy", "kind", "regime", "diversity", "image_size",
+                                             "grid")}
+    kwargs = task_kwargs(args.task, options)
+    with model_session(args, command, out, sweep="eval", checkpoint=checkpoint) as (group, vlm):
+        kwargs = training_defaults(vlm, args.task, kwargs)
+        dataset = generate(args.task, args.n, args.seed, kwargs)
+        chat = vlm.prompt_format(args.prompt_format) == "chat"
+        if group.world == 1:
+            result = evaluate(vlm, dataset, batch_size=args.batch_size, progress=not args.json,
+                              checkpoint=checkpoint, chat=chat, point_frame=args.point_frame)
+        else:
+            result = sweeps.evaluate(group, vlm, dataset, out, batch_size=args.batch_size,
+                                     progress=group.is_main and not args.json, chat=chat,
+                                     point_frame=args.point_frame)
+            if not group.is_main:
+                return rank_done(group, out)
+    result.save(out)
+    parallel.remove_parts(out, "eval")
+    summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
+    if group.world > 1:
+        summary["processes"] = group.world
+    lines = [f"{vlm.name} on {args.task} (n={result.n}, seed {args.seed}, {result.prompt_format} prompts, greedy): "
+             f"accuracy {result.accuracy:.3f}"]
+    lines += [f"  {k} objects: {v['accuracy']:.3f} (n={v['n']})" for k, v in result.per_count.items()]
+    lines.append(f"  wrote {out}/results.json and answers.jsonl")
+    return summary, "\n".join(lines), 0

@@ -1,0 +1,109 @@
+"""``vlmbind models``: every registered model with its family, shape, image-token grid(s) and weights."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .arguments import format_table, one_line
+
+# the image size `vlmbind models` probes each model's image-token grid(s) with
+PROBE_SIZE = 224
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    models = sub.add_parser(
+        "models", parents=[common], help="list the registered models",
+        description=f"One row per registered model: family, layers x heads, the image-token grid(s) of a "
+                    f"{PROBE_SIZE}x{PROBE_SIZE} image, and where the weights come from.",
+    )
+    models.add_argument("--families", action="store_true",
+                        help="instead, one row per supported family: what works on it (a markdown table, the "
+                             "README's), derived from the adapters' declarations; loads no model")
+    models.set_defaults(func=cmd_models)
+
+
+def families_table() -> tuple[list[dict[str, str]], str]:
+    """The families table's rows and its markdown with the columns' legend (the README's "Supported families")."""
+    from ...adapters.capabilities import family_rows, legend, markdown_table
+    from ...tiny import tiny_names_by_family
+
+    rows = family_rows(tiny_names_by_family())
+    return rows, markdown_table(rows) + "\nWhat a `yes` means in each column (any other cell says why not):\n\n" + legend()
+
+
+def describe_model(name: str) -> dict[str, Any]:
+    """Load one registered model and describe it, including the image-token grid(s) of a probe image.
+
+    Returns:
+        ``name, family, display_name, layers, heads, kv_heads, d_head, d_model, vision_layers, image_tokens,
+        grids [{name, image, rows, cols}], key_grids (the same, over cross-attention keys), source``.
+    """
+    from PIL import Image
+
+    from ...engine import loading
+
+    vlm = loading.load(name)
+    probe = Image.new("RGB", (PROBE_SIZE, PROBE_SIZE), "white")
+    index = vlm.prepare(probe, "What is in this image?").index[0]
+    d = vlm.describe()
+    if vlm.n_layers == 0:  # a standalone vision encoder: no language model, one patch grid
+        return {"name": name, "family": d["family"], "display_name": d["display_name"], "layers": 0, "heads": 0,
+                "kv_heads": 0, "d_head": 0, "d_model": d["hidden"], "vision_layers": d["vision_layers"],
+                "image_tokens": index.n_tokens,
+                "grids": [{"name": "patches", "image": 0, "rows": index.rows, "cols": index.cols}],
+                "source": vlm.source}
+    return {
+        "name": name,
+        "family": d["family"],
+        "display_name": d["display_name"],
+        "layers": d["layers"],
+        "heads": d["heads"],
+        "kv_heads": d["kv_heads"],
+        "d_head": d["d_head"],
+        "d_model": d["d_model"],
+        "vision_layers": d["vision_layers"],
+        "image_tokens": int(len(index.image_positions)),
+        "grids": [{"name": g.name, "image": g.image, "rows": g.shape[0], "cols": g.shape[1]} for g in index.grids],
+        # cross-attention image keys laid on the image (Llama-3.2-Vision, whose sequence holds no image tokens)
+        "key_grids": [{"name": g.name, "image": g.image, "rows": g.shape[0], "cols": g.shape[1]}
+                      for g in getattr(index, "key_grids", [])],
+        "source": vlm.source,
+    }
+
+
+def cmd_models(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    """``vlmbind models``: one row per registered name.
+
+    A registered model that fails to build is listed with its ``error`` (the other rows are still useful) and makes
+    the exit code 1: a registered name that cannot load is a bug in vlmbind, not bad input.
+    """
+    from ...engine import loading
+
+    if getattr(args, "families", False):
+        from ...adapters.capabilities import CAPABILITIES
+
+        families, table = families_table()
+        return {"command": "models", "families": families, "capabilities": CAPABILITIES}, table.rstrip("\n"), 0
+    rows, failed = [], []
+    for name in loading.registered_names():
+        try:
+            rows.append(describe_model(name))
+        except Exception as exc:  # noqa: BLE001 - reported per row, and through the exit code
+            failed.append({"name": name, "error": one_line(f"{type(exc).__name__}: {exc}")})
+    table = format_table(
+        ["name", "family", "layers x heads (kv)", f"image grid(s) @{PROBE_SIZE}px", "weights"],
+        [
+            [
+                r["name"], r["display_name"], f"{r['layers']} x {r['heads']} ({r['kv_heads']})",
+                " + ".join(f"{g['name']} {g['rows']}x{g['cols']}" for g in r["grids"] or r.get("key_grids", []))
+                + (f" = {r['image_tokens']}" if r["grids"] else " cross-attention keys"),
+                r["source"],
+            ]
+            for r in rows
+        ],
+    )
+    for f in failed:
+        table += f"\n{f['name']}  FAILED: {f['error']}"
+    summary = {"command": "models", "probe_image": [PROBE_SIZE, PROBE_SIZE], "models": rows, "failed": failed}
+    return summary, table, 1 if failed else 0

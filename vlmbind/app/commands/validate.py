@@ -1,0 +1,134 @@
+"""``vlmbind validate``: every method scored against the heads planted in an organism (or reference heads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.choices import ABLATION_MODES as MODES
+from ...core.choices import DEFAULT_ALPHAS, EDIT_POSITIONS, IG_STEPS, VALIDATION_METHODS
+from ...core.errors import InputError
+from .arguments import add_placement, add_prompt_format, check_model, int_at_least, load_model, out_dir
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("validate", parents=[common], help="score every method against planted heads",
+                       description="Run head-level mediation (exact, naive, attribution, integrated gradients), "
+                                   "ablation, the position-ID edit and linear probes on fresh stimuli, and score "
+                                   "them against the heads an organism's training record says were planted. "
+                                   "On a model with nothing planted, --reference names heads to score against.")
+    p.add_argument("--model", required=True,
+                   help="registered name (e.g. organism-vsm), model directory or hub id")
+    add_placement(p)
+    add_prompt_format(p)
+    ref = p.add_mutually_exclusive_group()
+    ref.add_argument("--reference", help="take the reference heads from another organism's training record "
+                                         "(e.g. organism-vsm, to validate organism-vsm-natural against them)")
+    ref.add_argument("--heads", action="append", metavar="CONDITION=L.H,...",
+                     help="reference heads of one condition, e.g. id_selection=3.1 (repeatable)")
+    p.add_argument("--n-pairs", type=int_at_least(1, "16"), default=16, help="pairs per condition (default 16)")
+    p.add_argument("--seed", type=int, default=1000, help="stimulus seed (default 1000, away from training's)")
+    p.add_argument("--objects", type=int_at_least(2, "3"),
+                   help="objects per scene (default: the count the planting held out, else 3)")
+    p.add_argument("--entropy", choices=("high", "low"), default="high",
+                   help="scenes of distinct features (high) or shared ones (low)")
+    p.add_argument("--methods", default=",".join(VALIDATION_METHODS),
+                   help=f"mediation methods, comma-separated (default {','.join(VALIDATION_METHODS)})")
+    p.add_argument("--naive-heads", type=int_at_least(1, "6"), default=6,
+                   help="heads naive is checked on against exact (default 6)")
+    p.add_argument("--ig-steps", type=int_at_least(1, "8"), default=IG_STEPS,
+                   help=f"integrated-gradients path points (default {IG_STEPS})")
+    p.add_argument("--modes", default=",".join(MODES), help=f"ablation modes (default {','.join(MODES)})")
+    p.add_argument("--n-eval", type=int_at_least(1, "64"), default=64,
+                   help="scenes the ablation and the edit are scored on (default 64)")
+    p.add_argument("--ablation-seeds", type=int_at_least(1, "5"), default=5,
+                   help="random-k draws from the heads outside the top-k (default 5)")
+    p.add_argument("--alpha", default=",".join(str(a) for a in DEFAULT_ALPHAS),
+                   help="position-ID edit scales (default " + ",".join(str(a) for a in DEFAULT_ALPHAS) + ")")
+    p.add_argument("--n-estimate", type=int_at_least(1, "2048"), default=2048,
+                   help="scenes the position IDs are estimated from (default 2048)")
+    p.add_argument("--edit-positions", choices=EDIT_POSITIONS, default="answer",
+                   help="where the position-ID edit is added: the prompt's last position, or also every answer "
+                        "position (default: answer; the planted ID is read at both)")
+    p.add_argument("--n-probe", type=int_at_least(16, "512"), default=512,
+                   help="scenes for the probes and PCA, a quarter held out (default 512)")
+    p.add_argument("--out", default=None, help="output directory (default runs/validate/<model>)")
+    p.set_defaults(func=cmd_validate)
+
+
+def _given_heads(values: list[str]) -> dict[str, list[str]]:
+    from ...core.sites import parse_heads
+
+    out: dict[str, list[str]] = {}
+    for value in values:
+        condition, sep, heads = value.partition("=")
+        if not sep or not heads:
+            raise InputError(f"--heads {value!r} must read CONDITION=L.H,..., e.g. id_selection=3.1")
+        out[condition.strip()] = [f"{l}.{h}" for l, h in parse_heads(heads)]
+    return out
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InputError(f"{what} {text!r} must be comma-separated numbers, e.g. 1,2,4") from None
+
+
+def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    check_model(args)
+    from ...analysis.validate import recorded_planted, validate
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    alphas = _floats(args.alpha, "--alpha")
+    reference, source = None, None
+    if args.reference:
+        reference, source = recorded_planted(args.reference), args.reference
+    elif args.heads:
+        reference, source = _given_heads(args.heads), "--heads"
+    out = out_dir(args, "validate")
+    vlm = load_model(args)
+    result = validate(vlm, reference=reference, reference_source=source, n_pairs=args.n_pairs, seed=args.seed,
+                      n_objects=args.objects, entropy=args.entropy, methods=methods, naive_heads=args.naive_heads,
+                      ig_steps=args.ig_steps, modes=modes, n_eval=args.n_eval, ablation_seeds=args.ablation_seeds,
+                      alphas=alphas, n_estimate=args.n_estimate, n_probe=args.n_probe,
+                      edit_positions=args.edit_positions, progress=not args.json)
+    result.save(out)
+    summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
+               "out": str(out), "command": " ".join(command)}
+    return summary, render_text(result, out), 0
+
+
+def _number(value: Any, fmt: str = ".3f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def render_text(result: Any, out: Any) -> str:
+    lines = [f"{result.model}: methods against {'reference heads (' + result.reference + ')' if result.reference else 'no reference heads'}"
+             f", {result.params['n_pairs']} pairs per condition, {result.params['n_objects']} objects, seed "
+             f"{result.params['seed']}"]
+    lines.append(f"  {'condition':<18}{'method':<22}{'heads':<10}{'ranks':<10}{'recall@k':>9}{'AUROC':>8}"
+                 f"{'ratio':>8}{'seconds':>9}  top heads")
+    for r in result.methods:
+        lines.append(f"  {r['condition']:<18}{r['method']:<22}{' '.join(r['heads']) or '-':<10}"
+                     f"{' '.join(map(str, r['planted_ranks'])) or '-':<10}{_number(r['recall_at_k'], '.2f'):>9}"
+                     f"{_number(r['auroc'], '.3f'):>8}{_number(r['ratio'], '.1f'):>8}{r['seconds']:>9.1f}  "
+                     f"{' '.join(r['top_heads'])}")
+    for condition, check in result.naive_check.items():
+        lines.append(f"  naive = exact on {condition}: max |difference| {check['max_abs_difference']:.2e} over "
+                     f"heads {' '.join(check['heads'])}")
+    for mode, arms in result.ablation_summary().items():
+        lines.append(f"  ablation ({mode}): clean {arms['clean']:.3f}, top-k {arms['top']:.3f}, random-k "
+                     f"{arms['random']:.3f} (lowest of {arms['random_seeds']} seeds {arms['random_min']:.3f}), "
+                     f"bottom-k by |score| {arms['bottom']:.3f}")
+    for heads in result.edit_heads():
+        edit = result.edit_summary(heads)
+        lines.append(f"  position-ID edit at {heads}: efficacy {edit['efficacy']:.3f} at alpha {edit['alpha']:g} "
+                     f"(n={edit['n']}), control {_number(edit['control'])}"
+                     + (f", random-direction control {_number(edit['random_control'])}"
+                        if edit.get("random_control") is not None else ""))
+    for r in result.probes:
+        lines.append(f"  probe {r['head']} -> {r['target']}: {r['accuracy']:.3f} held out (chance {r['chance']:.3f}, "
+                     f"n={r['n_test']})")
+    lines.append(f"  wrote {out}/validation.json, methods.csv, validation.html")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""The choices of the command line, in one light module: every constant an argument parser of
+:mod:`vlmbind.app.commands` needs (choices, defaults, checkpoint file names), the registered model names, and the checks
+of a model name that need no model.
+
+It imports only the standard library and base modules, so ``vlmbind --help`` and a misspelt model name answer
+without importing torch. The analysis, stimuli and engine modules that use these constants import them from here
+(one source of truth); where a heavy module keeps a registry of its own (a dict of builders or of dtypes), its keys
+are checked against the tuple here by ``tests/test_cli_startup.py``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from .errors import UnsupportedModelError, close_matches
+from .shipped import ORGANISM_NAMES, shipped_organisms
+
+# --- models (vlmbind.engine.loading, vlmbind.engine.vlm) ---------------------------------------------------------------------
+# the random-weight tiny models, in the order `vlmbind models` lists them (vlmbind.tiny.TINY_NAMES, from its builders)
+TINY_NAMES = ("tiny-qwen2_5_vl", "tiny-qwen2_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-molmo2",
+              "tiny-llava_next", "tiny-qwen3_vl", "tiny-qwen3_vl_moe", "tiny-qwen3_5",
+              "tiny-qwen3_5_moe", "tiny-idefics3", "tiny-smolvlm",
+              "tiny-mistral3", "tiny-paligemma", "tiny-internvl", "tiny-mllama")
+# the tiny standalone vision encoders (vlmbind.engine.encoders)
+ENCODER_NAMES = ("tiny-clip", "tiny-siglip", "tiny-dinov2")
+# --dtype (the keys of vlmbind.engine.loading.DTYPES) and --attn-implementation
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+# --prompt-format
+PROMPT_FORMATS = ("raw", "chat")
+
+# --- locate (vlmbind.analysis.mediation, vlmbind.engine.patching) ---------------------------------------------------------
+# the mediation methods (the keys of vlmbind.engine.patching.METHOD_FUNCTIONS)
+METHODS = ("naive", "exact", "attribution", "integrated_gradients")
+CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval", "attention_swap")
+# the conditions whose counterfactual the ui patches at the last token (vlmbind.app.ui)
+UI_CONDITIONS = ("id_selection", "feature_retrieval")
+LOCATE_CHECKPOINT = "locate.partial.safetensors"
+IG_STEPS = 8
+
+# --- eval (vlmbind.analysis.evaluation) ---------------------------------------------------------------------------------------
+EVAL_CHECKPOINT = "eval.partial.jsonl"
+
+# --- ablate, validate (vlmbind.analysis.ablation, vlmbind.analysis.validate) -------------------------------------
+ABLATION_MODES = ("image_attention", "zero", "mean", "role_mean")
+VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients")
+DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
+# where a position-ID edit is added: the prompt's last position (VSM's), or also every answer position
+EDIT_POSITIONS = ("last", "answer")
+
+# --- points (vlmbind.stimuli.answers): --point-frame, the frames of generated points ------------------------------
+FRAMES = {
+    "canvas": "stimulus canvas cells: x = column, y = row, 0-based, cell centres at integers",
+    "pixels": "pixels of the original image",
+    "resized": "pixels of the image as the processor resized it (Qwen2.5-VL's absolute coordinates)",
+    "permille": "0-1000 of the image's width and height (Qwen2-VL boxes, Molmo2 points)",
+    "percent": "0-100 of the image's width and height (Molmo points)",
+}
+
+# --- track (vlmbind.analysis.tracking) -----------------------------------------------------------------------------
+TRACK_QUERIES = ("emit", "self")
+TRACK_TASKS = ("count", "search")
+
+# --- stimuli (vlmbind.stimuli.tasks, vlmbind.stimuli.colorshape) ---------------------------------------------------
+# the data sets `vlmbind stimuli` writes (the keys of vlmbind.stimuli.tasks.TASKS)
+STIMULI_TASKS = ("scene", "query", "search", "count", "rsa", "colorshape")
+PAIR_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
+# the BalancedColorShape worlds (the keys of vlmbind.stimuli.colorshape.WORLDS)
+WORLD_NAMES = ("fbp", "organism")
+
+# --- probe (vlmbind.analysis.binding) ------------------------------------------------------------------------------
+PROBE_FAMILIES = ("linear", "quadratic", "dnn", "shared_factor", "attention", "pairwise")
+PROBE_CHECKPOINT = "probe.partial.json"
+DEFAULT_SITE_CHOICE = ("last vision block", "projector", "middle LM layer")
+
+# --- rsa (vlmbind.analysis.rsa) ------------------------------------------------------------------------------------
+RSA_DEFAULT_SITES = "vision.blocks.*.hook_resid_post,projector.hook_out,blocks.*.hook_resid_post"
+SIMILARITIES = ("pearson", "cosine")
+
+# --- export (vlmbind.app.export) ---------------------------------------------------------------------------------------
+EXPORT_FORMATS = ("png", "svg", "pdf", "html", "csv")
+
+
+def registered_names() -> list[str]:
+    """Names :func:`vlmbind.load` accepts besides directories and hub ids (the shipped organisms of this
+    installation, the tiny models, the tiny encoders)."""
+    return [*shipped_organisms(), *TINY_NAMES, *ENCODER_NAMES]
+
+
+def is_registered(name: str) -> bool:
+    """A name :func:`vlmbind.load` builds or finds itself (an organism not shipped here included: its own error)."""
+    return name in ORGANISM_NAMES or name in TINY_NAMES or name in ENCODER_NAMES
+
+
+def unknown_name_error(name: str, registered: list[str]) -> UnsupportedModelError | None:
+    """The error :func:`vlmbind.load` raises for ``name`` (not itself registered) when it reads as a misspelt
+    registered name: ``tiny-...``, ``organism-...``, or close to one (difflib ratio 0.8) with no ``/`` and no such
+    path. None when ``name`` may be a directory or hub id."""
+    near = difflib.get_close_matches(name, registered, n=3, cutoff=0.8)
+    if name.startswith(("tiny-", "organism-")) or (near and "/" not in name and not Path(name).exists()):
+        return UnsupportedModelError(
+            f"unknown model name {name!r}.{close_matches(name, registered)} Registered names: "
+            f"{', '.join(registered)}; or pass a directory or hub id."
+        )
+    return None
+
+
+def hub_config_message(name: str, reason: str) -> str:
+    """The message of a hub id whose config cannot be read locally (vlmbind never downloads)."""
+    return (f"could not read a model config from hub id {name!r}: {reason}. vlmbind never downloads: fetch the "
+            f"checkpoint into the Hugging Face cache first (huggingface-cli download {name}) or pass a directory "
+            "saved with save_pretrained.")

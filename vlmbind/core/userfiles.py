@@ -1,0 +1,145 @@
+"""Every file a user hands to vlmbind, read and checked in one place.
+
+A scores table, a saved result, a model folder's JSON, an image: each reader here either returns checked content or
+raises :class:`UserFileError` (an :class:`~vlmbind.core.errors.InputError`, so the CLI prints one line and exits 2) whose
+message names the file, the row or field and the bad value, and says what to pass instead. Nothing is unpickled;
+JSON and CSV are parsed as text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .errors import InputError
+from .images import read_image
+
+__all__ = ["SCORE_COLUMNS", "UserFileError", "read_csv_columns", "read_image", "read_json_object", "read_scores",
+           "require_keys"]
+
+SCORE_COLUMNS = ("layer", "head", "score")
+_INTEGER = re.compile(r"[+]?\d+(?:\.0*)?")
+
+
+class UserFileError(InputError):
+    """A file handed in by the user that is missing, unreadable or holds a bad value."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def read_json_object(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
+    """A JSON object from ``path`` (``what``: how the user named it, e.g. ``--reference``).
+
+    Raises:
+        UserFileError: missing, unreadable, not JSON, or not an object.
+    """
+    name = f"{what} {str(path)!r}".strip()
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserFileError(f"{name} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserFileError(f"cannot read {name} as JSON ({_first_line(exc)}); re-run the command that wrote it"
+                            ) from None
+    if not isinstance(value, dict):
+        raise UserFileError(f"{name} holds a JSON {type(value).__name__}, not an object; it is not a vlmbind file")
+    return value
+
+
+def require_keys(data: dict[str, Any], keys: tuple[str, ...], path: str | os.PathLike) -> None:
+    """Raise UserFileError naming ``path`` when ``data`` lacks one of ``keys``."""
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise UserFileError(f"{str(path)!r} has no key(s) {missing}; it is not the file vlmbind wrote")
+
+
+def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: str = "") -> pd.DataFrame:
+    """A CSV with (at least) ``columns``, floats parsed exactly as written.
+
+    Raises:
+        UserFileError: missing, unreadable, not CSV, or a column missing.
+    """
+    name = f"{what} {str(path)!r}".strip()
+    try:
+        # round_trip: the parsed floats are exactly the written ones (hover texts show repr())
+        frame = pd.read_csv(path, float_precision="round_trip")
+    except FileNotFoundError:
+        raise UserFileError(f"{name} does not exist") from None
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise UserFileError(f"cannot read {name} as CSV ({_first_line(exc)}); re-run the command that wrote it"
+                            ) from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise UserFileError(f"{name} has no column(s) {missing} (its header: {list(frame.columns)[:8]}); it is not "
+                            f"the file vlmbind wrote")
+    return frame
+
+
+def read_scores(path: str | os.PathLike, *, n_layers: int | None = None, n_heads: int | None = None,
+                what: str = "--scores") -> pd.DataFrame:
+    """A head-scores table (``layer, head, score``, any further columns kept), every row checked.
+
+    Line numbers in messages are the file's own (the header is line 1).
+
+    Args:
+        path: a CSV such as the ``scores.csv`` vlmbind locate writes.
+        n_layers, n_heads: the model's shape; a head outside it is an error naming its line.
+        what: how the user passed the file (the flag), for messages.
+
+    Raises:
+        UserFileError: a missing or unreadable file, a missing column, no rows, a layer or head that is not a
+            non-negative integer, a score that is not a finite number, a head outside the model, or a head listed
+            twice.
+    """
+    name = f"{what} {str(path)!r}"
+    p = Path(path)
+    if not p.is_file():
+        raise UserFileError(f"{name} {'is not a file' if p.exists() else 'does not exist'}; pass the scores.csv "
+                            "that vlmbind locate wrote")
+    try:
+        frame = pd.read_csv(p, dtype=str, keep_default_na=False, skipinitialspace=True)
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise UserFileError(f"{name} is not a readable CSV ({_first_line(exc)}); pass the scores.csv that vlmbind "
+                            "locate wrote") from None
+    missing = [c for c in SCORE_COLUMNS if c not in frame.columns]
+    if missing:
+        raise UserFileError(f"{name} has no column(s) {', '.join(missing)} (its header: {list(frame.columns)[:8]}); "
+                            "pass the scores.csv that vlmbind locate wrote")
+    if frame.empty:
+        raise UserFileError(f"{name} has a header but no rows")
+    layers, heads, scores, seen = [], [], [], {}
+    for i, (layer, head, score) in enumerate(zip(frame["layer"], frame["head"], frame["score"])):
+        line = i + 2
+        for column, value in (("layer", layer), ("head", head)):
+            if not _INTEGER.fullmatch(value.strip()):
+                raise UserFileError(f"{name} line {line}: {column} {value!r} is not a non-negative integer")
+        l, h = int(float(layer)), int(float(head))
+        try:
+            s = float(score)
+        except ValueError:
+            s = math.nan
+        if not math.isfinite(s):
+            raise UserFileError(f"{name} line {line}: score {score!r} is not a finite number")
+        if n_layers is not None and not l < n_layers:
+            raise UserFileError(f"{name} line {line}: layer {l} is outside the model (layers 0..{n_layers - 1})")
+        if n_heads is not None and not h < n_heads:
+            raise UserFileError(f"{name} line {line}: head {h} is outside the model (heads 0..{n_heads - 1})")
+        if (l, h) in seen:
+            raise UserFileError(f"{name} line {line}: head {l}.{h} is listed again (first on line {seen[l, h]})")
+        seen[l, h] = line
+        layers.append(l), heads.append(h), scores.append(s)
+    out = frame.copy()
+    out["layer"], out["head"], out["score"] = layers, heads, scores
+    for column in out.columns.difference(SCORE_COLUMNS):
+        converted = pd.to_numeric(out[column], errors="coerce")
+        if converted.notna().all():
+            out[column] = converted
+    return out.reset_index(drop=True)
