@@ -25,18 +25,19 @@ import time
 from pathlib import Path
 
 import vlmbind as vb
+from vlmbind.core.shipped import organism_dir
 from vlmbind.engine.vlm import TRAINING_FILE
-from vlmbind.organisms.data import BatchBuilder
+from vlmbind.organisms.data import BatchBuilder, training_canvas
 from vlmbind.organisms.model import shared_image_features
 from vlmbind.organisms.recipes import recipe_stages, stage_config
-from vlmbind.organisms.siit import (HeadInterchange, SIITSpec, answer_changes, answer_changes_per_set,
-                                    evaluation_pairs)
-from vlmbind.organisms.train import train
-from vlmbind.core.shipped import organism_dir
-from vlmbind.stimuli import Canvas
+from vlmbind.organisms.siit.evaluation import answer_changes, answer_changes_per_set
+from vlmbind.organisms.siit.interchange import HeadInterchange
+from vlmbind.organisms.siit.pairs import evaluation_pairs
+from vlmbind.organisms.siit.spec import SIITSpec
+from vlmbind.organisms.training.run import train
 
 
-def _config(fields: dict, steps: int, eval_every: int):
+def timed_stage_config(fields: dict, steps: int, eval_every: int):
     fields = {k: v for k, v in fields.items() if k not in ("init_from", "init_layers", "until")}
     fields.update(steps=steps, eval_every=eval_every, checkpoint_every=steps, keep_checkpoints=1)
     return stage_config(fields)[0]
@@ -58,7 +59,7 @@ def strictness_evaluation(threads: int, n_pairs: int | None = None) -> dict:
     vlm = vb.load("organism-vsm")
     fields = recipe_stages("organism-vsm")[-1][1]
     spec = SIITSpec.from_value(fields["siit"])
-    canvas = Canvas(image_size=int(vlm.training["image_size"]), grid=int(vlm.training["grid"]))
+    canvas = training_canvas(vlm.training)
     builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
     heads = [[h] for h in spec.unaligned(vlm.adapter.n_layers, vlm.adapter.n_heads)]
     n = n_pairs or fields["eval_size"]
@@ -89,9 +90,9 @@ def run(stages: list[int], steps: int, threads: int, recorded: bool = False) -> 
         row = {"stage": name, "steps": total, "evals": evals}
         for share in (False, True):
             label = "shared" if share else "plain"
-            without_eval = _time(_config(fields, steps, 0), share, threads)
-            one_step = _time(_config(fields, 1, 0), share, threads)
-            with_eval = _time(_config(fields, 1, 1), share, threads)
+            without_eval = _time(timed_stage_config(fields, steps, 0), share, threads)
+            one_step = _time(timed_stage_config(fields, 1, 0), share, threads)
+            with_eval = _time(timed_stage_config(fields, 1, 1), share, threads)
             step_s = (without_eval - one_step) / (steps - 1)  # the set-up (build, data) cancels
             row[f"{label}_step_s"] = round(step_s, 3)
             row[f"{label}_eval_s"] = round(max(with_eval - one_step, 0.0), 2)

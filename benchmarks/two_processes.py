@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from training import _config  # the stage's configuration for a timed run (benchmarks/training.py)
+from training import timed_stage_config  # the stage's configuration for a timed run (benchmarks/training.py)
 from vlmbind.organisms.recipes import recipe_stages
-from vlmbind.organisms.train import train
+from vlmbind.organisms.training.run import train
 
 WAYS = (("1 process, 1 thread", 1, 1), ("1 process, 2 threads", 1, 2), ("2 processes, 1 thread each", 2, 1))
 
@@ -41,8 +41,8 @@ def run(stages: list[int], steps: int, organism: str = "organism-vsm") -> dict:
         name, fields = recipe[index - 1]
         row = {"stage": name, "steps": fields.get("until") or fields["steps"]}
         for label, processes, threads in WAYS:
-            many = _time(_config(fields, steps, 0), processes, threads)
-            one = _time(_config(fields, 1, 0), processes, threads)
+            many = _time(timed_stage_config(fields, steps, 0), processes, threads)
+            one = _time(timed_stage_config(fields, 1, 0), processes, threads)
             row[label] = round((many - one) / (steps - 1), 3)
             print(name, label, row[label], file=sys.stderr, flush=True)
         base = row[WAYS[0][0]]

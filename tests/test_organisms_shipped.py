@@ -12,12 +12,12 @@ import torch
 
 import vlmbind as vb
 from vlmbind.analysis.evaluation import evaluate, training_defaults
+from vlmbind.core.shipped import organism_dir
 from vlmbind.engine.vlm import TRAINING_FILE
 from vlmbind.organisms import ORGANISM_NAMES, shipped_organisms
 from vlmbind.organisms.recipes import RECIPES, recipe_stages, stage_config
 from vlmbind.organisms.ship import ship
-from vlmbind.organisms.train import TrainConfig, train
-from vlmbind.core.shipped import organism_dir
+from vlmbind.organisms.training.run import train
 
 S = vb.stimuli
 
@@ -130,7 +130,7 @@ def test_a_finished_stage_trained_otherwise_is_refused(tmp_path):
     """A resumed recipe takes a finished stage only if it was trained with the recipe's configuration."""
     from vlmbind.core.errors import TrainingError
     from vlmbind.organisms.recipes import run_recipe
-    from vlmbind.organisms.train import CHECKPOINT_PREFIX
+    from vlmbind.organisms.training.checkpoints import CHECKPOINT_PREFIX
 
     stage, fields = recipe_stages("organism-direct")[0]
     config = stage_config({**fields, "lr": fields["lr"] * 2})[0]
@@ -190,9 +190,10 @@ def test_the_planted_heads_carry_their_variables(condition, objects, floor):
     is named; id_selection: the object at the missing object's cell in the source, a described one;
     feature_retrieval: the source's new features); in the twin the same heads do nothing. All on three-object
     scenes, the count held out of the planting (circuits/ground_truth's interchange table has every setting)."""
-    from vlmbind.organisms.data import BatchBuilder
-    from vlmbind.organisms.siit import HeadInterchange, interchange_accuracy, unpatched_accuracy
     from vlmbind.core.sites import parse_heads
+    from vlmbind.organisms.data import BatchBuilder
+    from vlmbind.organisms.siit.evaluation import interchange_accuracy, unpatched_accuracy
+    from vlmbind.organisms.siit.interchange import HeadInterchange
 
     heads = parse_heads(vb.load("organism-vsm").training["planted"][condition])
 

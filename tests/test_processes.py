@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from test_siit import _planting_config
 from vlmbind.core.errors import TrainingError
 from vlmbind.organisms.processes import RankSplit, sync_step
-from vlmbind.organisms.siit import SIITSpec
-from vlmbind.organisms.train import TrainConfig, train
+from vlmbind.organisms.siit.spec import SIITSpec
+from vlmbind.organisms.training.config import TrainConfig
+from vlmbind.organisms.training.run import train
 
 # every kind of SIIT loss, on both ranks: readouts, attention losses, ablation strictness and necessity
 EVERY_LOSS = {"alignments": {"feature_retrieval": ["1.1"], "id_selection": ["1.0", "0.3"], "id_retrieval": ["0.2"]},
@@ -200,7 +201,7 @@ def test_the_recipe_runner_trains_each_stage_in_the_processes_asked(tmp_path, mo
     """``run_recipe(processes=2)`` (``--processes 2``) passes the count to every stage and records it in the summary
     that shipping turns into the training record's command; a count train() refuses exits 2 with its message."""
     import vlmbind.organisms.recipes as recipes
-    from vlmbind.organisms.train import TrainResult
+    from vlmbind.organisms.training.run import TrainResult
 
     seen = []
 

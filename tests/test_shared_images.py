@@ -13,10 +13,12 @@ import torch
 
 import vlmbind as vb
 from vlmbind.core.errors import TrainingError
-from vlmbind.organisms.data import BatchBuilder
+from vlmbind.organisms.data import BatchBuilder, training_canvas
 from vlmbind.organisms.model import shared_image_features
-from vlmbind.organisms.siit import HeadInterchange, answer_changes, answer_changes_per_set, interchange_batch
-from vlmbind.stimuli import Canvas, scene_pairs
+from vlmbind.organisms.siit.evaluation import answer_changes, answer_changes_per_set
+from vlmbind.organisms.siit.interchange import HeadInterchange
+from vlmbind.organisms.siit.pairs import interchange_batch
+from vlmbind.stimuli import scene_pairs
 
 from test_siit import _planting_config
 
@@ -26,7 +28,7 @@ POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "ci
 @pytest.fixture(scope="module")
 def organism():
     vlm = vb.load("organism-vsm")
-    canvas = Canvas(image_size=int(vlm.training["image_size"]), grid=int(vlm.training["grid"]))
+    canvas = training_canvas(vlm.training)
     builder = BatchBuilder(vlm.processor)
     pairs = scene_pairs(4, "id_selection", 3, n_objects=(3, 4), canvas=canvas, **POOLS)
     return vlm, builder, interchange_batch(builder, pairs, "counterfactual"), pairs
@@ -138,8 +140,8 @@ def test_images_in_any_dtype_are_fingerprinted_and_told_apart():
 def test_strictness_shares_for_many_head_sets_equal_one_call_per_set(organism):
     vlm, builder, _, pairs = organism
     interchange = HeadInterchange(vlm.model, vlm.processor)
-    pairs = scene_pairs(12, "feature_retrieval", 8, n_objects=3, canvas=Canvas(
-        image_size=int(vlm.training["image_size"]), grid=int(vlm.training["grid"])), **POOLS)
+    pairs = scene_pairs(12, "feature_retrieval", 8, n_objects=3, canvas=training_canvas(vlm.training),
+                        **POOLS)
     head_sets = [[(0, 1)], [(5, 2)], [(2, 3), (3, 1)], [(6, 0)]]
     for positions in ("all", "last"):
         together = answer_changes_per_set(vlm.model, interchange, builder, pairs, head_sets, positions=positions,
@@ -153,7 +155,7 @@ def test_strictness_shares_for_many_head_sets_equal_one_call_per_set(organism):
 def test_training_with_shared_features_equals_the_plain_path(tmp_path):
     """A SIIT run (IIT, strictness, ablation and readout losses, three optimiser steps per step) with shared image
     features gives the plain run's losses and evaluation up to float-sum order."""
-    from vlmbind.organisms.train import train
+    from vlmbind.organisms.training.run import train
 
     siit = {"alignments": {"feature_retrieval": ["1.1"], "id_selection": ["1.0", "0.3"]}, "pairs": 4,
             "objects": [3, 3], "aggregation_heads": ["0.3"], "selection_weight": 1.0,

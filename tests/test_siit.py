@@ -5,8 +5,9 @@ training config (a behaviour-only config is unchanged)."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import math
+import re
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -15,21 +16,15 @@ from safetensors.torch import load_file
 
 import vlmbind as vb
 from vlmbind.core.errors import TrainingError
-from vlmbind.organisms.data import BatchBuilder, answer_unlikelihood
-from vlmbind.organisms.siit import (
-    SIIT_STREAM,
-    HeadInterchange,
-    ablated_logits,
-    SIITSpec,
-    draw_pairs,
-    interchange_batch,
-    interchange_logits,
-    patch_positions,
-    siit_losses,
-)
-from vlmbind.organisms.train import TrainConfig
+from vlmbind.engine.alignment import check_alignment
+from vlmbind.organisms.data import BatchBuilder, answer_unlikelihood, training_canvas
+from vlmbind.organisms.siit.interchange import HeadInterchange, ablated_logits, interchange_logits
+from vlmbind.organisms.siit.losses import siit_losses
+from vlmbind.organisms.siit.pairs import draw_pairs, interchange_batch, patch_positions
+from vlmbind.organisms.siit.spec import LOSS_NEEDS, SIIT_LOSSES, SIIT_STREAM, LossNeeds, SIITSpec
+from vlmbind.organisms.training.config import TrainConfig
+from vlmbind.organisms.training.step import LOGGED_LOSSES
 from vlmbind.stimuli import Canvas, scene_pairs
-from vlmbind.stimuli.scenes import check_alignment
 
 POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
 
@@ -37,7 +32,7 @@ POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "ci
 @pytest.fixture(scope="module")
 def organism():
     vlm = vb.load("organism-p2a")
-    canvas = Canvas(image_size=int(vlm.training["image_size"]), grid=int(vlm.training["grid"]))
+    canvas = training_canvas(vlm.training)
     return vlm, BatchBuilder(vlm.processor), canvas
 
 
@@ -130,6 +125,51 @@ def test_bad_specs_are_named(siit, match):
         TrainConfig(image_size=112, tasks={"scene": 1.0}, siit=siit)
 
 
+def _needs_met(loss: str) -> dict:
+    """A spec whose ``loss`` weight is 1 with everything the table says that weight needs."""
+    needs = LOSS_NEEDS[loss]
+    spec = {"alignments": {"id_selection": ["1.0", "0.1"], "id_retrieval": ["0.2"]}, f"{loss}_weight": 1.0}
+    if needs.aggregation:
+        spec["aggregation_heads"] = ("0.1",)
+    if needs.source_grad:
+        spec["source_grad"] = True
+    if needs.after:
+        spec[needs.after] = 1.0
+    return spec
+
+
+@pytest.mark.parametrize("loss", list(LOSS_NEEDS))
+def test_each_loss_weight_is_checked_against_what_the_table_says_it_needs(loss):
+    """Every loss weight of the spec has its row in the table, every loss the trainer logs is one of them, and the
+    one loop refuses a weight above 0 that lacks any one of the things its row asks for, saying what the loss reads."""
+    assert {f.name for f in fields(SIITSpec) if f.name.endswith("_weight")} == {f"{l}_weight" for l in LOSS_NEEDS}
+    assert set(LOGGED_LOSSES) == {*SIIT_LOSSES, "position", "behaviour"}
+    needs, spec = LOSS_NEEDS[loss], _needs_met(loss)
+    assert SIITSpec(**spec).weight(loss) == 1.0
+    if needs.after:  # its last check; every other unmet need below is named before it
+        spec = {**spec, needs.after: 0.0}
+        with pytest.raises(TrainingError, match=re.escape(f"set siit.{needs.after} above 0")):
+            SIITSpec(**spec)
+    broken = []
+    if needs.variables:
+        kept = {v: h for v, h in spec["alignments"].items() if v != needs.variables[0]}
+        broken.append({**spec, "alignments": kept or {"feature_retrieval": ["1.2"]}, "aggregation_heads": ()})
+    if needs.aggregation:
+        broken.append({**spec, "aggregation_heads": ()})
+    for flag, off in (("iit", {"iit_weight": 0.0}), ("source_grad", {"source_grad": False}),
+                      ("strict", {"strict_weight": 0.0})):
+        if getattr(needs, flag):
+            broken.append({**spec, **off})
+    # a new kind of need gets a case here
+    assert {f.name for f in fields(LossNeeds)} == {"reads", "variables", "aggregation", "iit", "source_grad", "strict",
+                                                   "after"}
+    for fields_ in broken:
+        with pytest.raises(TrainingError, match=re.escape(f"siit.{loss}_weight > 0 {needs.reads}")):
+            SIITSpec(**fields_)
+    with pytest.raises(TrainingError, match=f"siit.{loss}_weight must be a number >= 0"):
+        SIITSpec(**{**spec, f"{loss}_weight": -0.5})
+
+
 def test_strictness_draws_unaligned_heads_by_their_weights():
     """Without weights the draw is the uniform one the shipped recipes were trained with (same generator calls, same
     heads); with weights each unaligned head comes up in proportion to its weight, aligned heads never."""
@@ -190,7 +230,8 @@ def test_siit_training_logs_its_parts_and_resumes_exactly(tmp_path, readouts, se
     in the strictness loss each training step is three optimiser steps (IIT, strictness, behaviour), and resumes
     as exactly."""
     from vlmbind.organisms.model import build_organism
-    from vlmbind.organisms.train import load_weights, train
+    from vlmbind.organisms.training.checkpoints import load_weights
+    from vlmbind.organisms.training.run import train
 
     siit = {"alignments": {"feature_retrieval": ["1.1"]}, "pairs": 4, "objects": [3, 3]}
     if readouts:
@@ -306,7 +347,8 @@ def test_random_swaps_and_any_recolouring_keep_the_pairs_meaningful():
 
 
 def test_skipped_object_counts_are_never_drawn():
-    from vlmbind.organisms.siit import SIITSpec, draw_pairs
+    from vlmbind.organisms.siit.pairs import draw_pairs
+    from vlmbind.organisms.siit.spec import SIITSpec
 
     spec = SIITSpec(alignments={"id_selection": ["1.0"]}, pairs=4, objects=(2, 4), skip_objects=(3,), **POOLS)
     counts = {len(p.clean.objects) for step in range(12)
@@ -319,7 +361,8 @@ def test_evaluation_pairs_cover_every_setting_the_spec_trains_on():
     (an evaluation set drawn like one step once covered two-object, low-entropy scenes only)."""
     from collections import Counter
 
-    from vlmbind.organisms.siit import SIITSpec, evaluation_pairs
+    from vlmbind.organisms.siit.pairs import evaluation_pairs
+    from vlmbind.organisms.siit.spec import SIITSpec
 
     spec = SIITSpec(alignments={"id_selection": ["1.0"]}, objects=(2, 4), skip_objects=(3,),
                     entropies=("high", "low"), **POOLS)
@@ -338,8 +381,8 @@ def test_the_position_code_is_read_where_position_layer_says(tmp_path, layer):
     image tokens of the decoder's input (-1: the embeddings the vision tower gives) or after decoder layer 0,
     computed here from the untrained model on step 0's batch, and not the other layer's."""
     from vlmbind.organisms.model import build_organism
-    from vlmbind.organisms.siit import PositionProbe
-    from vlmbind.organisms.train import train
+    from vlmbind.organisms.siit.readouts import PositionProbe
+    from vlmbind.organisms.training.run import train
 
     siit = {"alignments": {"feature_retrieval": ["1.1"]}, "pairs": 2, "objects": [3, 3], "position_layer": layer,
             "position_readout": "trained"}
@@ -361,10 +404,10 @@ def test_the_position_code_is_read_where_position_layer_says(tmp_path, layer):
 def test_growing_an_organism_keeps_its_function_exactly():
     """``init_layers`` copies the source's layers where listed and adds identity layers elsewhere: the grown model's
     logits equal the source's exactly; a source layer that does not exist is a named error."""
+    from vlmbind.core.shipped import organism_dir
     from vlmbind.organisms.data import TaskMixture, TaskSpec
     from vlmbind.organisms.model import build_organism
-    from vlmbind.organisms.train import load_weights
-    from vlmbind.core.shipped import organism_dir
+    from vlmbind.organisms.training.checkpoints import load_weights
 
     source, processor = build_organism(seed=0, image_size=168)
     load_weights(source, organism_dir("organism-p2a"))
@@ -384,7 +427,7 @@ def test_growing_an_organism_keeps_its_function_exactly():
 
 
 def test_position_code_loss_reads_cells_through_the_fixed_readout():
-    from vlmbind.organisms.siit import position_code_accuracy, position_code_loss, position_readout
+    from vlmbind.organisms.siit.readouts import position_code_accuracy, position_code_loss, position_readout
 
     cells, hidden = 4, 16
     readout = position_readout(hidden, cells)
@@ -426,7 +469,8 @@ def test_selection_readout_reads_the_missing_objects_cell_from_the_aligned_heads
     """The ID-selection readout's target is the missing object's cell in the source scene, which for a swap pair is
     the swapped described object's cell in the base; its features are the aligned heads' slices at each row's patch
     positions, in head order."""
-    from vlmbind.organisms.siit import SelectionProbe, target_cells
+    from vlmbind.organisms.siit.pairs import target_cells
+    from vlmbind.organisms.siit.readouts import SelectionProbe
 
     canvas = Canvas(image_size=168, grid=6)
     pairs = list(scene_pairs(12, "id_selection", 3, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
@@ -458,7 +502,8 @@ def test_the_gather_readout_reads_the_described_objects_cells():
     swapped object now sits at the missing object's base cell); the probe's loss is binary cross-entropy summed over
     the cells (the closed form) and a row counts as read only when its positive logits are exactly the described
     cells."""
-    from vlmbind.organisms.siit import GatherProbe, described_cells
+    from vlmbind.organisms.siit.pairs import described_cells
+    from vlmbind.organisms.siit.readouts import GatherProbe
 
     canvas = Canvas(image_size=168, grid=6)
     pairs = list(scene_pairs(12, "id_selection", 3, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
@@ -492,7 +537,8 @@ def test_the_gathering_interchange_reuses_the_source_run_exactly(organism):
     """The gathering interchange patches the aggregation heads from the source run the IIT loss already made: the
     logits equal a fresh interchange of those heads alone, patching the base's own values is the identity (exactly),
     and the selection it asks for is the swapped object's base cell, where the source's names leave no claim."""
-    from vlmbind.organisms.siit import described_cells, patched_logits, target_cells
+    from vlmbind.organisms.siit.interchange import patched_logits
+    from vlmbind.organisms.siit.pairs import described_cells, target_cells
 
     vlm, builder, canvas = organism
     pairs = list(scene_pairs(4, "id_selection", 7, n_objects=(2, 4), canvas=canvas, swap="random", **POOLS))
@@ -527,7 +573,9 @@ def test_the_selecting_interchange_is_the_selecting_heads_interchanged_alone(org
     heads alone (not the aggregation heads) interchanged from the step's source run: equal to a fresh interchange of
     those heads on the step's own pairs, and unlike the loss of the aggregation heads alone."""
     from vlmbind.organisms.data import answer_loss
-    from vlmbind.organisms.siit import SIIT_STREAM, draw_pairs, siit_losses
+    from vlmbind.organisms.siit.losses import siit_losses
+    from vlmbind.organisms.siit.pairs import draw_pairs
+    from vlmbind.organisms.siit.spec import SIIT_STREAM
 
     vlm, builder, canvas = organism
     spec = SIITSpec(alignments={"id_selection": ["1.3", "2.1"]}, aggregation_heads=("1.3",), pairs=3,
@@ -613,14 +661,14 @@ def test_ablation_necessity_ablates_one_aligned_variable_and_keeps_earlier_draws
     """The necessity loss draws after every other draw (older recipes train as they did), ablates all the heads of
     one aligned variable in one of the configured modes, and equals the unlikelihood of the base answer under
     ``ablated_logits`` of those heads."""
-    from vlmbind.organisms.siit import _step_rng
+    from vlmbind.organisms.siit.pairs import step_rng
 
     base = SIITSpec(alignments={"id_selection": ["2.1", "3.0"], "feature_retrieval": ["3.2"]}, strict_weight=1.0,
                     ablation_strict_weight=1.0)
     needing = replace(base, ablation_necessity_weight=1.0, ablation_strict_modes=("zero", "role_mean"))
     seen = set()
     for step in range(30):
-        a, b = _step_rng(0, 1, step), _step_rng(0, 1, step)
+        a, b = step_rng(0, 1, step), step_rng(0, 1, step)
         assert base.draw_strict_heads(a, 4, 4) == needing.draw_strict_heads(b, 4, 4)
         assert len(base.draw_ablated_heads(a, 4, 4)[0]) == len(needing.draw_ablated_heads(b, 4, 4)[0])
         variable, heads, mode = needing.draw_necessary_heads(b)
@@ -656,12 +704,12 @@ def test_ablation_necessity_ablates_one_aligned_variable_and_keeps_earlier_draws
 def test_ablation_strictness_draws_after_the_interchange_strictness():
     """Adding the ablation loss leaves every earlier draw of a step as it was (old recipes train as they did), and
     draws at most as many heads as are aligned (or ``ablation_strict_heads``), never an aligned one."""
-    from vlmbind.organisms.siit import _step_rng
+    from vlmbind.organisms.siit.pairs import step_rng
 
     base = SIITSpec(alignments={"id_selection": ["2.1", "3.0"]}, strict_weight=1.0)
     ablating = replace(base, ablation_strict_weight=1.0)
     for step in range(20):
-        a, b = _step_rng(0, 1, step), _step_rng(0, 1, step)
+        a, b = step_rng(0, 1, step), step_rng(0, 1, step)
         assert base.draw_strict_heads(a, 4, 4) == ablating.draw_strict_heads(b, 4, 4)
         heads, mode = ablating.draw_ablated_heads(b, 4, 4)
         assert 1 <= len(heads) <= 2 and not {(2, 1), (3, 0)} & set(heads) and mode in ("zero", "mean")
@@ -675,7 +723,8 @@ def test_ablation_strictness_draws_after_the_interchange_strictness():
 def test_selection_attention_is_read_at_the_target_objects_token():
     """The attention loss reads each aligned head's pattern at the row's patch positions on the image token of the
     row's target cell (image tokens in raster order); a perfectly attending head has loss 0."""
-    from vlmbind.organisms.siit import attention_on_targets, selection_attention_loss, target_tokens
+    from vlmbind.organisms.siit.losses import attention_on_targets, selection_attention_loss
+    from vlmbind.organisms.siit.pairs import target_tokens
 
     ids = torch.tensor([[1, 9, 9, 9, 9, 2, 3], [1, 2, 9, 9, 9, 9, 3]])
     tokens = target_tokens(ids, 9, torch.tensor([2, 0]))
@@ -696,7 +745,7 @@ def test_span_variables_can_be_interchanged_at_the_names_last_token():
     decodes to the object's shape), leaves last-token pairs as they were, and moves the aggregation target to each
     described name's last token; a bad value is named."""
     from vlmbind.organisms.data import BatchBuilder
-    from vlmbind.organisms.siit import described_name_tokens
+    from vlmbind.organisms.siit.pairs import described_name_tokens
 
     vlm = vb.load("organism-p2a")
     builder = BatchBuilder(vlm.processor)
@@ -733,13 +782,8 @@ def test_retrieval_and_aggregation_targets():
     cell in the base); the aggregation target is every described object's name tokens; attention on a set of
     positions is summed, so a head spread evenly over 7 positions with 2 targets has loss ln(7/2)."""
     from vlmbind.organisms.data import BatchBuilder
-    from vlmbind.organisms.siit import (
-        attention_on_targets,
-        described_name_tokens,
-        patched_cells,
-        selection_attention_loss,
-        target_cells,
-    )
+    from vlmbind.organisms.siit.losses import attention_on_targets, selection_attention_loss
+    from vlmbind.organisms.siit.pairs import described_name_tokens, patched_cells, target_cells
 
     vlm = vb.load("organism-p2a")
     builder = BatchBuilder(vlm.processor)
@@ -767,7 +811,7 @@ def test_the_interchanged_runs_selection_target_and_patterns():
     the source run's stored values as they were, and the patterns are HF's eager ``output_attentions`` of the
     interchanged base run."""
     from vlmbind.organisms.data import BatchBuilder
-    from vlmbind.organisms.siit import last_prompt_positions, own_cells, target_cells
+    from vlmbind.organisms.siit.pairs import last_prompt_positions, own_cells, target_cells
 
     vlm = vb.load("organism-vsm")
     vlm.model.set_attn_implementation("eager")
@@ -789,8 +833,7 @@ def test_the_interchanged_runs_selection_target_and_patterns():
         logits = interchange_logits(vlm.model, interchange, batch, [(0, 2)], batch.positions, base_patterns=[2])
         assert torch.equal(plain, logits) and interchange.stored.keys() == stored.keys()
         assert all(torch.equal(interchange.stored[k], v) for k, v in stored.items())
-        masks = interchange.mask([(0, 2)], batch.positions, tuple(stored[0].shape))
-        with interchange.patch(masks, stored):
+        with interchange.patch([(0, 2)], batch.positions, stored):
             reference = vlm.model(**batch.base.inputs, use_cache=False, output_attentions=True).attentions[2]
     assert torch.allclose(interchange.base_patterns[2], reference, atol=1e-6)
 
@@ -800,7 +843,9 @@ def test_the_strictness_runs_selection_loss_is_hfs_attention_on_the_bases_missin
     """The strict-selection loss is -log of the selecting head's attention (HF's eager ``output_attentions``, with
     the drawn unaligned head interchanged at every prompt token) from the last prompt token to the image token of
     the base scene's missing object, which on an id_retrieval pair is not the interchanged run's target."""
-    from vlmbind.organisms.siit import SIIT_STREAM, draw_pairs, siit_losses
+    from vlmbind.organisms.siit.losses import siit_losses
+    from vlmbind.organisms.siit.pairs import draw_pairs
+    from vlmbind.organisms.siit.spec import SIIT_STREAM
 
     vlm = vb.load("organism-vsm")
     vlm.model.set_attn_implementation("eager")
@@ -822,8 +867,7 @@ def test_the_strictness_runs_selection_loss_is_hfs_attention_on_the_bases_missin
     with torch.no_grad():
         with interchange.capture([layer]):
             vlm.model(**batch.source.inputs, use_cache=False)
-        masks = interchange.mask([(layer, head)], batch.prompt_mask, tuple(interchange.stored[layer].shape))
-        with interchange.patch(masks, interchange.stored):
+        with interchange.patch([(layer, head)], batch.prompt_mask, interchange.stored):
             attention = vlm.model(**batch.base.inputs, use_cache=False, output_attentions=True).attentions[2]
     ids = batch.base.inputs["input_ids"]
     expected = []
@@ -840,7 +884,7 @@ def test_the_strictness_runs_selection_loss_is_hfs_attention_on_the_bases_missin
 
 
 def test_selection_attention_needs_eager_attention(tmp_path):
-    from vlmbind.organisms.train import train
+    from vlmbind.organisms.training.run import train
 
     siit = {"alignments": {"id_selection": ["1.0"]}, "pairs": 2, "objects": [3, 3], "selection_attention_weight": 1.0,
             "source_grad": True}
@@ -864,7 +908,7 @@ def test_selection_attention_needs_eager_attention(tmp_path):
      "id_retrieval is not aligned"),
     ({"alignments": {"id_retrieval": ["0.0"]}, "retrieval_readout_weight": 1.0}, "source_grad to true"),
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "gather_readout_weight": 1.0, "source_grad": True},
-     "list them in siit.aggregation_heads"),
+     "list the aggregation heads in siit.aggregation_heads"),
     ({"alignments": {"id_selection": ["1.0"]}, "gather_readout_weight": -0.5}, "must be a number >= 0"),
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "gather_interchange_weight": 1.0},
      "gather_interchange_weight > 0 interchanges the aggregation heads"),
@@ -875,7 +919,7 @@ def test_selection_attention_needs_eager_attention(tmp_path):
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"], "gather_interchange_weight": "1"},
      "gather_interchange_weight must be a number >= 0"),
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "selecting_interchange_weight": 1.0},
-     "selecting_interchange_weight > 0 interchanges the aggregation heads or the selecting heads apart from them"),
+     "selecting_interchange_weight > 0 interchanges the selecting heads apart from the aggregation heads"),
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"],
       "selecting_interchange_weight": 1.0, "iit_weight": 0}, "reuses the IIT loss's source run"),
     ({"alignments": {"id_selection": ["1.0", "0.1"]}, "aggregation_heads": ["0.1"],

@@ -40,6 +40,7 @@ from ..core.errors import InputError
 from ..core.io import json_default, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from ..core.results import Result, read_json_object, register_result, require_keys
 from ..engine.decoding import GREEDY
+from ..organisms.data import training_canvas
 from ..stimuli.answers import (
     UnknownFrameError,
     answer_words,
@@ -49,7 +50,7 @@ from ..stimuli.answers import (
     read_yes_no,
     to_canvas,
 )
-from ..stimuli.core import Canvas, Dataset, Example
+from ..stimuli.core import Dataset, Example
 from ..stimuli.points import pointing_spans
 
 
@@ -121,6 +122,7 @@ class EvalResult(Result):
     generation: dict[str, Any] = field(default_factory=dict)
 
     kind = "eval"
+    reproduced_files = ("answers.jsonl", "results.json")
     marker_files = ("answers.jsonl",)
     marker_keys = ("accuracy", "per_count")
     table_name = "answers.csv"
@@ -325,7 +327,7 @@ def training_defaults(vlm: Any, task: str, kwargs: dict[str, Any]) -> dict[str, 
         return kwargs
     kwargs = dict(kwargs)
     if "canvas" not in kwargs:
-        kwargs["canvas"] = Canvas(image_size=int(training["image_size"]), grid=int(training["grid"]))
+        kwargs["canvas"] = training_canvas(training)
     options = training.get("task_options", {}).get(task, {})
     if task in ("scene", "query", "count"):
         for pool in ("colours", "shapes"):

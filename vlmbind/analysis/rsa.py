@@ -33,8 +33,8 @@ from ..core.choices import SIMILARITIES
 from ..core.errors import InputError
 from ..core.io import write_json_atomic, write_text_atomic
 from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
+from ..organisms.data import training_canvas
 from ..stimuli import rsa_set
-from ..stimuli.core import Canvas
 from ..viz import write_html_atomic
 from ..viz.rsa import (  # noqa: F401  (MODEL_MATRICES, pca_figure: public here before viz)
     MODEL_MATRICES,
@@ -142,6 +142,7 @@ class RSAResult(Result):
     """RSA per site: a tidy frame (site, component, layer, model_matrix, r, spearman, p, n_objects)."""
 
     kind = "rsa"
+    reproduced_files = ("rsa.csv", "rsa.json", "rsa.html")
     marker_files = ("rsa.csv",)
     figure_name = "rsa"
     table_name = "rsa.csv"
@@ -231,7 +232,7 @@ def rsa_stimuli(vlm: Any, n_positions: int, seed: int) -> Any:
     if not training:
         return rsa_set(seed, positions_per_conjunction=n_positions)
     options = training.get("task_options", {}).get("scene", {})
-    kwargs: dict[str, Any] = {"canvas": Canvas(image_size=int(training["image_size"]), grid=int(training["grid"]))}
+    kwargs: dict[str, Any] = {"canvas": training_canvas(training)}
     if options.get("colours"):
         kwargs["colours"] = tuple(options["colours"])
     if options.get("shapes"):

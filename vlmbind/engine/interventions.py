@@ -4,7 +4,7 @@ Each edits one thing the hook layer (:mod:`vlmbind.engine.hooks`) exposes: per-h
 ``edit_z``) or attention probabilities after the softmax (``edit_probs``, which needs vlmbind's eager attention:
 ``needs_pattern``). Positions are batch positions; negatives count from the end (batches are left-padded).
 :class:`AddToHeadRows` is :class:`AddToHeads` with one vector per batch row (the position-ID edit batches examples
-with it).
+with it); :class:`PatchHeadsWhere` writes another run's z out of place, so a loss can train through both runs.
 """
 
 from __future__ import annotations
@@ -249,6 +249,35 @@ class AblateHeads(Intervention):
         sub = z[:, :, heads]
         z[:, :, heads] = torch.where(selected[:, :, None, None], fill, sub)
         return z
+
+
+@dataclass(frozen=True, kw_only=True)
+class PatchHeadsWhere(Intervention):
+    """Replace heads' outputs z with another run's, where a mask says, by ``torch.where``: nothing is written in
+    place, so gradients reach both the values (e.g. z captured with ``HookSession(detach=False)``) and the patched
+    run's own z everywhere else (interchange training).
+
+    Attributes:
+        where: ``B P`` booleans, True at each row's positions to patch (every listed head at each of them).
+        values: ``B P H D``, z of the whole layer (all ``H`` heads) from the other run; only the listed heads'
+            slices at ``where`` are taken.
+    """
+
+    where: torch.Tensor
+    values: torch.Tensor
+
+    def edit_z(self, z: torch.Tensor, index: Sequence[TokenIndex] | None) -> torch.Tensor:
+        b, p, n, _ = z.shape
+        where = torch.as_tensor(self.where).to(device=z.device, dtype=torch.bool)
+        if tuple(where.shape) != (b, p) or tuple(self.values.shape) != tuple(z.shape):
+            raise InterventionError(
+                f"PatchHeadsWhere: where {tuple(where.shape)} and values {tuple(self.values.shape)} must be "
+                f"(batch, positions) = ({b}, {p}) and the layer's z {tuple(z.shape)}"
+            )
+        heads = torch.zeros(n, dtype=torch.bool, device=z.device)
+        heads[list(self.heads)] = True
+        mask = where[:, :, None, None] & heads[None, None, :, None]
+        return torch.where(mask, self.values.to(device=z.device, dtype=z.dtype), z)
 
 
 @dataclass(frozen=True, kw_only=True)

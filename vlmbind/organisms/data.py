@@ -31,13 +31,14 @@ from PIL import Image
 
 from ..core.errors import InputError, TrainingError, close_matches
 from ..stimuli.core import Canvas, Example, StimulusError
-from ..stimuli.scenes import binding_query, scene_description
+from ..stimuli.query import binding_query
+from ..stimuli.scenes import scene_description
 from ..stimuli.search import COUNT_SPLITS, SEARCH_SPLITS, counting, visual_search
 from .model import CELL_PX, grid_side
 
 __all__ = [
     "REGIMES", "TASKS", "IGNORE_INDEX", "TaskSpec", "TaskMixture", "TrainingExample", "TrainBatch", "BatchBuilder",
-    "answer_loss", "answer_correct", "canvas_for",
+    "answer_loss", "answer_correct", "canvas_for", "training_canvas",
 ]
 
 REGIMES = ("direct", "p2a")
@@ -65,6 +66,12 @@ OPTION_KEYS = ("objects", "variants", "present", "colours", "shapes")
 def canvas_for(image_size: int) -> Canvas:
     """The stimuli canvas aligned with an organism's image-token grid: one 28 px cell per merged token."""
     return Canvas(image_size=image_size, grid=grid_side(image_size))
+
+
+def training_canvas(training: Mapping[str, Any]) -> Canvas:
+    """The canvas an organism was trained on, from its training record (``VLM.training``: ``image_size`` and
+    ``grid``)."""
+    return Canvas(image_size=int(training["image_size"]), grid=int(training["grid"]))
 
 
 @dataclass(frozen=True, kw_only=True)

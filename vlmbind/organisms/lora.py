@@ -36,7 +36,7 @@ from ..engine.loading import load
 from ..engine.vlm import VLM
 from ..stimuli.core import Dataset, Example
 from .data import IGNORE_INDEX, TaskMixture, TrainingExample, answer_loss
-from .train import cosine_lr
+from .training.config import cosine_lr
 
 __all__ = ["LoraResult", "attention_target_regex", "finetune_lora", "load_lora", "lora_batch"]
 

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from ..core.errors import TrainingError
 from ..tiny.qwen import build_qwen_vl
 
-__all__ = ["CELL_PX", "OrganismSize", "build_organism", "grid_side", "shared_image_features"]
+__all__ = ["CELL_PX", "OrganismSize", "build_organism", "evaluating", "grid_side", "shared_image_features"]
 
 # pixels covered by one merged image token: patch 14 x merge 2
 CELL_PX = 28
@@ -189,6 +189,18 @@ class _ImageFeatureCache:
             found = [self._find(k, b, grad) for k, b in zip(keys, blocks)]
         features = tuple(entry[1] if grad else entry[1].detach() for entry in found)
         return BaseModelOutputWithPooling(pooler_output=features)
+
+
+@contextmanager
+def evaluating(model: Any) -> Iterator[None]:
+    """Eval mode and no gradients for the block; the model's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 @contextmanager

@@ -27,7 +27,9 @@ from ..core.errors import TrainingError
 from ..core.shipped import organism_dir
 from ..engine.vlm import TRAINING_FILE
 from .processes import sigterm_as_interrupt
-from .train import CHECKPOINT_PREFIX, TrainConfig, train
+from .training.checkpoints import CHECKPOINT_PREFIX
+from .training.config import TrainConfig
+from .training.run import train
 
 COLOURS = ("red", "green", "blue", "yellow")
 SHAPES = ("square", "circle", "triangle", "star")
@@ -210,7 +212,7 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
     done are taken from it (their results copied from the record) and the next stage starts from its weights, so a
     recipe that grew new stages continues from the last release instead of training the first stages again.
     A stage found finished in ``out`` must have been trained with the recipe's configuration (bar where it started).
-    ``processes=2`` trains each stage in two processes of ``threads`` threads each (:func:`~.train.train`).
+    ``processes=2`` trains each stage in two processes of ``threads`` threads each (:func:`~.training.run.train`).
 
     Raises:
         TrainingError: no such recipe; ``start_from`` is not a release of this recipe; a finished stage in ``out``

@@ -21,7 +21,7 @@ from ..core.io import write_text_atomic
 from ..core.shipped import organism_dir
 from ..engine.vlm import TRAINING_FILE
 from .recipes import RECIPES, recipe_stages
-from .siit import DEFAULT_ABLATION_MODES
+from .siit.spec import DEFAULT_ABLATION_MODES
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "processor_config.json", "chat_template.jinja")
