@@ -1,31 +1,135 @@
-"""Ground truth: every method of vlmbind scored against mechanisms planted in organism-vsm, and the same run where
-nothing was planted (organism-vsm-natural, scored against organism-vsm's heads; organism-p2a, with no reference).
+"""Ground truth: every method of vlmbind scored against the mechanism planted in organism-vsm, its behaviour-only twin
+organism-vsm-natural (scored against organism-vsm's heads) and organism-p2a (no reference), and the measurements that
+say how far the plant goes.
 
-    python circuits/ground_truth/run.py [--models organism-vsm,organism-vsm-natural,organism-p2a] [--pairs 24]
-                                        [--seed 1000] [--out circuits/ground_truth/results]
+    python circuits/ground_truth/run.py                              # every part -> results/, then the README
+    python circuits/ground_truth/run.py --parts interchange,single_heads
+    python circuits/ground_truth/run.py --parts validate --reuse     # table.csv again from the saved validations
+    python circuits/ground_truth/run.py --parts scene_accuracy --n 16 --out runs/quick   # a quick look elsewhere
 
-Each model's full result is written by ``vlmbind validate`` into ``results/<model>/`` (validation.json, methods.csv,
-scores.csv, ablation.csv, edit.csv, probes.csv, validation.html); ``results/table.csv`` and ``results/table.json``
-gather the headline numbers of all models in one table, which the README shows.
+Parts, each with the models, sample size and seed of the saved results (``--models``, ``--n``, ``--seed`` override
+them), and what each writes under ``--out``:
+
+- ``validate``: ``vlmbind validate`` on each model (``--n`` pairs per condition) -> ``<model>/`` (validation.json,
+  methods.csv, scores.csv, ablation.csv, edit.csv, probes.csv), and the headline rows of all of them -> ``table.csv``
+  and ``table.json``;
+- ``interchange``: for each planted variable, object count 2-4 (3 was held out of training) and entropy, the share
+  of ``--n`` fresh pairs whose base run, with the planted heads interchanged from the source at the variable's
+  positions, gives the high-level counterfactual answer, beside the share the unpatched run gives; a variable's
+  heads each interchanged alone; and, over all settings pooled, the share of answers each unplanted head moves when
+  interchanged alone at every prompt position (strictness asks <= 0.02) -> ``interchange.json``;
+- ``scene_accuracy``: scene description per object count and entropy -> ``scene_accuracy.json``;
+- ``single_heads``: scene description with each head ablated alone, on validate's ablation scenes ->
+  ``single_heads.json``;
+- ``random_k_draws``: validate's random-k ablation arm over 100 draws instead of five (uniform over the unplanted
+  heads; in a 28-head model with four heads in layer 0, a set of four takes two or more of them about one draw in
+  nine, and such a set can break the task) -> ``random_k_draws.json``;
+- ``edit_control_geometry``: validate's position-ID edit call with more evaluation scenes (validate's are the first
+  of them): where the empty-cell control's answers land -> ``edit_control_geometry.json``;
+- ``edit_alpha_sweep``: the same edit on a fine alpha grid, the alpha chosen on one seed by a rule fixed before the
+  run and measured again on another -> ``edit_alpha_sweep.json``.
+
+At the default ``--out`` the README's tables are rendered again from the results (``tables.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import json
 import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import pandas as pd
 
 import vlmbind as vb
-from vlmbind.analysis.ablation import wilson_interval
-from vlmbind.analysis.validate import ValidationResult, recorded_planted, validate
+from vlmbind.analysis.ablation import ablation_study, wilson_interval
+from vlmbind.analysis.edits import edit_studies
+from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.analysis.validate import ValidationResult, held_out_objects, recorded_planted, validate
 from vlmbind.core.io import write_json_atomic, write_text_atomic
+from vlmbind.core.sites import parse_heads
+from vlmbind.organisms.data import BatchBuilder, training_canvas
+from vlmbind.organisms.siit.evaluation import answer_changes_per_set, interchange_accuracy, unpatched_accuracy
+from vlmbind.organisms.siit.interchange import HeadInterchange
+from vlmbind.stimuli import scene_description, scene_pairs
 
 HERE = Path(__file__).parent
-PLANTED = "organism-vsm"
+RESULTS = HERE / "results"
+PLANTED = "organism-vsm"  # the organism whose recorded heads are the reference
+REFERENCES = {"organism-vsm-natural": PLANTED}  # a model with nothing planted, scored against another's heads
+TWINS = ("organism-vsm", "organism-vsm-natural")
+N_ESTIMATE = inspect.signature(validate).parameters["n_estimate"].default  # validate's position-ID estimation scenes
+POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
+PAIR_OPTIONS = {"id_selection": {"swap": "random"}, "id_retrieval": {"swap": "random"},
+                "feature_retrieval": {"recolour": "any"}}
+SINGLE_HEAD_MODES = ("zero", "image_attention")
+RANDOM_K_DRAWS, RANDOM_K_MODES = 100, ("zero", "mean", "role_mean", "image_attention")
+GEOMETRY_ALPHA = 1.0
+SWEEP_ALPHAS, CONFIRM_SEED = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5), 2000
 
+
+def _tables():
+    """This circuit's tables.py (the README's tables, rendered from results), loaded by path."""
+    spec = importlib.util.spec_from_file_location("ground_truth_tables", HERE / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tables = _tables()
+
+
+class Run(NamedTuple):
+    """What one part is asked to do: its models, sample size and seed, where to write, and the command recorded."""
+    models: list[str]
+    n: int
+    seed: int
+    out: Path
+    command: str
+    reuse: bool = False
+
+    def one_model(self) -> str:
+        if len(self.models) != 1:
+            raise SystemExit(f"this part measures one model, not {len(self.models)}: pass --models with one")
+        return self.models[0]
+
+
+# --- the stimuli the parts share ------------------------------------------------------------------------------------
+
+def setting_seed(seed: int, objects: int, entropy: str) -> int:
+    """Each object count and entropy of a per-setting table draws from its own seed."""
+    return seed + 7 * objects + (entropy == "low")
+
+
+def setting_scenes(vlm, n: int, seed: int, objects: int, entropy: str):
+    return scene_description(n, setting_seed(seed, objects, entropy),
+                             **training_defaults(vlm, "scene", {"n_objects": objects, "entropy": entropy}))
+
+
+def validation_scenes(vlm, n: int, seed: int):
+    """validate's ablation scenes: the object count the planting held out, high entropy, at ``seed + 2``."""
+    return scene_description(n, seed + 2, **training_defaults(
+        vlm, "scene", {"n_objects": held_out_objects(vlm), "entropy": "high"}))
+
+
+def setting_pairs(vlm, variable: str, n: int, seed: int, objects: int, entropy: str) -> list:
+    canvas = training_canvas(vlm.training)
+    return list(scene_pairs(n, variable, setting_seed(seed, objects, entropy), n_objects=objects, entropy=entropy,
+                            canvas=canvas, **PAIR_OPTIONS[variable], **POOLS))
+
+
+def planted_heads(vlm) -> list[tuple[int, int]]:
+    return [h for heads in vlm.training["planted"].values() for h in parse_heads(heads)]
+
+
+# --- validate -------------------------------------------------------------------------------------------------------
 
 def headline(result: ValidationResult) -> list[dict]:
     """One row per (condition, method) plus the ablation, edit and probe figures of the model."""
@@ -66,163 +170,305 @@ def headline(result: ValidationResult) -> list[dict]:
     return rows
 
 
-def read_table(path: Path) -> pd.DataFrame:
-    """``table.csv`` with head lists and ranks kept as text ("3.2" is a head, not a number)."""
-    return pd.read_csv(path, dtype={"heads": str, "ranks": str, "top_heads": str, "reference": str,
-                                    "planted_score": str})
-
-
-BEGIN, END = "<!-- table: generated by run.py from results/table.csv -->", "<!-- /table -->"
-
-
-def _cell(value, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and value != value):
-        return "-"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def _rate(value, n) -> str:
-    """A share over ``n`` examples with its 95% Wilson interval: ``0.98 [0.92, 1.00]``."""
-    if value is None or (isinstance(value, float) and value != value):
-        return "-"
-    low, high = wilson_interval(float(value), int(n))
-    return f"{value:.2f} [{low:.2f}, {high:.2f}]"
-
-
-def markdown_tables(table: pd.DataFrame) -> str:
-    """The README's tables, from ``table.csv``'s rows (nothing typed by hand)."""
-    rows = table.to_dict(orient="records")
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    out = ["Head-level mediation (exact, attribution, integrated gradients) against the reference heads: rank of each "
-           "reference head among all heads, recall@k, AUROC over all heads, and the smallest reference mean score "
-           "over the largest |score| of any other head; scores are mean ± standard error over the n pairs, in "
-           "logits.", "",
-           "| model | reference | condition | method | heads | score ± se | max other \\|score\\| | ranks | recall@k | "
-           "AUROC | ratio | top heads | n | s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["part"] == "mediation":
-            out.append(f"| {r['model']} | {_cell(r['reference'])} | {r['condition']} | {r['method']} | "
-                       f"{_cell(r['heads'])} | {_cell(r['planted_score'])} | {_cell(r['unplanted_max_abs'], 3)} | "
-                       f"{_cell(r['ranks'])} | "
-                       f"{_cell(r['recall_at_k'])} | {_cell(r['auroc'], 3)} | {_cell(r['ratio'], 2)} | "
-                       f"{r['top_heads']} | {int(r['n'])} | {_cell(r['seconds'], 1)} |")
-    out += ["", "Scene-description accuracy with heads ablated (top-k: each condition's k best exact heads together; "
-            "random-k: drawn from the other heads, mean and lowest over seeds; same layers: one head drawn from each "
-            "top-k head's layer instead, same seeds; bottom-k: smallest |score|; 95% Wilson intervals over the n "
-            "scenes in brackets):", "",
-            "| model | mode | clean | top-k | random-k mean | random-k lowest | same layers mean, lowest | bottom-k | n |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for model in models:
-        for mode in dict.fromkeys(r["condition"] for r in rows if r["model"] == model and r["part"] == "ablation"):
-            arm = {r["method"]: r for r in rows if r["model"] == model and r["part"] == "ablation"
-                   and r["condition"] == mode}
-            n = int(arm["clean"]["n"])
-            out.append(f"| {model} | {mode} | {_rate(arm['clean']['value'], n)} | {_rate(arm['top']['value'], n)} | "
-                       f"{_cell(arm['random']['value'])} ({int(arm['random']['seeds'])} seeds) | "
-                       f"{_cell(arm['random_min']['value'])} | {_same_layers(arm)} | "
-                       f"{_rate(arm['bottom']['value'], n)} | {n} |")
-    edits = [r for r in rows if r["part"] == "edit"]
-    if edits:
-        out += ["", "Position-ID edit at the reference ID-selection heads, every alpha (efficacy: the answer switches "
-                "to the object at the target cell; control: the same edit towards an empty cell's ID; random: a "
-                "push of the edit's size in a random direction per head; best: the highest efficacy; 95% Wilson "
-                "intervals over the n scenes in brackets):", "",
-                "| model | heads | alpha | efficacy | control | random | n |", "|---|---|---|---|---|---|---|"]
-        out += [f"| {r['model']} | {r['heads']} | {r['method'].split()[1]}"
-                f"{' (best)' if r['condition'].endswith('(best)') else ''} | {_rate(r['value'], r['n'])} | "
-                f"{_rate(r['control'], r['n'])} | {_rate(r.get('random_control'), r['n'])} | {int(r['n'])} |"
-                for r in edits]
-    probes = [r for r in rows if r["part"] == "probe"]
-    if probes:
-        out += ["", "Linear probes on each reference head's last-token output (held-out scenes; chance = the majority "
-                "class; 95% Wilson interval over the n held-out scenes in brackets):", "",
-                "| model | head | target | accuracy | chance | n |", "|---|---|---|---|---|---|"]
-        out += [f"| {r['model']} | {r['heads']} | {r['condition']} | {_rate(r['value'], r['n'])} | "
-                f"{_cell(r['chance'])} | "
-                f"{int(r['n'])} |" for r in probes]
-    return "\n".join(out)
-
-
-ROOT_BEGIN = "<!-- ground truth: generated by circuits/ground_truth/run.py from its results/table.csv -->"
-ROOT_END = "<!-- /ground truth -->"
-
-
-def _same_layers(arm: dict) -> str:
-    if "random_same_layers" not in arm:
-        return "-"
-    return f"{_cell(arm['random_same_layers']['value'])}, {_cell(arm['random_same_layers_min']['value'])}"
-
-
-def summary_table(table: pd.DataFrame) -> str:
-    """The project README's short table: exact mediation per condition and the image-attention ablation."""
-    rows = table.to_dict(orient="records")
-    out = ["| model | condition | planted / reference heads | their rank (exact) | AUROC exact / AtP / IG | "
-           "exact top heads |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["part"] != "mediation" or r["method"] != "exact":
+def run_validate(run: Run) -> None:
+    rows = []
+    for name in run.models:
+        if run.reuse and (run.out / name / "validation.json").is_file():
+            rows += headline(ValidationResult.load(run.out / name))
             continue
-        others = {x["method"]: x["auroc"] for x in rows if x["part"] == "mediation" and x["model"] == r["model"]
-                  and x["condition"] == r["condition"]}
-        aurocs = " / ".join(_cell(others.get(m), 3) for m in ("exact", "attribution", "integrated_gradients"))
-        out.append(f"| {r['model']} | {r['condition']} | {_cell(r['heads']) if r['heads'] else '-'} | "
-                   f"{_cell(r['ranks']) if r['ranks'] else '-'} | {aurocs} | {r['top_heads']} |")
-    out += ["", "Scene-description accuracy with the top-k exact heads' attention to the image removed, against "
-            "random-k heads from the rest (95% Wilson intervals over the n scenes in brackets):", "",
-            "| model | clean | top-k | random-k (mean, lowest) | n |", "|---|---|---|---|---|"]
-    for model in dict.fromkeys(r["model"] for r in rows):
-        arm = {r["method"]: r for r in rows if r["model"] == model and r["part"] == "ablation"
-               and r["condition"] == "image_attention"}
-        if arm:
-            n = int(arm["clean"]["n"])
-            out.append(f"| {model} | {_rate(arm['clean']['value'], n)} | {_rate(arm['top']['value'], n)} | "
-                       f"{_cell(arm['random']['value'])}, {_cell(arm['random_min']['value'])} | {n} |")
-    return "\n".join(out)
+        source = REFERENCES.get(name)
+        result = validate(vb.load(name), reference=recorded_planted(source) if source else None,
+                          reference_source=source, n_pairs=run.n, seed=run.seed, progress=True)
+        result.save(run.out / name, figure=False)  # 5 MB of plotly.js each; `vlmbind export` draws it
+        rows += headline(result)
+        print(f"{name}: done in {sum(result.seconds.values()):.0f} s", file=sys.stderr)
+    table = pd.DataFrame(rows)
+    write_text_atomic(table.to_csv(index=False), run.out / "table.csv")
+    write_json_atomic({"command": run.command, "rows": json.loads(table.to_json(orient="records"))},
+                      run.out / "table.json")
 
 
-def update_block(path: Path, begin: str, end: str, body: str) -> None:
-    text = path.read_text()
-    start, stop = text.index(begin) + len(begin), text.index(end)
-    write_text_atomic(text[:start] + "\n" + body + "\n" + text[stop:], path)
+# --- interchange ----------------------------------------------------------------------------------------------------
+
+def measure_interchange(name: str, planted: dict[str, list[str]], n_pairs: int, seed: int) -> dict:
+    vlm = vb.load(name)
+    builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
+    taken = {h for heads in planted.values() for h in parse_heads(heads)}
+    free = [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads) if (l, h) not in taken]
+    out = {"model": name, "planted": planted, "n_pairs": n_pairs, "seed": seed, "variables": {}}
+    for variable, heads in planted.items():
+        rows, pooled = [], []
+        for objects, entropy in tables.SETTINGS:
+            pairs = setting_pairs(vlm, variable, n_pairs, seed, objects, entropy)
+            pooled += pairs
+            rows.append({"objects": objects, "entropy": entropy, "n": len(pairs),
+                         "interchange_accuracy": interchange_accuracy(vlm.model, interchange, builder, pairs,
+                                                                      parse_heads(heads), last_positions="answer"),
+                         "unpatched": unpatched_accuracy(vlm.model, builder, pairs)})
+            if len(heads) > 1:  # which of a variable's heads the answer follows: each interchanged alone
+                rows[-1]["alone"] = {h: interchange_accuracy(vlm.model, interchange, builder, pairs,
+                                                             parse_heads([h]), last_positions="answer")
+                                     for h in heads}
+            print(name, variable, rows[-1], file=sys.stderr, flush=True)
+        shares = answer_changes_per_set(vlm.model, interchange, builder, pooled, [[head] for head in free])
+        changes = {f"{l}.{h}": share for (l, h), share in zip(free, shares)}
+        worst = max(changes, key=changes.get)
+        out["variables"][variable] = {"settings": rows, "unplanted_changes": changes,
+                                      "unplanted_changes_max": changes[worst], "unplanted_worst_head": worst,
+                                      "unplanted_heads_above_0.02": sorted(h for h, v in changes.items() if v > 0.02),
+                                      "n_pooled": len(pooled)}
+    return out
 
 
-def update_readme(readme: Path, tables: str) -> None:
-    update_block(readme, BEGIN, END, tables)
+def run_interchange(run: Run) -> None:
+    planted = recorded_planted(PLANTED)
+    write_json_atomic({"command": run.command,
+                       "results": [measure_interchange(m, planted, run.n, run.seed) for m in run.models]},
+                      run.out / "interchange.json")
+
+
+# --- scene description, whole and with single heads ablated ---------------------------------------------------------
+
+def measure_scene_accuracy(name: str, n: int, seed: int) -> dict:
+    vlm = vb.load(name)
+    rows = []
+    for objects, entropy in tables.SETTINGS:
+        accuracy = vb.evaluate(vlm, setting_scenes(vlm, n, seed, objects, entropy)).accuracy
+        rows.append({"objects": objects, "entropy": entropy, "n": n, "accuracy": accuracy})
+        print(name, rows[-1], file=sys.stderr, flush=True)
+    return {"model": name, "n": n, "seed": seed, "settings": rows}
+
+
+def measure_single_heads(name: str, n: int, seed: int) -> dict:
+    """Each head ablated alone. A head the task needs is not thereby a head that carries a planted variable:
+    necessity (ablation) and the variable (interchange, mediation) are different questions."""
+    vlm = vb.load(name)
+    scenes = validation_scenes(vlm, n, seed)
+    out = {"model": name, "n": n, "seed": seed, "clean": vb.evaluate(vlm, scenes).accuracy,
+           "planted": (vlm.training or {}).get("planted"), "modes": {}}
+    for mode in SINGLE_HEAD_MODES:
+        rows = {}
+        for layer in range(vlm.n_layers):
+            for head in range(vlm.n_heads):
+                with vlm.ablate([(layer, head)], mode=mode):
+                    rows[f"{layer}.{head}"] = vb.evaluate(vlm, scenes).accuracy
+        out["modes"][mode] = rows
+        print(name, mode, rows, file=sys.stderr, flush=True)
+    return out
+
+
+def run_scene_accuracy(run: Run) -> None:
+    write_json_atomic({"command": run.command,
+                       "results": [measure_scene_accuracy(m, run.n, run.seed) for m in run.models]},
+                      run.out / "scene_accuracy.json")
+
+
+def run_single_heads(run: Run) -> None:
+    write_json_atomic({"command": run.command,
+                       "results": [measure_single_heads(m, run.n, run.seed) for m in run.models]},
+                      run.out / "single_heads.json")
+
+
+# --- random-k over many draws ---------------------------------------------------------------------------------------
+
+def draws_summary(arms: list[dict]) -> dict:
+    """Mean accuracy over draws with its standard error, the lowest draw, and the means over the draws that take at
+    most one layer-0 head and over those that take two or more."""
+    accuracy = np.array([a["accuracy"] for a in arms])
+    layer0 = np.array([sum(h.startswith("0.") for h in a["heads"]) for a in arms])
+    groups = {"at_most_one_layer0_head": layer0 <= 1, "two_or_more_layer0_heads": layer0 >= 2}
+    return {"draws": len(arms), "mean": float(accuracy.mean()),
+            "se": float(accuracy.std(ddof=1) / np.sqrt(len(arms))) if len(arms) > 1 else None,
+            "lowest": float(accuracy.min()),
+            **{name: {"draws": int(mask.sum()), "mean": float(accuracy[mask].mean()) if mask.any() else None}
+               for name, mask in groups.items()}}
+
+
+def run_random_k_draws(run: Run, draws: int = RANDOM_K_DRAWS, modes: tuple[str, ...] = RANDOM_K_MODES) -> None:
+    name = run.one_model()
+    vlm = vb.load(name)
+    planted = planted_heads(vlm)
+    # ablation_study ranks heads by score: the planted ones are its top-k, every other head the pool it draws from
+    frame = pd.DataFrame([{"layer": l, "head": h, "score": 1.0 if (l, h) in planted else 0.0}
+                          for l in range(vlm.n_layers) for h in range(vlm.n_heads)])
+    dataset = validation_scenes(vlm, run.n, run.seed)
+    record = {"model": name, "planted": [f"{l}.{h}" for l, h in planted], "n_eval": run.n,
+              "scenes": f"scene_description({run.n}, {run.seed + 2}), {held_out_objects(vlm)} objects, high entropy",
+              "modes": {}, "command": run.command}
+    for mode in modes:
+        study = ablation_study(vlm, dataset, frame, k=len(planted), mode=mode, seeds=tuple(range(draws)),
+                               random_from="rest")
+        random = [{"seed": a["seed"], "heads": list(a["heads"]), "accuracy": a["accuracy"]}
+                  for a in study.arms if a["arm"] == "random"]
+        top = next(a["accuracy"] for a in study.arms if a["arm"] == "top")
+        record["modes"][mode] = {"top": top, "random": draws_summary(random), "draws": random}
+        print(mode, json.dumps({"top": top, **draws_summary(random)}), file=sys.stderr, flush=True)
+    write_json_atomic(record, run.out / "random_k_draws.json")
+
+
+# --- the position-ID edit's controls ---------------------------------------------------------------------------------
+
+def share(hits: int, n: int) -> dict:
+    rate = hits / n if n else float("nan")
+    low, high = wilson_interval(rate, n) if n else (float("nan"), float("nan"))
+    return {"hits": hits, "n": n, "rate": rate, "ci95": [low, high]}
+
+
+def answers(rows: list[dict]) -> dict:
+    """What one arm's answers name: ``t``, the missing object (``original``), the other described object, or no
+    object of the scene (``absent``: another colour-shape pair, or no parse)."""
+    def kind(r: dict) -> str:
+        if r["outcome"] == "switch":
+            return "t"
+        if r["outcome"] == "original":
+            return "original"
+        return "other_described" if r["described"] else "absent"
+    kinds = [kind(r) for r in rows]
+    return {k: share(kinds.count(k), len(kinds)) for k in ("t", "original", "other_described", "absent")}
+
+
+def _group_order(group: str) -> tuple:
+    return (0, int(group), "") if group.isdigit() else (1, 0, group)
+
+
+def landing(records: list[dict], scenes: dict, alpha: float) -> dict:
+    """Where the empty-cell control rows at ``alpha`` land. The control adds ``alpha * (d_c - d_o)``, ``c`` a random
+    empty cell, and counts answers naming the object at the edit's target cell ``t``; with three objects, a push that
+    lands on a described object at random names ``t`` half the time. Counted here: names t, names a described object,
+    lands on the described object nearer to ``c`` (Euclidean, in grid cells; equally near scenes left out), and names
+    t by the distance from ``c`` to ``t`` and whether ``c`` shares ``t``'s row or column."""
+    rows = [r for r in records if r["alpha"] == alpha and r["arm"] == "control"]
+    tally: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])  # (figure, group) -> [hits, n]
+
+    def count(figure: str, group: str, hit: bool) -> None:
+        tally[figure, group][0] += hit
+        tally[figure, group][1] += 1
+
+    ties = 0
+    for r in rows:
+        scene, c, t = scenes[r["id"]], np.asarray(r["c"], dtype=float), np.asarray(r["t"], dtype=float)
+        hit = r["outcome"] == "switch"
+        count("control_names_t", "", hit)
+        count("control_names_described", "", bool(r["described"]))
+        count("control_names_t_by_distance_to_t", str(int(np.ceil(np.hypot(*(c - t))))), hit)
+        line = "same_row" if c[0] == t[0] else "same_column" if c[1] == t[1] else "neither"
+        count("control_names_t_by_line_through_t", line, hit)
+        distance = {scene.objects[j].name: float(np.hypot(scene.objects[j].row - c[0], scene.objects[j].col - c[1]))
+                    for j in scene.fields["described"]}
+        if len(set(np.round(list(distance.values()), 6))) < len(distance):
+            ties += 1  # both described objects equally near: no nearer one
+            continue
+        nearest = min(distance, key=distance.get)
+        if r["described"]:
+            count("described_answers_on_nearest", "", r["parsed"] == nearest)
+        count("names_t_when_t_nearest" if nearest == r["t_name"] else "names_t_when_other_nearest", "", hit)
+    edit = [r for r in records if r["alpha"] == alpha and r["arm"] == "edit"]
+    out = {"edit_efficacy": share(sum(r["outcome"] == "switch" for r in edit), len(edit)),
+           "answers": {arm: answers([r for r in records if r["alpha"] == alpha and r["arm"] == arm])
+                       for arm in dict.fromkeys(r["arm"] for r in records)}}
+    for (figure, group), (hits, n) in sorted(tally.items(), key=lambda kv: (kv[0][0], _group_order(kv[0][1]))):
+        if group:
+            out.setdefault(figure, {})[group] = share(hits, n)
+        else:
+            out[figure] = share(hits, n)
+    out["scenes_with_equally_near_objects"] = ties
+    return out
+
+
+def run_edit_control_geometry(run: Run, alpha: float = GEOMETRY_ALPHA) -> None:
+    name = run.one_model()
+    vlm = vb.load(name)
+    selection = parse_heads(vlm.training["planted"]["id_selection"])
+    head_sets = [selection] + ([[h] for h in selection] if len(selection) > 1 else [])
+    stimulus = training_defaults(vlm, "scene", {"n_objects": 3, "entropy": "high"})
+    studies = edit_studies(vlm, head_sets, [alpha], n_estimate=N_ESTIMATE, n_eval=run.n, seed=run.seed,
+                           n_objects=3, entropy="high", positions="answer")
+    scenes = {s.id: s for s in scene_description(N_ESTIMATE + run.n, run.seed, **stimulus)}
+    record = {"model": name, "alpha": alpha, "seed": run.seed, "n_estimate": N_ESTIMATE,
+              "n_eval": run.n, "objects": 3, "entropy": "high", "positions": "answer",
+              "by_heads": {" ".join(f"{l}.{h}" for l, h in heads): landing(study.records, scenes, alpha)
+                           for heads, study in zip(head_sets, studies)},
+              "command": run.command}
+    write_json_atomic(record, run.out / "edit_control_geometry.json")
+
+
+def sweep(vlm, heads, alphas: list[float], seed: int, n_eval: int) -> dict:
+    start = time.perf_counter()
+    study = edit_studies(vlm, [heads], alphas, n_estimate=N_ESTIMATE, n_eval=n_eval, seed=seed, n_objects=3,
+                         entropy="high", positions="answer")[0]
+    by_alpha = {}
+    for alpha in alphas:
+        rows = [r for r in study.records if r["alpha"] == alpha]
+        by_alpha[f"{alpha:g}"] = {arm: answers([r for r in rows if r["arm"] == arm])
+                                  for arm in dict.fromkeys(r["arm"] for r in rows)}
+    return {"seed": seed, "n_estimate": N_ESTIMATE, "n_eval": n_eval, "by_alpha": by_alpha,
+            "seconds": time.perf_counter() - start}
+
+
+def run_edit_alpha_sweep(run: Run, alphas: tuple[float, ...] = SWEEP_ALPHAS, confirm_seed: int = CONFIRM_SEED) -> None:
+    """Choose on ``run.seed``'s scenes the alpha with the largest efficacy minus empty-cell control (ties: the
+    smaller alpha), then measure it and alpha 1 on ``confirm_seed``'s (another estimation and evaluation set)."""
+    name = run.one_model()
+    vlm = vb.load(name)
+    heads = parse_heads(vlm.training["planted"]["id_selection"])
+    choose = sweep(vlm, heads, list(alphas), run.seed, run.n)
+    margins = {a: arms["edit"]["t"]["rate"] - arms["control"]["t"]["rate"] for a, arms in choose["by_alpha"].items()}
+    chosen = max(margins, key=lambda a: (margins[a], -float(a)))
+    confirm = sweep(vlm, heads, sorted({float(chosen), 1.0}), confirm_seed, run.n)
+    record = {"model": name, "heads": " ".join(f"{l}.{h}" for l, h in heads), "objects": 3, "entropy": "high",
+              "positions": "answer", "rule": "largest edit efficacy minus empty-cell control on the choose seed; "
+              "ties: the smaller alpha", "chosen_alpha": float(chosen), "choose": choose, "confirm": confirm,
+              "command": run.command}
+    write_json_atomic(record, run.out / "edit_alpha_sweep.json")
+
+
+# --- the parts and the command line ---------------------------------------------------------------------------------
+
+class Part(NamedTuple):
+    run: Callable[[Run], None]
+    models: tuple[str, ...]
+    n: int
+    seed: int
+
+
+PARTS = {
+    "validate": Part(run_validate, (*TWINS, "organism-p2a"), n=24, seed=1000),
+    "interchange": Part(run_interchange, TWINS, n=64, seed=1000),
+    "scene_accuracy": Part(run_scene_accuracy, TWINS, n=128, seed=1005),
+    "single_heads": Part(run_single_heads, TWINS, n=64, seed=1000),
+    "random_k_draws": Part(run_random_k_draws, (PLANTED,), n=64, seed=1000),
+    "edit_control_geometry": Part(run_edit_control_geometry, (PLANTED,), n=512, seed=1000),
+    "edit_alpha_sweep": Part(run_edit_alpha_sweep, (PLANTED,), n=512, seed=1000),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="organism-vsm,organism-vsm-natural,organism-p2a")
-    p.add_argument("--pairs", type=int, default=24)
-    p.add_argument("--seed", type=int, default=1000)
-    p.add_argument("--out", default=str(HERE / "results"))
-    p.add_argument("--reuse", action="store_true", help="load a model's saved result instead of running it again")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--models", help="comma-separated; default: each part's own")
+    p.add_argument("--n", type=int, help="pairs or scenes; default: each part's own")
+    p.add_argument("--seed", type=int, help="default: each part's own")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--reuse", action="store_true", help="validate: load a model's saved result instead of running it")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    rows = []
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        if args.reuse and (out / name / "validation.json").is_file():
-            rows += headline(ValidationResult.load(out / name))
-            continue
-        vlm = vb.load(name)
-        own = bool((vlm.training or {}).get("planted"))
-        reference = None
-        if not own and name == "organism-vsm-natural":  # the twin: same data, seed and steps, nothing planted
-            reference = recorded_planted(PLANTED)
-        result = validate(vlm, reference=reference, reference_source=None if reference is None else PLANTED,
-                          n_pairs=args.pairs, seed=args.seed, progress=True)
-        result.save(out / name, figure=False)  # 5 MB of plotly.js each; `vlmbind export` draws it
-        rows += headline(result)
-        print(f"{name}: done in {sum(result.seconds.values()):.0f} s", file=sys.stderr)
-    table = pd.DataFrame(rows)
-    write_text_atomic(table.to_csv(index=False), out / "table.csv")
-    write_json_atomic({"command": "python circuits/ground_truth/run.py " + " ".join(argv or sys.argv[1:]),
-                       "rows": json.loads(table.to_json(orient="records"))}, out / "table.json")
-    table = read_table(out / "table.csv")  # the READMEs are drawn from the saved file, as the test redraws them
-    if out == HERE / "results":
-        update_readme(HERE / "README.md", markdown_tables(table))
-        update_block(HERE.parent.parent / "README.md", ROOT_BEGIN, ROOT_END, summary_table(table))
-    print(table.to_string())
+    names = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        p.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    for name in names:
+        part = PARTS[name]
+        # the command that gives this part's file alone
+        command = " ".join(["python circuits/ground_truth/run.py --parts", name]
+                           + ([f"--models {','.join(models)}"] if models else [])
+                           + [f"--{flag} {value}" for flag, value in (("n", args.n), ("seed", args.seed))
+                              if value is not None])
+        args.out.mkdir(parents=True, exist_ok=True)
+        part.run(Run(models=models or list(part.models), n=part.n if args.n is None else args.n,
+                     seed=part.seed if args.seed is None else args.seed, out=args.out, command=command,
+                     reuse=args.reuse))
+    if args.out.resolve() == RESULTS.resolve():
+        tables.main([])
     return 0
 
 
