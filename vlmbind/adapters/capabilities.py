@@ -1,9 +1,11 @@
-"""What works on each family, derived from the adapters' declarations: the families table of the README and of
-``vlmbind models --families``.
+"""What works on each family, derived from the adapters' declarations: the families tables of ``vlmbind models
+--families`` (the full one, docs/families.md's) and ``vlmbind models --families compact`` (the README's).
 
 Every cell is ``yes`` (possibly qualified, ``yes (...)``), ``n/a because ...`` or ``no: ...``; a family states a
 difference in :attr:`~vlmbind.adapters.base.ModelAdapter.capability_notes`, and the rest follows from what it
-declares (a TransformerLens bridge, a vision-row map, point frames), so the table cannot drift from the code.
+declares (a TransformerLens bridge, a vision-row map, point frames), so the tables cannot drift from the code. The
+compact table shortens each cell to ``yes``, ``yes*`` (a qualified yes) or ``no (N)`` / ``n/a (N)``, N numbering the
+reason printed under it.
 """
 
 from __future__ import annotations
@@ -84,3 +86,28 @@ def markdown_table(rows: Sequence[Mapping[str, str]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+# what the compact table keeps of a row besides the capability columns
+COMPACT_COLUMNS = ("family", "tiny model", "image tokens")
+
+
+def compact_table(rows: Sequence[Mapping[str, str]]) -> str:
+    """The rows as the README's short markdown table: family, tiny model and image tokens, then per capability
+    ``yes``, ``yes*`` (a qualified yes; the full table says how), or ``no (N)`` / ``n/a (N)``, with reason N listed
+    under the table (numbered in order of first appearance, row by row)."""
+    reasons: dict[str, int] = {}
+
+    def short(cell: str) -> str:
+        if cell == "yes":
+            return "yes"
+        if cell.startswith("yes"):
+            return "yes*"
+        word, reason = ("no", cell[len("no: "):]) if cell.startswith("no: ") else ("n/a", cell[len("n/a because "):])
+        return f"{word} ({reasons.setdefault(reason, len(reasons) + 1)})"
+
+    capabilities = [c for c in CAPABILITIES if c in rows[0]]
+    short_rows = [{**{c: r[c] for c in COMPACT_COLUMNS}, **{c: short(r[c]) for c in capabilities}} for r in rows]
+    notes = "".join(f"{n}. {reason[0].upper()}{reason[1:]}.\n" for reason, n in reasons.items())
+    return (markdown_table(short_rows) + "\n`yes*`: yes, with a qualification the full table states. Why not, for "
+            "`no (N)` and `n/a (N)`:\n\n" + notes)

@@ -9,6 +9,11 @@ from .arguments import format_table, one_line
 
 # the image size `vlmbind models` probes each model's image-token grid(s) with
 PROBE_SIZE = 224
+# the forms of `vlmbind models --families`
+FAMILY_FORMS = ("full", "compact")
+
+# its place in `vlmbind --help`
+HELP_ORDER = 10
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -17,19 +22,25 @@ def add_parser(sub: Any, common: Any) -> None:
         description=f"One row per registered model: family, layers x heads, the image-token grid(s) of a "
                     f"{PROBE_SIZE}x{PROBE_SIZE} image, and where the weights come from.",
     )
-    models.add_argument("--families", action="store_true",
-                        help="instead, one row per supported family: what works on it (a markdown table, the "
-                             "README's), derived from the adapters' declarations; loads no model")
+    models.add_argument("--families", nargs="?", const="full", choices=FAMILY_FORMS, metavar="full|compact",
+                        help="instead, one row per supported family: what works on it, as a markdown table derived "
+                             "from the adapters' declarations (full, the default: every cell with its reason, "
+                             "docs/families.md's; compact: yes / no with numbered reasons, the README's); loads no "
+                             "model")
     models.set_defaults(func=cmd_models)
 
 
-def families_table() -> tuple[list[dict[str, str]], str]:
-    """The families table's rows and its markdown with the columns' legend (the README's "Supported families")."""
-    from ...adapters.capabilities import family_rows, legend, markdown_table
+def families_table(form: str = "full") -> tuple[list[dict[str, str]], str]:
+    """The families table's rows and its markdown: ``full``, every cell as the adapters state it, with the columns'
+    legend (docs/families.md); ``compact``, yes / no with numbered reasons (the README's "Supported families")."""
+    from ...adapters.capabilities import compact_table, family_rows, legend, markdown_table
     from ...tiny import tiny_names_by_family
 
     rows = family_rows(tiny_names_by_family())
-    return rows, markdown_table(rows) + "\nWhat a `yes` means in each column (any other cell says why not):\n\n" + legend()
+    if form == "compact":
+        return rows, compact_table(rows)
+    heading = "\nWhat a `yes` means in each column (any other cell says why not):\n\n"
+    return rows, markdown_table(rows) + heading + legend()
 
 
 def describe_model(name: str) -> dict[str, Any]:
@@ -80,10 +91,10 @@ def cmd_models(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, 
     """
     from ...engine import loading
 
-    if getattr(args, "families", False):
+    if getattr(args, "families", None):
         from ...adapters.capabilities import CAPABILITIES
 
-        families, table = families_table()
+        families, table = families_table(args.families)
         return {"command": "models", "families": families, "capabilities": CAPABILITIES}, table.rstrip("\n"), 0
     rows, failed = [], []
     for name in loading.registered_names():
