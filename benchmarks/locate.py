@@ -26,7 +26,7 @@ import torch
 
 import vlmbind as vb
 from vlmbind.analysis import locate
-from vlmbind.analysis.mediation import scene_task
+from vlmbind.analysis.mediation import aligned_scene_pair, scene_task
 from vlmbind.engine.patching import METHOD_FUNCTIONS
 from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli import Canvas, scene_pairs
@@ -51,8 +51,8 @@ def nnsight_loop(vlm: vb.VLM, pairs: list) -> np.ndarray:
     d = a_.d_head
     out = np.zeros((len(pairs), vlm.n_layers, vlm.n_heads))
     for i, pair in enumerate(pairs):
-        task = _aligned(vlm, pair)
-        clean, cf, pos, a, a_star = task
+        clean, cf, pos, a, a_star = aligned_scene_pair(vlm, pair)
+        pos = pos.tolist()
         paths = [a_.o_proj_path(layer) for layer in range(vlm.n_layers)]
         z_cf: list = []
         with torch.no_grad(), nn_model.trace(**cf.inputs, use_cache=False):
@@ -70,16 +70,6 @@ def nnsight_loop(vlm: vb.VLM, pairs: list) -> np.ndarray:
                     logits = nn_model.output.logits.save()
                 out[i, layer, head] = float(logits[0, -1, a_star] - logits[0, -1, a]) - base
     return out
-
-
-def _aligned(vlm: vb.VLM, pair) -> tuple:
-    from vlmbind.analysis.mediation import _extended, answer_token_ids
-    from vlmbind.stimuli.scenes import check_alignment
-
-    prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual)
-    pair = _extended(pair, vlm.adapter.tokenizer.decode(prefix) if prefix else "")
-    aligned = check_alignment(vlm, [pair])
-    return aligned.clean, aligned.counterfactual, aligned.positions[0].tolist(), a, a_star
 
 
 def run_case(vlm: vb.VLM, pairs: list, methods: list[str]) -> dict:

@@ -65,22 +65,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--families", default=",".join(real.FAMILIES), help="real-vocabulary families, comma-separated")
+    parser.add_argument("--out", type=Path, default=OUT, help="the precision table vlmbind reads (default: the package's)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the RESULTS.md whose precision block is replaced")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    rows = [r for family in real.FAMILIES for r in compare(family, args.pairs)]
+    rows = [r for family in args.families.split(",") for r in compare(family, args.pairs)]
     summary = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "rows": rows,
                "median_spearman": float(np.median([r["spearman"] for r in rows])),
                "min_spearman": float(min(r["spearman"] for r in rows)),
                "median_top5_overlap": float(np.median([r["top5_overlap"] for r in rows])),
                "median_relative_difference": float(np.median([r["median_relative_difference"] for r in rows])),
                "seconds": round(time.perf_counter() - start, 1)}
-    write_json_atomic(summary, OUT)
-    text = RESULTS.read_text()
+    write_json_atomic(summary, args.out)
+    text = args.results.read_text()
     block = (f"{BEGIN}\n## `benchmarks/precision.py --pairs {args.pairs}`: bfloat16 vs float32 head scores "
              f"({summary['date']}, CPU, torch {torch.__version__})\n\nReal-vocabulary tiny models "
              f"(`vlmbind.tiny.real`, logits with a standard deviation of 8), chat prompts, exact mediation of every "
@@ -93,7 +96,7 @@ def main() -> None:
         text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    RESULTS.write_text(text)
+    args.results.write_text(text)
     print(table(rows))
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
 

@@ -2,7 +2,7 @@
 default recipe (to convergence) per family, at one site of an organism in its own world.
 
     python benchmarks/probe_size.py [--model organism-p2a] [--site projector.hook_out] [--families linear,attention]
-        [--n-train 39200 --n-val 9800 --n-test 9800] [--threads 2] [--out /tmp/probe_size]
+        [--n-train 39200 --n-val 9800 --n-test 9800] [--threads 2] [--out runs/probe_size]
 
 Prints one line per stage (seconds, steps, epochs, B_O and its margin over the prior-only probe) and writes them to
 ``probe_size.json`` in ``--out``; the capture is kept there (delete it afterwards).
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-val", type=int, default=9_800)
     p.add_argument("--n-test", type=int, default=9_800)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="/tmp/probe_size")
+    p.add_argument("--out", default="runs/probe_size")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)

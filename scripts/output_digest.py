@@ -2,7 +2,7 @@
 digest of every file written, so two versions of vlmbind can be compared: ``python scripts/output_digest.py OUT``.
 
 What is normalised before hashing, and why: recorded timings (``*seconds*``, ``elapsed*``, ``wall*`` keys in JSON,
-the same columns in CSV), the recorded command line and output paths (they name OUT), and plotly's random div ids.
+the same columns in CSV and in HTML tables), the recorded command line and output paths (they name OUT), and plotly's random div ids.
 Everything else must match byte for byte.
 """
 
@@ -56,6 +56,25 @@ def scrub(obj, root: str):
     return obj
 
 
+TABLE = re.compile(r"<table.*?</table>", re.S)
+CELL = re.compile(r"<t([hd])>(.*?)</t[hd]>", re.S)
+
+
+def scrub_table(html: str) -> str:
+    """An HTML table with the cells of its timing columns (a header matching :data:`TIMING_KEY`) blanked."""
+    headers = [text for kind, text in CELL.findall(html) if kind == "h"]
+    timed = {i for i, h in enumerate(headers) if TIMING_KEY.search(h)}
+    if not timed:
+        return html
+
+    def row(match: re.Match) -> str:
+        cells = iter(range(10**6))
+        return CELL.sub(lambda c: "<td><t></td>" if c.group(1) == "d" and next(cells) in timed else c.group(0),
+                        match.group(0))
+
+    return re.sub(r"<tr>.*?</tr>", row, html, flags=re.S)
+
+
 def digest(path: Path, root: Path) -> str:
     data = path.read_bytes()
     if path.suffix == ".json":
@@ -68,6 +87,8 @@ def digest(path: Path, root: Path) -> str:
                           for l in data.splitlines() if l.strip())
     else:
         data = UUID.sub(b"<uuid>", data.replace(str(root).encode(), b"<OUT>"))
+        if path.suffix == ".html":
+            data = TABLE.sub(lambda m: scrub_table(m.group(0)), data.decode()).encode()
         if path.suffix == ".csv":
             lines = data.decode().splitlines()
             header = lines[0].split(",") if lines else []

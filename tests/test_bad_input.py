@@ -34,8 +34,9 @@ import vlmbind as vb
 from vlmbind import cli
 from vlmbind import stimuli as vbs
 from vlmbind.analysis import rsa as rsa_mod
-from vlmbind.analysis.edits import check_heads
+from vlmbind.analysis.position_ids import check_heads
 from vlmbind.analysis.tracking import centroid
+from vlmbind.app.export import export_results
 from vlmbind.core.errors import (
     InputError,
     InterventionError,
@@ -45,13 +46,12 @@ from vlmbind.core.errors import (
     UnsupportedModelError,
     VlmbindError,
 )
-from vlmbind.app.export import export_results
 from vlmbind.core.images import read_image, to_rgb
 from vlmbind.core.io import check_out_dir, write_bytes_atomic
+from vlmbind.engine.alignment import check_alignment
 from vlmbind.probes import Entropies, ProbeConfig, binding_information, pairwise_probe, split_indices
 from vlmbind.stimuli import PairAlignmentError, StimulusError
 from vlmbind.stimuli.core import Canvas
-from vlmbind.stimuli.scenes import check_alignment
 
 TINY = "tiny-qwen2_5_vl"
 P2A = "organism-p2a"
@@ -220,31 +220,31 @@ CLI_CASES = [
     C("demo-pairs-0", f"demo --model {T} --pairs 0 {O}", "--pairs", "0 is below 1"),
     C("demo-eval-n-negative", f"demo --model {T} --eval-n -3 {O}", "--eval-n", "-3"),
     C("demo-seed-text", f"demo --model {T} --seed abc {O}", "--seed", "'abc' is not an integer"),
-    C("eval-n-0", f"eval --model {T} --task scene --n 0 {O}", "--n", "got 0"),
-    C("eval-batch-size-0", f"eval --model {T} --task scene --n 2 --batch-size 0 {O}", "--batch-size", "got 0"),
+    C("eval-n-0", f"eval --model {T} --task scene --n 0 {O}", "--n", "0 is below 1"),
+    C("eval-batch-size-0", f"eval --model {T} --task scene --n 2 --batch-size 0 {O}", "--batch-size", "0 is below 1"),
     C("eval-image-size-0", f"eval --model {T} --task scene --n 2 --image-size 0 {O}", "image_size", "got 0"),
     C("eval-objects-0", f"eval --model {T} --task scene --n 2 --objects 0 {O}", "n_objects", ">= 2"),
     C("eval-seed-negative", f"eval --model {T} --task scene --n 2 --seed -1 {O}", "seed", "-1"),
-    C("locate-pairs-0", f"locate --model {T} --condition id_retrieval --n-pairs 0 {O}", "--n-pairs", "got 0"),
+    C("locate-pairs-0", f"locate --model {T} --condition id_retrieval --n-pairs 0 {O}", "--n-pairs", "0 is below 1"),
     C("locate-verify-negative", f"locate --model {T} --condition id_retrieval --verify-top -1 {O}", "--verify-top",
       "-1"),
     C("track-threshold-above-1", f"track --model {P2A} --task count --threshold 1.5 {O}", "--threshold", "1.5"),
     C("track-threshold-nan", f"track --model {P2A} --task count --threshold nan {O}", "--threshold", "nan"),
-    C("track-n-0", f"track --model {P2A} --task count --n 0 {O}", "--n", "got 0"),
-    C("track-batch-size-0", f"track --model {P2A} --task count --batch-size 0 {O}", "--batch-size", "got 0"),
-    C("rsa-positions-0", f"rsa --model {T} --positions 0 {O}", "--positions", "got 0"),
+    C("track-n-0", f"track --model {P2A} --task count --n 0 {O}", "--n", "0 is below 1"),
+    C("track-batch-size-0", f"track --model {P2A} --task count --batch-size 0 {O}", "--batch-size", "0 is below 1"),
+    C("rsa-positions-0", f"rsa --model {T} --positions 0 {O}", "--positions", "0 is below 1"),
     C("rsa-permutations-negative", f"rsa --model {T} --permutations -1 {O}", "--permutations", "-1"),
     C("probe-epochs-0", f"probe --model {T} --epochs 0 {O}", "--epochs", "0"),
     C("probe-lr-nan", f"probe --model {T} --lr nan {O}", "--lr", "nan"),
-    C("probe-n-train-0", f"probe --model {T} --n-train 0 {O}", "train split", "got 0"),
+    C("probe-n-train-0", f"probe --model {T} --n-train 0 {O}", "--n-train", "0 is below 1"),
     C("probe-unknown-family", f"probe --model {T} --family linaer {O}", "'linaer'", "linear"),
     # refused before the capture of the default 58,800 images, not after it
     C("probe-pairwise-single-token-objects", f"probe --model organism-p2a --family linear,pairwise {O}",
       "covers at most one image token", "same_object_probes"),
-    C("ablate-n-0", f"ablate --model {T} --task scene --heads 0.0 --n 0 {O}", "--n", "got 0"),
+    C("ablate-n-0", f"ablate --model {T} --task scene --heads 0.0 --n 0 {O}", "--n", "0 is below 1"),
     C("ablate-seeds-negative", f"ablate --model {T} --task scene --heads 0.0 --seeds -1 {O}", "--seeds", "-1"),
     C("ablate-top-k-0", f"ablate --model {T} --task scene --scores {{fx}}/scores.csv --top-k 0 {O}", "--top-k",
-      "got 0"),
+      "0 is below 1"),
     C("ablate-top-k-too-big", f"ablate --model {T} --task scene --scores {{fx}}/scores.csv --top-k 9 --n 2 {O}",
       "k = 9", "half the heads"),
     C("edit-n-eval-0", f"edit --model {T} --heads 0.0 --n-eval 0 {O}", "--n-eval", "got 0"),

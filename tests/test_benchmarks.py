@@ -25,11 +25,13 @@ def test_locate_benchmark_json():
     bench = load_benchmark("locate")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert bench.main(["--cases", "organism", "--pairs", "1", "--no-nnsight", "--json", "--threads", "1"]) == 0
+        assert bench.main(["--cases", "organism", "--pairs", "1", "--json", "--threads", "1"]) == 0
     rows = [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
     assert [r["condition"] for r in rows] == ["id_selection", "id_retrieval"]
     for r in rows:
-        assert set(r["seconds"]) == {"naive", "exact", "attribution"}
+        assert set(r["seconds"]) == {"naive", "exact", "attribution", "nnsight_loop"}
+        # the plain nnsight loop is an independent reference: it must give naive's scores
+        assert r["max_abs_diff_to_naive"]["nnsight_loop"] <= max(1e-4 * r["score_range"], 1e-5)
         for method, seconds in r["seconds"].items():
             assert r["ratio_to_naive"][method] == pytest.approx(r["seconds"]["naive"] / seconds)
         assert r["max_abs_diff_to_naive"]["exact"] <= max(1e-4 * r["score_range"], 1e-5)
@@ -115,3 +117,73 @@ def test_training_benchmark_compares_strictness_per_head_with_per_set():
     assert out["equal"] is True and out["heads"] == 24 and out["pairs_per_variable"] == 4
     assert out["variables"] == ["feature_retrieval", "id_retrieval", "id_selection"]
     assert out["per_head_s"] > 0 and out["per_set_s"] > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# every benchmark script runs here at a small size, as a fresh process, so none can rot unnoticed
+# ----------------------------------------------------------------------------------------------------------------
+# script -> (arguments, the JSON file it writes under {tmp} or None for JSON lines on stdout, a check of that JSON)
+SMALL_RUNS = {
+    "capture": (["--n", "4", "--repeats", "1", "--batch-size", "2", "--threads", "1", "--json", "tiny-qwen2_5_vl"],
+                None, lambda rows: rows[0]["overhead"] > 0 and rows[0]["bytes_written"] > 0),
+    "hooks": (["--repeats", "1", "--json", "{tmp}/hooks.json", "tiny-qwen2_5_vl"], "hooks.json",
+              lambda rows: rows[0]["vlmbind_overhead_ratio"] > 0 and rows[0]["nnsight_over_vlmbind_ratio"] > 0),
+    "precision": (["--pairs", "1", "--threads", "1", "--families", "qwen2_5_vl", "--out", "{tmp}/precision.json",
+                   "--results", "{tmp}/RESULTS.md"], "precision.json",
+                  lambda s: len(s["rows"]) == 2 and all(-1 <= r["spearman"] <= 1 for r in s["rows"])),
+    "probe_size": (["--n-train", "32", "--n-val", "8", "--n-test", "8", "--families", "linear", "--threads", "1",
+                    "--out", "{tmp}/probe"], "probe/probe_size.json",
+                   lambda s: [x["stage"] for x in s["stages"]] == ["generate", "capture", "fit linear"]),
+    "training": (["--stages", "1", "--steps", "2", "--json"], None, lambda rows: len(rows[-1]["stages"]) == 1),
+    # two timed steps: a per-step time is a difference of two runs, too noisy at this size to have a sign
+    "two_processes": (["--stages", "1", "--steps", "2", "--json"], None,
+                      lambda rows: {"1 process, 1 thread", "1 process, 2 threads", "2 processes, 1 thread each",
+                                    "threads_x", "processes_x"} <= set(rows[-1]["stages"][0])),
+}
+# scripts run at a small size by the tests above
+COVERED_ABOVE = {"locate": test_locate_benchmark_json, "gpu": test_gpu_benchmark_ci_scale_runs_on_cpu,
+                 "edits": test_edits_benchmark_compares_the_shared_estimation_with_one_study_per_set,
+                 "memory": test_memory_results_come_from_the_saved_run_and_meet_the_budget}
+
+
+def test_every_benchmark_script_is_run_by_the_suite():
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    assert scripts == set(SMALL_RUNS) | set(COVERED_ABOVE), "give the new benchmark a small run in SMALL_RUNS"
+
+
+def test_benchmarks_use_only_public_names():
+    """A benchmark imports vlmbind's names (and a sibling benchmark's) as a user would: none with a leading
+    underscore."""
+    import ast
+
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    private = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and ((node.module or "").split(".")[0] == "vlmbind"
+                                                     or node.module in scripts):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert private == []
+
+
+@pytest.mark.parametrize("script", sorted(SMALL_RUNS))
+def test_benchmark_script_runs_at_a_small_size(script, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    argv, written, check = SMALL_RUNS[script]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if script == "precision":
+        (tmp_path / "RESULTS.md").write_text("# results\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *argv], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if written:
+        result = json.loads((tmp_path / written).read_text())
+    else:
+        result = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith(("{", "["))]
+    assert check(result), result
+    if script == "precision":
+        assert "precision table: begin" in (tmp_path / "RESULTS.md").read_text()

@@ -140,11 +140,28 @@ def test_a_misspelt_registered_name_gets_close_matches_at_once(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
-@pytest.mark.parametrize("command", [
-    ["locate", "--condition", "id_selection"], ["eval", "--task", "scene"],
-    ["ablate", "--task", "scene", "--heads", "1.1"], ["edit", "--heads", "1.1"], ["validate"], ["demo"], ["probe"],
-    ["rsa"], ["track", "--task", "count"], ["ui"],
-], ids=lambda c: c[0])
+def _model_commands() -> list[list[str]]:
+    """Every subcommand that takes ``--model``, with the least it needs to parse: each other required option (or
+    required group's first option) given its first choice, or a head label."""
+    from vlmbind.app.commands import build_parser
+
+    parser = build_parser()
+    out = []
+    for name, sub in parser._subparsers._group_actions[0].choices.items():  # noqa: SLF001 - argparse keeps them here
+        options = {o for a in sub._actions for o in a.option_strings}  # noqa: SLF001
+        if "--model" not in options:
+            continue
+        argv = [name]
+        needed = [a for a in sub._actions if a.required and "--model" not in a.option_strings]  # noqa: SLF001
+        needed += [g._group_actions[0] for g in sub._mutually_exclusive_groups if g.required]  # noqa: SLF001
+        for action in needed:
+            value = str(next(iter(action.choices))) if action.choices else "1.1"
+            argv += [value] if not action.option_strings else [action.option_strings[-1], value]
+        out.append(argv)
+    return out
+
+
+@pytest.mark.parametrize("command", _model_commands(), ids=lambda c: c[0])
 def test_every_model_command_refuses_an_uncached_hub_id_in_one_line(command, tmp_path):
     proc, seconds, imported = _run([*command, "--model", "nobody/not-cached-model"], tmp_path)
     assert proc.returncode == 2
@@ -246,8 +263,10 @@ def test_the_parsers_offer_the_choices():
 
 def test_command_modules_import_only_light_modules_at_the_top():
     """What vlmbind/app/commands/*.py import at module level (not inside functions or ``if TYPE_CHECKING``): the
-    standard library, vlmbind.core.choices / errors / version and the command package's own modules."""
-    light_own = {"choices", "errors", "version"}
+    standard library, vlmbind.core.choices / errors, vlmbind.version and the command package's own modules."""
+    light = {"vlmbind.core.choices", "vlmbind.core.errors", "vlmbind.version", "vlmbind.app.commands",
+             "vlmbind.app.commands.arguments"}
+    package = ["vlmbind", "app", "commands"]
     bad = []
     for path in sorted(COMMANDS_DIR.glob("*.py")):
         for node in ast.parse(path.read_text()).body:
@@ -259,10 +278,11 @@ def test_command_modules_import_only_light_modules_at_the_top():
                 if node.level == 0:
                     if module.split(".")[0] not in sys.stdlib_module_names and module != "__future__":
                         bad.append(f"{path.name}:{node.lineno} {module}")
-                elif node.level == 2 and module.split(".")[0] not in light_own:
-                    bad.append(f"{path.name}:{node.lineno} ..{module}")
-                elif node.level == 1 and module not in ("", "arguments"):
-                    bad.append(f"{path.name}:{node.lineno} .{module}")
+                    continue
+                stem = ".".join(package[: len(package) - node.level + 1] + ([module] if module else []))
+                # `from ...core.choices import X` imports the module named; `from ... import version`, the names
+                targets = {stem} if module else {f"{stem}.{a.name}" for a in node.names}
+                bad += [f"{path.name}:{node.lineno} {target}" for target in sorted(targets - light)]
     assert bad == []
 
 
@@ -282,3 +302,31 @@ def test_every_flag_has_help_text():
             if not (action.help or "").strip():
                 missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
     assert not missing, f"options without help text: {missing}"
+
+
+def _bounded_int_options() -> list[tuple[str, str, int]]:
+    """``(command, flag, lowest value)`` of every option typed ``int_at_least`` (the bound lives in the type)."""
+    from vlmbind.app.commands import build_parser
+
+    found = []
+    for name, sub in build_parser()._subparsers._group_actions[0].choices.items():  # noqa: SLF001
+        for action in sub._actions:  # noqa: SLF001
+            low = getattr(action.type, "lowest", None)
+            if low is not None:
+                found.append((name, action.option_strings[-1], low))
+    return found
+
+
+def test_the_bounded_counts_are_typed_where_the_commands_take_them():
+    flags = {(c, f) for c, f, _ in _bounded_int_options()}
+    assert {("ablate", "--top-k"), ("eval", "--n"), ("locate", "--n-pairs"), ("track", "--batch-size"),
+            ("probe", "--n-train"), ("rsa", "--permutations"), ("ui", "--pairs")} <= flags
+
+
+@pytest.mark.parametrize("command, flag, low", _bounded_int_options(), ids=lambda v: str(v))
+def test_a_count_below_its_bound_is_refused_by_the_parser_naming_the_flag(command, flag, low, capsys):
+    from vlmbind.app.commands import main
+
+    assert main([command, flag, str(low - 1)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert flag in line and f"{low - 1} is below {low}" in line

@@ -13,14 +13,11 @@ import torch
 
 import vlmbind as vb
 from vlmbind.analysis import edits
-from vlmbind.analysis.edits import (
-    AddToHeadRows,
-    edit_study,
-    entropy_repair,
-    estimate_position_ids,
-    greedy_decode,
-)
+from vlmbind.analysis.edits import edit_study, entropy_repair
 from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.analysis.position_ids import check_alphas, estimate_position_ids
+from vlmbind.engine.decoding import greedy_decode
+from vlmbind.engine.interventions import AddToHeadRows
 
 S = vb.stimuli
 _VLM: dict[str, vb.VLM] = {}
@@ -81,8 +78,8 @@ def test_bad_heads_and_alphas(organism):
         with pytest.raises(vb.InputError, match=match):
             estimate_position_ids(organism, examples, heads)
     with pytest.raises(vb.InputError, match="not a number"):
-        edits.check_alphas("0,a")
-    assert edits.check_alphas("4,1") == [0.0, 1.0, 4.0]
+        check_alphas("0,a")
+    assert check_alphas("4,1") == [0.0, 1.0, 4.0]
     with pytest.raises(vb.InputError, match="not scene-description"):
         estimate_position_ids(organism, list(S.binding_query(2, 0)), "1.0")
 

@@ -11,8 +11,9 @@ from conftest import PROMPT, draw_scene, get_tiny
 from test_hooks import _clean_state
 
 import vlmbind as vb
-from vlmbind.analysis.edits import AddToHeadRows, greedy_decode
+from vlmbind.engine.decoding import greedy_decode
 from vlmbind.engine.hooks import PatchHeadEntries
+from vlmbind.engine.interventions import AddToHeadRows
 
 FAMILIES = ["tiny-qwen2_5_vl", "tiny-gemma3"]  # a plainly causal family and one with sliding windows
 

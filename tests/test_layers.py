@@ -193,7 +193,7 @@ def test_imports_are_at_the_top_of_modules():
 @pytest.mark.parametrize("where, source", [
     ("top", "from ..app.commands import main\n"),
     ("function", "def _sneaky():\n    from ..analysis.mediation import locate\n    return locate\n"),
-    ("package", "import vlmbind.organisms.train\n"),
+    ("package", "import vlmbind.organisms.training\n"),
 ])
 def test_the_checks_catch_an_upward_import(tmp_path, where, source):
     """The same checks on a copy of the package with one upward import added to the engine's hooks module: at the
@@ -215,16 +215,36 @@ def test_the_circle_check_catches_a_circle(tmp_path):
     assert ["vlmbind.core.errors", "vlmbind.core.io"] in import_circles(import_graph(copy))
 
 
-def test_every_command_module_is_in_the_table():
-    """A subcommand is one module in vlmbind/app/commands plus its entry in COMMANDS (the architecture recipe)."""
+def test_every_command_module_is_a_subcommand():
+    """A subcommand is one module in vlmbind/app/commands with its ``HELP_ORDER`` (the architecture recipe):
+    ``COMMANDS`` finds it, and the parser offers it under its module's name."""
     from vlmbind.app import commands
 
-    modules = {p.stem for p in (PACKAGE / "app" / "commands").glob("*.py")} - {"__init__", "arguments"}
+    modules = {p.stem for p in (PACKAGE / "app" / "commands").glob("*.py")} - {"__init__", *commands.HELPERS}
     assert {c.__name__.rsplit(".", 1)[1] for c in commands.COMMANDS} == modules
+    orders = [c.HELP_ORDER for c in commands.COMMANDS]
+    assert orders == sorted(set(orders)), "two commands share a HELP_ORDER"
     parser = commands.build_parser()
-    names = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
-    assert names == {"models", "demo", "stimuli", "eval", "locate", "track", "rsa", "probe", "ablate", "edit",
-                     "validate", "export", "ui"}
+    names = list(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
+    assert names == [c.__name__.rsplit(".", 1)[1] for c in commands.COMMANDS]
+
+
+def test_a_new_command_module_is_found(tmp_path):
+    """The recipe's claim: a new module in vlmbind/app/commands is a subcommand with no other file touched."""
+    import subprocess
+
+    copy = tmp_path / "vlmbind"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    (copy / "app" / "commands" / "hello.py").write_text(
+        "HELP_ORDER = 15\n\n\n"
+        "def add_parser(sub, common):\n"
+        "    sub.add_parser('hello', parents=[common], help='say hello').set_defaults(func=cmd_hello)\n\n\n"
+        "def cmd_hello(args, command):\n"
+        "    return {'hello': True}, 'hello', 0\n")
+    code = "import sys; from vlmbind.app.commands import main; sys.exit(main(['hello']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "hello", done.stderr[-2000:]
 
 
 def test_a_new_analysis_module_registers_its_result_kind(tmp_path):
@@ -247,12 +267,12 @@ def test_a_new_analysis_module_registers_its_result_kind(tmp_path):
 
 def test_no_package_name_hides_one_of_its_modules():
     """``from .rsa import rsa`` in a package ``__init__`` would make ``vlmbind.analysis.rsa`` the function; every
-    submodule stays reachable as a module, except the public functions named as their module on purpose
-    (``vb.stimuli.rsa_set``, ``vlmbind.organisms.train``)."""
+    submodule stays reachable as a module, except ``vb.stimuli.rsa_set``, a public function named as its module on
+    purpose."""
     import importlib
     import types
 
-    on_purpose = {"vlmbind.stimuli.rsa_set", "vlmbind.organisms.train"}
+    on_purpose = {"vlmbind.stimuli.rsa_set"}
     hidden = []
     for name, path in module_names(PACKAGE).items():
         if path.name != "__init__.py":

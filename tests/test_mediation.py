@@ -13,7 +13,7 @@ from conftest import get_tiny
 
 import vlmbind as vb
 from vlmbind.analysis import HeadScores, answer_token_ids, locate
-from vlmbind.stimuli.scenes import check_alignment
+from vlmbind.engine.alignment import check_alignment
 
 S = vb.stimuli
 

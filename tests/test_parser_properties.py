@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vlmbind import cli
-from vlmbind.analysis.edits import check_alphas, check_heads
-from vlmbind.core.errors import InputError
+from vlmbind.analysis.position_ids import check_alphas, check_heads
 from vlmbind.app.commands.arguments import int_at_least, parse_range
+from vlmbind.core.errors import InputError
 from vlmbind.core.sites import parse_heads
 from vlmbind.stimuli.points import p2a_text, parse_count, parse_points, parse_yes_no
 

@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 from conftest import get_tiny
 
+from vlmbind.engine.alignment import check_alignment
 from vlmbind.stimuli.core import BACKGROUND, COLOURS, Canvas, PairAlignmentError, StimulusError, render
+from vlmbind.stimuli.query import answer_distribution, binding_query, pair_features
 from vlmbind.stimuli.scenes import (
     CONDITIONS,
     PairSet,
-    answer_distribution,
-    binding_query,
-    check_alignment,
-    pair_features,
     scene_description,
     scene_pairs,
 )

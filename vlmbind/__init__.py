@@ -28,6 +28,8 @@ _LAZY: dict[str, str] = {
     "ActivationSet": "vlmbind.engine.activations",
     "evaluate": "vlmbind.analysis.evaluation",
     "EvalResult": "vlmbind.analysis.evaluation",
+    "check_alignment": "vlmbind.engine.alignment",
+    "AlignedPairs": "vlmbind.engine.alignment",
     "VLM": "vlmbind.engine.vlm",
     "Batch": "vlmbind.engine.batches",
     "RunOutput": "vlmbind.engine.batches",
@@ -52,11 +54,11 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
-    "stimuli", "probes", "locate", "HeadScores", "ablation_study", "edit_study", "capture", "ActivationSet", "evaluate", "EvalResult", "VLM", "Batch", "RunOutput", "load", "registered_names", "supported_families",
-    "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
-    "Site", "resolve_sites", "ImageGrid", "TokenIndex",
-    "VlmbindError", "UnsupportedModelError", "ModelLoadError", "SiteError", "InterventionError", "InputError",
-    "SpanNotFoundError",
+    "stimuli", "probes", "locate", "HeadScores", "ablation_study", "edit_study", "capture", "ActivationSet",
+    "evaluate", "EvalResult", "check_alignment", "AlignedPairs", "VLM", "Batch", "RunOutput", "load",
+    "registered_names", "supported_families", "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
+    "Site", "resolve_sites", "ImageGrid", "TokenIndex", "VlmbindError", "UnsupportedModelError", "ModelLoadError",
+    "SiteError", "InterventionError", "InputError", "SpanNotFoundError",
 ]
 
 

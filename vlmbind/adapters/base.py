@@ -44,7 +44,8 @@ def adapter_class_for_config(config: Any) -> type[ModelAdapter]:
     for cls in ADAPTERS.values():
         if model_type in cls.model_types:
             return cls
-    families = ", ".join(f"{c.display_name} ({'/'.join(c.model_types)})" for c in ADAPTERS.values())
+    families = ", ".join(f"{c.display_name} ({'/'.join(c.model_types)})"
+                         for c in sorted(ADAPTERS.values(), key=lambda c: c.family))
     raise UnsupportedModelError(
         f"model_type {model_type!r} is not supported by vlmbind. Supported families: {families}."
     )

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..core.errors import InputError
-from ..core.tokens import ImageGrid, grid_boxes
+from ..core.tokens import ImageGrid, stretched_image_grids
 from .base import ModelAdapter, register_adapter
 
 
@@ -89,15 +89,7 @@ class Gemma3Adapter(ModelAdapter):
         patch = int(self.config.vision_config.patch_size)
         # the projector pools k x k patches of the (height // patch) patch grid; a remainder is cut by the conv
         kernel = (height // patch) // side
-        cell = kernel * patch
-        grids = []
-        for k, (orig_w, orig_h) in enumerate(image_sizes):
-            positions = image_positions[k * n : (k + 1) * n].reshape(side, side)
-            boxes = grid_boxes(
-                side, side, cell, cell, scale_x=width / orig_w, scale_y=height / orig_h, image_size=(orig_w, orig_h)
-            )
-            grids.append(ImageGrid("image", k, positions, boxes))
-        return grids
+        return stretched_image_grids(image_positions, image_sizes, side, side, kernel * patch, (height, width))
 
     def processor_kwargs(self, chat: bool) -> dict[str, Any]:
         """No tokenizer BOS for chat texts: Gemma-3's chat template starts with ``<bos>`` itself."""

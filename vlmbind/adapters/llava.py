@@ -3,18 +3,18 @@
 Design: both processors expand one ``<image>`` into as many ``<image>`` tokens as the model inserts image features,
 and the model scatters the features over those positions in order; the adapters only reproduce the processors' own
 resize / pad / crop / tiling arithmetic (calling HF's helpers where they exist) to say which token covers which
-original-image pixels. LLaVA-1.5: optional pad-to-square, shortest-edge resize and center crop, then CLIP's
-``(crop / patch)^2`` grid in raster order (the CLS feature is dropped by ``vision_feature_select_strategy="default"``;
-a kept CLS feature would be role ``special``). LLaVA-OneVision (one image per prompt in the processor's view, which is
-what :meth:`~vlmbind.engine.vlm.VLM.prepare` produces): first the ``base`` grid of the whole image stretched to one tile,
+original-image pixels. LLaVA-1.5: optional pad-to-square, shortest-edge resize and center crop, then CLIP's ``(crop /
+patch)^2`` grid in raster order (the CLS feature is dropped by ``vision_feature_select_strategy="default"``; a kept CLS
+feature would be role ``special``). LLaVA-OneVision (one image per prompt in the processor's view, which is what
+:meth:`~vlmbind.engine.vlm.VLM.prepare` produces): first the ``base`` grid of the whole image stretched to one tile,
 then the any-res tiles (the image resized into the best ``image_grid_pinpoints`` resolution, centred, padded and cut
-into tiles) stitched into one hi-res ``tiles`` grid, with the padding rows or columns removed and, past
-``anyres_max_N`` tiles' worth of features, bilinearly down-sampled; every hi-res row is followed by the learned
-``image_newline`` feature. Newline features sit on ``<image>`` token ids, so :meth:`LlavaOnevisionAdapter.image_grids`
-marks them ``special`` in the row's roles (``roles`` alone cannot: it does not see the image sizes). A down-sampled
-cell's box is the union of the feature cells the bilinear kernel reads, so boxes of neighbours may overlap.
-When the processor is given nested per-prompt image lists with several images (multi-image mode) each image is only
-padded to a square and resized: a ``base`` grid and one trailing newline feature.
+into tiles) stitched into one hi-res ``tiles`` grid, with the padding rows or columns removed and, past ``anyres_max_N``
+tiles' worth of features, bilinearly down-sampled; every hi-res row is followed by the learned ``image_newline``
+feature. Newline features sit on ``<image>`` token ids, so :meth:`LlavaOnevisionAdapter.image_grids` marks them
+``special`` in the row's roles (``roles`` alone cannot: it does not see the image sizes). A down-sampled cell's box is
+the union of the feature cells the bilinear kernel reads, so boxes of neighbours may overlap. When the processor is
+given nested per-prompt image lists with several images (multi-image mode) each image is only padded to a square and
+resized: a ``base`` grid and one trailing newline feature.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..core.errors import InputError
-from ..core.tokens import ImageGrid, grid_boxes
+from ..core.tokens import ImageGrid, stretched_image_grids
 from .base import ModelAdapter, get_module, register_adapter
 
 
@@ -115,13 +115,7 @@ class PaliGemmaAdapter(ModelAdapter):
                 f"row {row}: {len(image_positions)} image tokens for {len(image_ids)} image(s) of {n} tokens each; "
                 "vlmbind maps one patch grid per PaliGemma image: do not truncate the prompt."
             )
-        grids = []
-        for k, (orig_w, orig_h) in enumerate(image_sizes):
-            positions = image_positions[k * n : (k + 1) * n].reshape(rows, cols)
-            boxes = grid_boxes(rows, cols, patch, patch, scale_x=width / orig_w, scale_y=height / orig_h,
-                               image_size=(orig_w, orig_h))
-            grids.append(ImageGrid("image", k, positions, boxes))
-        return grids
+        return stretched_image_grids(image_positions, image_sizes, rows, cols, patch, (height, width))
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:

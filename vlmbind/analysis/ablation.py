@@ -59,6 +59,7 @@ class AblationResult(Result):
     bottom_by: str = "abs"
 
     kind = "ablate"
+    reproduced_files = ("results.json",)
     marker_keys = ("arms",)
     figure_name = "ablation"
 

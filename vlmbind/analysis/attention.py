@@ -46,6 +46,7 @@ class AttentionMass(Result):
     frame: pd.DataFrame
 
     kind = "demo"
+    reproduced_files = ("attention_mass.csv", "heatmap.html")
     marker_files = ("attention_mass.csv", "summary.json")
     figure_name = "heatmap"
     table_name = "attention_mass.csv"

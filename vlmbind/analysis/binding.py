@@ -2,12 +2,11 @@
 and VOB's pairwise IsSameObject probes per site (``vlmbind probe``).
 
 Design: the stimuli are BalancedColorShape's three disjoint splits (by F code), captured with
-:func:`~vlmbind.engine.activations.capture` into one :class:`~vlmbind.engine.activations.ActivationSet`; per site, the probes read
-``Z`` from it: the mean over the site's stored tokens (image tokens of a language-model or projector site, every
-token of a vision-tower site; a VLM has no [CLS] vector, so the mean is the pooled representation) or, for the
-attention probe and the pairwise probes, the tokens themselves. The entropies are the stimuli's exact ones for the
-test split (:func:`vlmbind.stimuli.colorshape.entropies`), so B_O, B*_OF and the betas are in bits of that
-distribution.
+:func:`~vlmbind.engine.activations.capture` into one :class:`~vlmbind.engine.activations.ActivationSet`; per site, the
+probes read ``Z`` from it: the mean over the site's stored tokens (image tokens of a language-model or projector site,
+every token of a vision-tower site; a VLM has no [CLS] vector, so the mean is the pooled representation) or, for the
+attention probe and the pairwise probes, the tokens themselves. The entropies are the stimuli's exact ones for the test
+split (:func:`vlmbind.stimuli.colorshape.entropies`), so B_O, B*_OF and the betas are in bits of that distribution.
 """
 
 from __future__ import annotations
@@ -122,6 +121,7 @@ class BindingResult(Result):
     results: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     kind = "probe"
+    reproduced_files = ("probe.csv", "probe.html")
     marker_files = ("probe.csv",)
     figure_name = "probe"
     table_name = "probe.csv"

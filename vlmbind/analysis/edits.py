@@ -4,28 +4,26 @@
 Design: a position ID ``d_c`` is, per chosen head, the mean output z of that head (the head's slice of the
 ``o_proj`` input, site ``blocks.{l}.attn.hook_z``) at the last prompt token over estimation examples whose missing
 object sits at grid cell ``c`` (:func:`estimate_position_ids`; cells with fewer than ``min_count`` examples get no
-estimate, and how many examples that dropped is reported). The edit adds ``alpha * (d_t - d_o)`` to the heads' z at
-the prompt's last position only, ``o`` the missing object's cell and ``t`` a described object's cell; efficacy is
-the share of held-out examples whose answer becomes the object at ``t``. The control adds ``alpha * (d_c - d_o)``
-with ``c`` a random *empty* cell of the scene (one holding no object), so a reader sees whether switching to ``t``
-needs ``t``'s ID or follows from any perturbation of that size. Answers are decoded greedily by re-running full
-forwards (no key/value cache) on the growing sequence, so the edit sits at one absolute position, the prompt's last,
-in every step; the first two words are scored like :func:`vlmbind.analysis.evaluation.score`. The edit's vector differs per
-example, while :class:`~vlmbind.engine.hooks.AddToHeads` takes one vector for the whole batch, so :class:`AddToHeadRows`
-(an ``AddToHeads`` whose vector may be ``B h D``, one per row) batches several examples per forward; it is tested
-against ``AddToHeads`` and against a plain ``o_proj`` pre-hook. Entropy repair (:func:`entropy_repair`) estimates
-IDs on high-entropy scenes (distinct features) and on low-entropy scenes (shared features), and adds
-``alpha * (d^high_o - d^low_o)`` on held-out low-entropy scenes: it injects the *correct* cell's ID, an oracle
-repair as in VSM, not a method that could run without knowing the answer's cell. Its control injects the
-high-entropy ID of a random empty cell instead.
+estimate, and how many examples that dropped is reported). The edit adds ``alpha * (d_t - d_o)`` to the heads' z at the
+prompt's last position only, ``o`` the missing object's cell and ``t`` a described object's cell; efficacy is the share
+of held-out examples whose answer becomes the object at ``t``. The control adds ``alpha * (d_c - d_o)`` with ``c`` a
+random *empty* cell of the scene (one holding no object), so a reader sees whether switching to ``t`` needs ``t``'s ID
+or follows from any perturbation of that size. Answers are decoded greedily by re-running full forwards (no key/value
+cache) on the growing sequence, so the edit sits at one absolute position, the prompt's last, in every step; the first
+two words are scored like :func:`vlmbind.analysis.evaluation.score`. The edit's vector differs per example, while
+:class:`~vlmbind.engine.hooks.AddToHeads` takes one vector for the whole batch, so :class:`AddToHeadRows` (an
+``AddToHeads`` whose vector may be ``B h D``, one per row) batches several examples per forward; it is tested against
+``AddToHeads`` and against a plain ``o_proj`` pre-hook. Entropy repair (:func:`entropy_repair`) estimates IDs on
+high-entropy scenes (distinct features) and on low-entropy scenes (shared features), and adds ``alpha * (d^high_o -
+d^low_o)`` on held-out low-entropy scenes: it injects the *correct* cell's ID, an oracle repair as in VSM, not a method
+that could run without knowing the answer's cell. Its control injects the high-entropy ID of a random empty cell
+instead.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,224 +45,22 @@ from ..stimuli import scene_description
 from ..viz import write_html_atomic
 from ..viz.edits import edit_figure, edit_traces, repair_figure, repair_traces
 from .evaluation import score, training_defaults
+from .position_ids import (
+    Cell,
+    PositionIDs,
+    check_alphas,
+    check_heads,
+    check_positive,
+    chunks,
+    estimate_position_ids,
+    object_cell,
+    target_cell,
+)
 
-Cell = tuple[int, int]
 
 EDIT_ARMS = ("edit", "control", "random_direction")
 REPAIR_ARMS = ("repair", "control")
 RANDOM_DIRECTION_STREAM = 7  # the random-direction control's own random stream
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Input checks
-# ------------------------------------------------------------------------------------------------------------------
-def check_heads(vlm: Any, heads: Any) -> list[tuple[int, int]]:
-    """``[(layer, head), ...]`` from pairs or ``"12.3,14.0"``, checked against the model.
-
-    Raises:
-        InputError: a malformed head, a head the model lacks, a repeated head, or no heads.
-    """
-    parsed = parse_heads(heads)
-    if not parsed:
-        raise InputError("no heads given: pass LAYER.HEAD pairs, e.g. '2.1,3.0'")
-    bad = [f"{l}.{h}" for l, h in parsed if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
-    if bad:
-        raise InputError(f"heads {bad} do not exist: the model has layers 0..{vlm.n_layers - 1} and heads "
-                         f"0..{vlm.n_heads - 1}")
-    repeated = sorted({f"{l}.{h}" for l, h in parsed if parsed.count((l, h)) > 1})
-    if repeated:
-        raise InputError(f"heads {repeated} are given more than once; list each head once")
-    return parsed
-
-
-def check_alphas(alphas: Any) -> list[float]:
-    """Sorted distinct finite alphas from numbers or ``"0,1,2"``; alpha 0 is always included (the identity
-    check and the baseline every change is measured from).
-
-    Raises:
-        InputError: a value that is not a finite number, or no values.
-    """
-    if isinstance(alphas, str):
-        alphas = [a for a in alphas.split(",") if a.strip()]
-    elif isinstance(alphas, (int, float)):
-        alphas = [alphas]
-    values = []
-    for a in alphas:
-        try:
-            v = float(a)
-        except (TypeError, ValueError):
-            raise InputError(f"alpha {a!r} is not a number; pass e.g. --alpha 0,1,2,4") from None
-        if not math.isfinite(v):
-            raise InputError(f"alpha {a!r} is not finite; pass finite numbers, e.g. 0,1,2,4")
-        values.append(v)
-    if not values:
-        raise InputError("no alphas given: pass e.g. --alpha 0,1,2,4")
-    return sorted({0.0, *values})
-
-
-def _check_scene_examples(examples: Sequence[Any], what: str) -> None:
-    if not examples:
-        raise InputError(f"{what}: no examples; pass scene-description examples (vb.stimuli.scene_description)")
-    bad = [e.id for e in examples if e.task != "scene" or "target" not in e.fields]
-    if bad:
-        raise InputError(f"{what}: examples {bad[:3]} are not scene-description examples with a target object; "
-                         f"pass vb.stimuli.scene_description(...) examples")
-
-
-def _cell(obj: Any) -> Cell:
-    return int(obj.row), int(obj.col)
-
-
-def _target_cell(example: Any) -> Cell:
-    """The grid cell ``(row, col)`` of the example's missing (target) object."""
-    return _cell(example.objects[example.fields["target"]])
-
-
-def _chunks(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def check_positive(**values: int) -> None:
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise InputError(f"{name} must be a positive int, got {v!r}")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Position IDs
-# ------------------------------------------------------------------------------------------------------------------
-@dataclass
-class PositionIDs:
-    """Per-cell mean head outputs at the last prompt token.
-
-    Attributes:
-        heads: the heads, ``[(layer, head), ...]`` (the ``H`` axis).
-        cells: the cells with an estimate, ``[(row, col), ...]`` in raster order (the ``C`` axis).
-        vectors: ``C H D`` float64 mean z of each head over the examples whose missing object sits in the cell.
-        counts: examples averaged per cell, in ``cells`` order.
-        skipped_cells: cells seen fewer than ``min_count`` times -> their example count (no estimate).
-        min_count: the fewest examples a cell needs for an estimate.
-        z_norm: ``H`` mean L2 norm of each head's z at the last prompt token over all estimation examples (the
-            scale an edit's ``|d_t - d_o|`` compares with).
-        n_examples: estimation examples read.
-    """
-
-    heads: list[tuple[int, int]]
-    cells: list[Cell]
-    vectors: torch.Tensor
-    counts: list[int]
-    skipped_cells: dict[Cell, int]
-    min_count: int
-    z_norm: np.ndarray
-    n_examples: int
-
-    @property
-    def n_skipped_examples(self) -> int:
-        """Estimation examples dropped because their cell had fewer than ``min_count`` examples."""
-        return int(sum(self.skipped_cells.values()))
-
-    def has(self, cell: Cell) -> bool:
-        """Whether ``cell`` has an estimate."""
-        return tuple(cell) in self._index
-
-    def vector(self, cell: Cell) -> torch.Tensor:
-        """``H D`` position ID of ``cell``.
-
-        Raises:
-            InputError: the cell has no estimate.
-        """
-        cell = (int(cell[0]), int(cell[1]))
-        if cell not in self._index:
-            seen = self.skipped_cells.get(cell, 0)
-            raise InputError(f"cell {cell} has no position-ID estimate ({seen} estimation examples, fewer than "
-                             f"{self.min_count}); use more estimation examples")
-        return self.vectors[self._index[cell]]
-
-    def delta(self, t: Cell, o: Cell) -> torch.Tensor:
-        """``H D`` edit direction ``d_t - d_o`` (float64)."""
-        return self.vector(t) - self.vector(o)
-
-    def subset(self, heads: Sequence[tuple[int, int]]) -> PositionIDs:
-        """The IDs of some of the heads (each head's estimate is its own, so this equals estimating them alone).
-
-        Raises:
-            InputError: a head without an estimate here.
-        """
-        missing = [f"{l}.{h}" for l, h in heads if tuple((l, h)) not in self.heads]
-        if missing:
-            raise InputError(f"heads {missing} have no position-ID estimate here (estimated: "
-                             f"{[f'{l}.{h}' for l, h in self.heads]})")
-        idx = [self.heads.index(tuple(head)) for head in heads]
-        return replace(self, heads=[self.heads[i] for i in idx], vectors=self.vectors[:, idx],
-                       z_norm=self.z_norm[idx])
-
-    @property
-    def _index(self) -> dict[Cell, int]:
-        return {c: i for i, c in enumerate(self.cells)}
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "heads": [f"{l}.{h}" for l, h in self.heads], "n_examples": self.n_examples, "min_count": self.min_count,
-            "cells": {f"{r},{c}": n for (r, c), n in zip(self.cells, self.counts)},
-            "skipped_cells": {f"{r},{c}": n for (r, c), n in sorted(self.skipped_cells.items())},
-            "skipped_examples": self.n_skipped_examples,
-            "z_norm": {f"{l}.{h}": float(v) for (l, h), v in zip(self.heads, self.z_norm)},
-        }
-
-
-def _last_z(vlm: Any, batch: Any, heads: list[tuple[int, int]]) -> torch.Tensor:
-    """``B H D`` z of each head at each row's last prompt position (float64, CPU)."""
-    sites = {l: vlm.adapter.z_site(l) for l in sorted({l for l, _ in heads})}
-    cache = vlm.capture(batch, list(sites.values()))
-    rows = torch.arange(len(batch))
-    last = torch.as_tensor(batch.last_positions, dtype=torch.long)
-    z = torch.stack([cache[sites[l]][rows, last.to(cache[sites[l]].device), h].cpu() for l, h in heads], 1)
-    return z.to(torch.float64)
-
-
-def estimate_position_ids(vlm: Any, examples: Sequence[Any], heads: Any, *, min_count: int = 3,
-                          batch_size: int = 32, progress: bool = False) -> PositionIDs:
-    """Position ID of every cell: the mean z of each head at the last prompt token over the examples whose missing
-    object sits in that cell.
-
-    Args:
-        vlm: a loaded VLM.
-        examples: scene-description examples (``fields["target"]`` names the missing object).
-        heads: ``[(layer, head), ...]`` or ``"12.3,14.0"``.
-        min_count: cells with fewer examples get no estimate (reported in ``skipped_cells``).
-        batch_size: examples per forward.
-        progress: show a progress bar.
-
-    Returns:
-        :class:`PositionIDs` with ``vectors`` of shape ``C H D``.
-
-    Raises:
-        InputError: bad heads, no or non-scene examples, or no cell with ``min_count`` examples.
-    """
-    heads = check_heads(vlm, heads)
-    examples = list(examples)
-    _check_scene_examples(examples, "estimate_position_ids")
-    check_positive(min_count=min_count, batch_size=batch_size)
-    sums: dict[Cell, torch.Tensor] = {}
-    counts: Counter[Cell] = Counter()
-    norm_sum = torch.zeros(len(heads), dtype=torch.float64)
-    for chunk in tqdm(_chunks(examples, batch_size), desc="position IDs", disable=not progress):
-        batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk])
-        z = _last_z(vlm, batch, heads)
-        norm_sum += z.norm(dim=-1).sum(0)
-        for e, zr in zip(chunk, z):
-            cell = _target_cell(e)
-            sums[cell] = sums[cell] + zr if cell in sums else zr.clone()
-            counts[cell] += 1
-    kept = sorted(c for c in counts if counts[c] >= min_count)
-    if not kept:
-        raise TooFewEstimatesError(f"no cell has {min_count} estimation examples (most: {max(counts.values())}); "
-                                   "use more estimation examples or a lower min_count")
-    return PositionIDs(
-        heads=heads, cells=kept, vectors=torch.stack([sums[c] / counts[c] for c in kept]),
-        counts=[counts[c] for c in kept], skipped_cells={c: n for c, n in counts.items() if n < min_count},
-        min_count=min_count, z_norm=(norm_sum / len(examples)).numpy(), n_examples=len(examples),
-    )
 
 
 def _answer_budget(vlm: Any, examples: Sequence[Any]) -> int:
@@ -318,27 +114,22 @@ def alpha_label(alpha: float) -> str:
     return f"{alpha:g}"
 
 
-@register_result
-@dataclass
-class RepairResult(Result):
-    """Accuracy on low-entropy scenes with the correct cell's high-entropy ID injected, per alpha.
+@dataclass(kw_only=True)
+class PositionEditStudy(Result):
+    """What the position-ID edit and the entropy repair have in common: an edit of ``heads`` at several alphas,
+    evaluated per arm, saved as ``results.json`` and ``curve.html``.
 
     Attributes:
         model: the model's name.
         heads: the edited heads.
         alphas: the alphas (0 included).
-        rows: ``{"alpha", "arm": "repair"|"control", "n", "accuracy", "change", "changed"}`` per alpha and arm;
-            ``change`` is the accuracy minus the accuracy at alpha 0, ``changed`` the share of outputs that differ
-            from the unedited ones.
-        records: one dict per (example, alpha, arm).
-        clean_accuracy: low-entropy accuracy of the unedited model on the evaluated examples.
-        high_accuracy: high-entropy accuracy of the unedited model on as many held-out high-entropy scenes
-            (reference: how much there is to repair).
+        rows: per alpha and arm, the shares the study reports (see the subclass).
+        records: one dict per (example, alpha, arm); not saved in ``results.json``.
+        clean_accuracy: accuracy of the unedited model on the evaluated examples.
         alpha0_identical: alpha 0 gave the unedited outputs on every example and arm.
-        n_eval, n_used: evaluation examples drawn and evaluated (the rest are counted in ``skipped``).
-        skipped: reason -> evaluation examples skipped.
-        estimates: the high- and low-entropy :meth:`PositionIDs.summary`.
-        norms: per head, the mean ``|d^high_o - d^low_o|`` and the control's ``|d^high_w - d^low_o|``.
+        n_estimate, n_eval, n_used: estimation examples, evaluation examples drawn, and evaluated.
+        skipped: reason -> evaluation examples skipped (a cell without an estimate).
+        norms: per head, the mean norms of the added directions over the evaluated examples.
         params, seed, seconds: stimuli, seed and wall time.
     """
 
@@ -348,48 +139,91 @@ class RepairResult(Result):
     rows: list[dict[str, Any]]
     records: list[dict[str, Any]]
     clean_accuracy: float
-    high_accuracy: float
     alpha0_identical: bool
     n_estimate: int
     n_eval: int
     n_used: int
     skipped: dict[str, int]
-    estimates: dict[str, Any]
     norms: dict[str, Any]
     params: dict[str, Any]
     seed: int
     seconds: float = 0.0
 
-    kind = "repair"
-    marker_keys = ("rows", "injects")
     figure_name = "curve"
     table_name = "rows.csv"
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RepairResult:
-        """The result from its ``results.json`` (:meth:`summary`); per-example records are not saved there."""
-        return cls(
-            model=data["model"], heads=parse_heads(data["heads"]), alphas=[float(a) for a in data["alphas"]],
-            rows=data["rows"], records=[], clean_accuracy=data["clean_accuracy"],
-            high_accuracy=data["high_entropy_accuracy"], alpha0_identical=data["alpha0_identical"],
-            n_estimate=data["n_estimate"], n_eval=data["n_eval"], n_used=data["n_used"], skipped=data["skipped"],
-            estimates=data.get("estimates", {}), norms=data.get("norms", {}), params=data.get("params", {}),
-            seed=data.get("seed", 0), seconds=data.get("seconds", 0.0),
-        )
+    @staticmethod
+    def common_fields(data: dict[str, Any]) -> dict[str, Any]:
+        """The shared fields from a saved ``results.json`` (per-example records are not saved there)."""
+        return dict(model=data["model"], heads=parse_heads(data["heads"]), alphas=[float(a) for a in data["alphas"]],
+                    rows=data["rows"], records=[], clean_accuracy=data["clean_accuracy"],
+                    alpha0_identical=data["alpha0_identical"], n_estimate=data["n_estimate"], n_eval=data["n_eval"],
+                    n_used=data["n_used"], skipped=data["skipped"], norms=data.get("norms", {}),
+                    params=data.get("params", {}), seed=data.get("seed", 0), seconds=data.get("seconds", 0.0))
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> RepairResult:
-        return _load_results_json(cls, Path(directory))
-
-    def accuracy(self, alpha: float, arm: str = "repair") -> float:
-        return _lookup(self.rows, alpha, arm, "accuracy")
+    def load(cls, directory: str | os.PathLike) -> PositionEditStudy:
+        path = Path(directory) / "results.json"
+        try:
+            return cls.from_dict(read_json_object(path))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{str(path)!r} lacks {exc} or holds a bad value; it is not the file vlmbind edit "
+                             f"wrote") from None
 
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows)
 
+    def head_labels(self) -> list[str]:
+        return [f"{l}.{h}" for l, h in self.heads]
+
+    def lookup(self, alpha: float, arm: str, column: str) -> float:
+        for r in self.rows:
+            if r["arm"] == arm and r["alpha"] == float(alpha):
+                return float(r[column])
+        raise KeyError(f"no row for alpha {alpha} and arm {arm!r}")
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write ``results.json`` (:meth:`summary`) and ``curve.html`` atomically."""
+        out = Path(out)
+        write_json_atomic(self.summary(), out / "results.json")
+        write_html_atomic(self.figure(), out / "curve.html")
+        return out
+
+
+@register_result
+@dataclass(kw_only=True)
+class RepairResult(PositionEditStudy):
+    """Accuracy on low-entropy scenes with the correct cell's high-entropy ID injected, per alpha.
+
+    Attributes (besides :class:`PositionEditStudy`'s):
+        rows: ``{"alpha", "arm": "repair"|"control", "n", "accuracy", "change", "changed"}`` per alpha and arm;
+            ``change`` is the accuracy minus the accuracy at alpha 0, ``changed`` the share of outputs that differ
+            from the unedited ones.
+        clean_accuracy: low-entropy accuracy of the unedited model on the evaluated examples.
+        high_accuracy: high-entropy accuracy of the unedited model on as many held-out high-entropy scenes
+            (reference: how much there is to repair).
+        estimates: the high- and low-entropy :meth:`PositionIDs.summary`.
+        norms: per head, the mean ``|d^high_o - d^low_o|`` and the control's ``|d^high_w - d^low_o|``.
+    """
+
+    high_accuracy: float
+    estimates: dict[str, Any]
+
+    kind = "repair"
+    marker_keys = ("rows", "injects")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RepairResult:
+        """The result from its ``results.json`` (:meth:`summary`)."""
+        return cls(**cls.common_fields(data), high_accuracy=data["high_entropy_accuracy"],
+                   estimates=data.get("estimates", {}))
+
+    def accuracy(self, alpha: float, arm: str = "repair") -> float:
+        return self.lookup(alpha, arm, "accuracy")
+
     def summary(self) -> dict[str, Any]:
         return {
-            "model": self.model, "heads": [f"{l}.{h}" for l, h in self.heads], "alphas": self.alphas,
+            "model": self.model, "heads": self.head_labels(), "alphas": self.alphas,
             "injects": "d^high_o - d^low_o at the missing object's (correct) cell o: an oracle repair, as in VSM",
             "control": "d^high_w - d^low_o, w a random empty cell (no object) of the scene with a high-entropy ID",
             "clean_accuracy": self.clean_accuracy, "high_entropy_accuracy": self.high_accuracy,
@@ -402,89 +236,52 @@ class RepairResult(Result):
         return repair_traces(self.rows, self.alphas, self.high_accuracy)
 
     def figure(self) -> Any:
-        return repair_figure(self.rows, self.alphas, self.high_accuracy, model=self.model,
-                             heads=[f"{l}.{h}" for l, h in self.heads], n_used=self.n_used)
+        return repair_figure(self.rows, self.alphas, self.high_accuracy, model=self.model, heads=self.head_labels(),
+                             n_used=self.n_used)
 
     def panel(self) -> dict[str, Any]:
         """What :func:`vlmbind.viz.edits.edit_figure` draws the repair panel from."""
         return {"rows": self.rows, "alphas": self.alphas, "high_accuracy": self.high_accuracy, "n_used": self.n_used}
 
-    def save(self, out: str | os.PathLike) -> Path:
-        """Write ``results.json`` and ``curve.html`` atomically."""
-        return _save(out, self.summary(), self.figure())
-
 
 @register_result
-@dataclass
-class EditResult(Result):
+@dataclass(kw_only=True)
+class EditResult(PositionEditStudy):
     """Efficacy of the position-ID edit per alpha, with the empty-cell and random-direction controls.
 
-    Attributes:
-        model: the model's name.
-        heads: the edited heads.
-        alphas: the alphas (0 included).
+    Attributes (besides :class:`PositionEditStudy`'s):
         rows: per alpha and arm (``edit``: ``d_t - d_o``; ``control``: ``d_c - d_o``, ``c`` an empty cell;
             ``random_direction``: a random direction per head with the norm of that head's ``d_t - d_o``):
             ``n``, ``efficacy`` (names the object at t), ``original`` (names the missing object), ``other``
             (anything else), ``described`` (names any described object, t included) and ``changed`` (differs from
             the unedited output).
         records: one dict per (example, alpha, arm): ids, cells, output, parsed answer, outcome.
-        clean_accuracy: accuracy of the unedited model on the evaluated examples.
         clean_names_t: share of unedited outputs that already name the object at t.
-        alpha0_identical: alpha 0 gave the unedited outputs on every example and arm.
-        n_estimate, n_eval, n_used: estimation examples, evaluation examples drawn, and evaluated.
-        skipped: reason -> evaluation examples skipped (a cell without an estimate).
         estimate: :meth:`PositionIDs.summary` (cells, counts, skipped estimation examples, mean |z| per head).
         norms: per head, the mean ``|d_t - d_o|`` (edit) and ``|d_c - d_o|`` (control) over the evaluated examples.
-        params, seed, seconds: stimuli, seed and wall time.
         repair: an attached :class:`RepairResult` (saved in the same files), or None.
         prompt_format: ``raw`` or ``chat``.
         positions: where the edit was added (:data:`EDIT_POSITIONS`).
     """
 
-    model: str
-    heads: list[tuple[int, int]]
-    alphas: list[float]
-    rows: list[dict[str, Any]]
-    records: list[dict[str, Any]]
-    clean_accuracy: float
     clean_names_t: float
-    alpha0_identical: bool
-    n_estimate: int
-    n_eval: int
-    n_used: int
-    skipped: dict[str, int]
     estimate: dict[str, Any]
-    norms: dict[str, Any]
-    params: dict[str, Any]
-    seed: int
-    seconds: float = 0.0
     repair: RepairResult | None = None
     prompt_format: str = "raw"
     positions: str = "last"
 
     kind = "edit"
+    reproduced_files = ("results.json", "curve.html")
     marker_keys = ("rows", "efficacy")
-    figure_name = "curve"
-    table_name = "rows.csv"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EditResult:
-        """The result from its ``results.json`` (:meth:`summary`); per-example records are not saved there."""
+        """The result from its ``results.json`` (:meth:`summary`)."""
         return cls(
-            model=data["model"], heads=parse_heads(data["heads"]), alphas=[float(a) for a in data["alphas"]],
-            rows=data["rows"], records=[], clean_accuracy=data["clean_accuracy"],
-            clean_names_t=data["clean_names_t"], alpha0_identical=data["alpha0_identical"],
-            n_estimate=data["n_estimate"], n_eval=data["n_eval"], n_used=data["n_used"], skipped=data["skipped"],
-            estimate=data.get("estimate", {}), norms=data.get("norms", {}), params=data.get("params", {}),
-            seed=data.get("seed", 0), seconds=data.get("seconds", 0.0),
+            **cls.common_fields(data), clean_names_t=data["clean_names_t"], estimate=data.get("estimate", {}),
             repair=RepairResult.from_dict(data["repair"]) if data.get("repair") else None,
             prompt_format=data.get("prompt_format", "raw"), positions=data.get("positions", "last"),
         )
-
-    @classmethod
-    def load(cls, directory: str | os.PathLike) -> EditResult:
-        return _load_results_json(cls, Path(directory))
 
     def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
         figures, tables = super().exports()
@@ -493,14 +290,11 @@ class EditResult(Result):
         return figures, tables
 
     def efficacy(self, alpha: float, arm: str = "edit") -> float:
-        return _lookup(self.rows, alpha, arm, "efficacy")
-
-    def to_frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows)
+        return self.lookup(alpha, arm, "efficacy")
 
     def summary(self) -> dict[str, Any]:
         out = {
-            "model": self.model, "heads": [f"{l}.{h}" for l, h in self.heads], "alphas": self.alphas,
+            "model": self.model, "heads": self.head_labels(), "alphas": self.alphas,
             "edit": "z_h += alpha * (d_t - d_o) at the last prompt position"
                     + (" and every answer position" if self.positions == "answer" else "")
                     + "; t a described object's cell",
@@ -528,35 +322,8 @@ class EditResult(Result):
 
     def figure(self) -> Any:
         """Efficacy against alpha with the control (plus the repair curve beside it when attached)."""
-        return edit_figure(self.rows, model=self.model, heads=[f"{l}.{h}" for l, h in self.heads],
-                           n_used=self.n_used, repair=None if self.repair is None else self.repair.panel())
-
-    def save(self, out: str | os.PathLike) -> Path:
-        """Write ``results.json`` (with the repair section when attached) and ``curve.html`` atomically."""
-        return _save(out, self.summary(), self.figure())
-
-
-def _load_results_json(cls: Any, directory: Path) -> Any:
-    path = directory / "results.json"
-    try:
-        return cls.from_dict(read_json_object(path))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"{str(path)!r} lacks {exc} or holds a bad value; it is not the file vlmbind edit "
-                         f"wrote") from None
-
-
-def _lookup(rows: list[dict[str, Any]], alpha: float, arm: str, column: str) -> float:
-    for r in rows:
-        if r["arm"] == arm and r["alpha"] == float(alpha):
-            return float(r[column])
-    raise KeyError(f"no row for alpha {alpha} and arm {arm!r}")
-
-
-def _save(out: str | os.PathLike, summary: dict[str, Any], figure: Any) -> Path:
-    out = Path(out)
-    write_json_atomic(summary, out / "results.json")
-    write_html_atomic(figure, out / "curve.html")
-    return out
+        return edit_figure(self.rows, model=self.model, heads=self.head_labels(), n_used=self.n_used,
+                           repair=None if self.repair is None else self.repair.panel())
 
 
 def _share(records: list[dict[str, Any]], key: str, value: Any = True) -> float:
@@ -567,7 +334,7 @@ def _share(records: list[dict[str, Any]], key: str, value: Any = True) -> float:
 # The edit study
 # ------------------------------------------------------------------------------------------------------------------
 def _estimated_empty(ids: PositionIDs, example: Any) -> list[Cell]:
-    occupied = {_cell(o) for o in example.objects}
+    occupied = {object_cell(o) for o in example.objects}
     return [c for c in ids.cells if c not in occupied]
 
 
@@ -583,8 +350,8 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
     example (a push of the edit's size in no particular direction). Both count outputs that name the object at t.
 
     Scenes come from ``scene_description(n_estimate + n_eval, seed)`` with the model's own training canvas and
-    pools (:func:`vlmbind.analysis.evaluation.training_defaults`): the first ``n_estimate`` estimate the IDs, the rest are
-    evaluated. Per evaluated example, ``t`` is a uniformly drawn described object's cell and ``c`` a uniformly drawn
+    pools (:func:`vlmbind.analysis.evaluation.training_defaults`): the first ``n_estimate`` estimate the IDs, the rest
+    are evaluated. Per evaluated example, ``t`` is a uniformly drawn described object's cell and ``c`` a uniformly drawn
     empty cell, both among cells with an estimate (seeded by ``seed``); examples whose missing object's cell, or all
     of whose candidate cells, lack an estimate are skipped and counted.
 
@@ -647,8 +414,8 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
                "no_empty_cell_with_estimate": 0}
     plan = []
     for e in examples[n_estimate:]:  # which cells have an estimate does not depend on the head
-        o = _target_cell(e)
-        targets = [k for k in e.fields["described"] if all_ids.has(_cell(e.objects[k]))]
+        o = target_cell(e)
+        targets = [k for k in e.fields["described"] if all_ids.has(object_cell(e.objects[k]))]
         empty = _estimated_empty(all_ids, e)
         if not all_ids.has(o):
             skipped["missing_object_cell_without_estimate"] += 1
@@ -668,7 +435,7 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
     clean_records: list[dict[str, Any]] = []
     delta_norms = [{arm: torch.zeros(len(heads), dtype=torch.float64) for arm in EDIT_ARMS} for heads in sets]
     offset = 0
-    for chunk in tqdm(_chunks(plan, batch_size), desc="edit", disable=not progress):
+    for chunk in tqdm(chunks(plan, batch_size), desc="edit", disable=not progress):
         indices = range(offset, offset + len(chunk))
         offset += len(chunk)
         batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
@@ -678,7 +445,7 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
             t_name = e.objects[k].name
             clean_records.append({"correct": score(e, out)[0], "names_t": _outcome(e, out, t_name) == "switch"})
         for heads, ids, into, norms in zip(sets, ids_by_set, records, delta_norms):
-            edit = torch.stack([ids.delta(_cell(e.objects[k]), o) for e, o, k, _ in chunk])
+            edit = torch.stack([ids.delta(object_cell(e.objects[k]), o) for e, o, k, _ in chunk])
             vectors = {
                 "edit": edit,
                 "control": torch.stack([ids.delta(c, o) for e, o, _, c in chunk]),
@@ -694,7 +461,7 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
                         t_name = e.objects[k].name
                         described = {e.objects[j].name for j in e.fields["described"]}
                         into.append({
-                            "id": e.id, "alpha": alpha, "arm": arm, "o": list(o), "t": list(_cell(e.objects[k])),
+                            "id": e.id, "alpha": alpha, "arm": arm, "o": list(o), "t": list(object_cell(e.objects[k])),
                             "c": list(c), "answer": e.answer, "t_name": t_name, "output": out,
                             "parsed": _parsed(out), "outcome": _outcome(e, out, t_name),
                             "described": _parsed(out) in described, "changed": out != base,
@@ -782,7 +549,7 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
                "no_empty_cell_with_high_estimate": 0}
     plan = []
     for e in low[n_estimate:]:
-        o = _target_cell(e)
+        o = target_cell(e)
         empty = _estimated_empty(ids_high, e)
         if not ids_high.has(o):
             skipped["missing_object_cell_without_high_estimate"] += 1
@@ -797,7 +564,7 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
                                    "estimation examples")
 
     high_correct = []
-    for chunk in _chunks(high[n_estimate:], batch_size):
+    for chunk in chunks(high[n_estimate:], batch_size):
         batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk])
         outs = greedy_decode(vlm, batch, (), _answer_budget(vlm, chunk))
         high_correct += [score(e, out)[0] for e, out in zip(chunk, outs)]
@@ -805,7 +572,7 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
     records: list[dict[str, Any]] = []
     clean_correct: list[bool] = []
     delta_norms = {arm: torch.zeros(len(heads), dtype=torch.float64) for arm in REPAIR_ARMS}
-    for chunk in tqdm(_chunks(plan, batch_size), desc="repair", disable=not progress):
+    for chunk in tqdm(chunks(plan, batch_size), desc="repair", disable=not progress):
         batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
         budget = _answer_budget(vlm, [p[0] for p in chunk])
         clean = greedy_decode(vlm, batch, (), budget)

@@ -42,7 +42,7 @@ from ..core.errors import InputError
 from ..core.io import write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..engine.patching import METHOD_FUNCTIONS, PatchTask
-from ..stimuli.scenes import check_alignment
+from ..engine.alignment import check_alignment
 from ..viz import head_heatmap, write_html_atomic
 
 # first-order and path estimates, reported beside exact scores of their top candidates
@@ -122,6 +122,7 @@ class HeadScores(Result):
     """
 
     kind = "locate"
+    reproduced_files = ("scores.csv", "heatmap.html")
     marker_files = ("scores.csv", "summary.json")
     figure_name = "heatmap"
     table_name = "scores.csv"
@@ -332,11 +333,11 @@ def answer_casing(vlm: Any, pairs: Sequence[Any], prompt_format: str | None = No
                     "one's (the scores use the lower-case tokens)"}
 
 
-def scene_task(vlm: Any, pair: Any, layers: Sequence[int], prompt_format: str = "raw") -> PatchTask:
-    """The :class:`PatchTask` of one scene pair: aligned clean prompt, its patch positions, the counterfactual's z of
-    ``layers`` there, and the first differing answer tokens. When the answers share leading tokens (``red square``
-    vs ``red circle``) those tokens are appended to both sides by id, and the scored position (and a last-token
-    patch) moves to the new last token."""
+def aligned_scene_pair(vlm: Any, pair: Any, prompt_format: str = "raw") -> tuple[Any, Any, np.ndarray, int, int]:
+    """``(clean, counterfactual, positions, a, a_star)`` of one scene pair: both batches lined up token for token,
+    the clean row's patch positions, and the first differing answer tokens. When the answers share leading tokens
+    (``red square`` vs ``red circle``) those tokens are appended to both sides by id, and the scored position (and a
+    last-token patch) moves to the new last token."""
     chat = prompt_format == "chat"
     prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual,
                                          vlm.answer_separator(chat))
@@ -346,6 +347,13 @@ def scene_task(vlm: Any, pair: Any, layers: Sequence[int], prompt_format: str = 
         clean, counterfactual = vlm.extend(clean, prefix), vlm.extend(counterfactual, prefix)
         if pair.patch.get("kind") == "last":
             positions = np.array([clean.index[0].last_position])
+    return clean, counterfactual, positions, a, a_star
+
+
+def scene_task(vlm: Any, pair: Any, layers: Sequence[int], prompt_format: str = "raw") -> PatchTask:
+    """The :class:`PatchTask` of one scene pair (:func:`aligned_scene_pair`): the aligned clean prompt, its patch
+    positions, the counterfactual's z of ``layers`` there, and the first differing answer tokens."""
+    clean, counterfactual, positions, a, a_star = aligned_scene_pair(vlm, pair, prompt_format)
     return PatchTask.from_counterfactual(vlm, clean, counterfactual, positions, layers, a, a_star)
 
 
@@ -371,7 +379,8 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
             the same run (model, method, condition, layers, pairs) is continued from, so a killed run resumes where
             it stopped and ends with the same numbers. It is removed when the run completes.
         gather: ``attribution``: maps these pairs' ``N L H`` estimates to the estimates the verification candidates
-            are chosen from (a sweep's ranks pool theirs through it, :func:`vlmbind.analysis.sweeps.locate`); None: their own.
+            are chosen from (a sweep's ranks pool theirs through it, :func:`vlmbind.analysis.sweeps.locate`); None:
+            their own.
         prompt_format: ``raw`` or ``chat`` (None: the model's, :attr:`vlmbind.engine.vlm.VLM.active_prompt_format`);
             scene pairs only, recorded in the summary.
         method_kwargs: passed to the method (``exact``: ``max_rows``, ``memory_budget``; ``integrated_gradients``:

@@ -3,8 +3,8 @@ look, what ablating them does, and the position-ID edit. ``vlmbind demo`` runs i
 
 Design: every part reuses the toolkit's own analyses (:func:`~vlmbind.analysis.locate`,
 :func:`~vlmbind.analysis.ablation_study`, :func:`~vlmbind.analysis.edit_study`) on the model's own training stimuli
-(:func:`vlmbind.analysis.evaluation.training_defaults`), so the page shows what a user would get from the commands it lists.
-One part is a check on the others: :func:`object_attention` measures where a head looks from the last token, the
+(:func:`vlmbind.analysis.evaluation.training_defaults`), so the page shows what a user would get from the commands it
+lists. One part is a check on the others: :func:`object_attention` measures where a head looks from the last token, the
 missing object or every object alike. A head that changes the answer when patched but spreads its attention over all
 objects is more likely counting features than retrieving the missing object's, a simpler strategy that produces the
 same mediation scores. Parts that cannot run on a model (attention_swap needs a model that points) are skipped with
@@ -112,6 +112,7 @@ class CausalOverview(Result):
         return out
 
     kind = "causal"
+    reproduced_files = ("object_attention.csv",)
     marker_files = ("object_attention.csv",)
     table_name = "object_attention.csv"
 

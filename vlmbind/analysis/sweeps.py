@@ -1,11 +1,13 @@
-"""Data-parallel sweeps: the single-process analyses run by each rank of a :class:`~vlmbind.engine.parallel.Group` on its
-contiguous block of the work, merged by rank 0 into exactly the single-process result.
+"""Data-parallel sweeps: the single-process analyses run by each rank of a :class:`~vlmbind.engine.parallel.Group` on
+its contiguous block of the work, merged by rank 0 into exactly the single-process result.
 
 * :func:`locate`: pairs of :func:`vlmbind.analysis.locate` (attribution's candidates are chosen from every rank's
   estimates);
-* :func:`evaluate`: whole batches of :func:`vlmbind.analysis.evaluation.evaluate` (batch composition can change greedy outputs
+* :func:`evaluate`: whole batches of :func:`vlmbind.analysis.evaluation.evaluate` (batch composition can change greedy
+outputs
   through padding, so batches are never re-cut);
-* :func:`capture`: activation shards of :func:`vlmbind.engine.activations.capture`, written straight into the capture folder.
+* :func:`capture`: activation shards of :func:`vlmbind.engine.activations.capture`, written straight into the capture
+folder.
 
 Parts travel as safetensors / JSON files in ``OUT/.parts`` (never pickled), keyed by the run they belong to, so a
 killed rank resumes and a part of another run is refused.
@@ -102,9 +104,9 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
 
 def evaluate(group: Group, vlm: Any, dataset: Any, out: str | os.PathLike, *, batch_size: int = 16,
              progress: bool = False, chat: bool = False, point_frame: str | None = None) -> Any:
-    """:func:`vlmbind.analysis.evaluation.evaluate` over the ranks of ``group``. Ranks take contiguous blocks of whole batches,
-    so every batch is the one a single process would generate (batch composition can change greedy outputs through
-    padding); rank 0 concatenates the records.
+    """:func:`vlmbind.analysis.evaluation.evaluate` over the ranks of ``group``. Ranks take contiguous blocks of whole
+    batches, so every batch is the one a single process would generate (batch composition can change greedy outputs
+    through padding); rank 0 concatenates the records.
 
     Returns:
         Rank 0: the :class:`~vlmbind.analysis.evaluation.EvalResult`. Other ranks: None.

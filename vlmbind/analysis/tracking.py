@@ -8,8 +8,8 @@ column and y the row index of a cell's centre. The centroids of the tokens that 
 averaged, mapped to the point's coordinate frame and compared with the point: RMSE per layer, for head-averaged maps
 (maps averaged over heads first, then thresholded) and per head.
 
-Design: generation keeps the key/value cache and a thin :class:`~vlmbind.engine.hooks.HookSession` subclass stores only the
-newest query row of every attention pattern (the prefill's last position, then each cached step's single row), so
+Design: generation keeps the key/value cache and a thin :class:`~vlmbind.engine.hooks.HookSession` subclass stores only
+the newest query row of every attention pattern (the prefill's last position, then each cached step's single row), so
 memory grows with the trace, not with its square; tests check these rows against HF ``output_attentions`` of one full
 forward on the same sequence. Which query belongs to a token is a choice (``query``): ``"emit"`` (default) takes the
 step that produces the token (the query is the previous position: the model is deciding what to write), ``"self"``
@@ -317,6 +317,7 @@ class TrackResult(Result):
     """
 
     kind = "track"
+    reproduced_files = ("rmse.csv", "centroids.json", "rmse.html")
     marker_files = ("rmse.csv", "centroids.json")
     figure_name = "rmse"
 

@@ -160,6 +160,8 @@ class ValidationResult(Result):
     skipped: dict[str, str] = field(default_factory=dict)
 
     kind = "validate"
+    reproduced_files = ("validation.json", "methods.csv", "scores.csv", "ablation.csv",
+                        "edit.csv", "probes.csv", "validation.html")
     marker_files = ("validation.json",)
     figure_name = "validation"
     table_name = "methods.csv"

@@ -2,14 +2,14 @@
 
 Design: the directory tree is searched for result folders (symlinked folders are not followed, the output folder is
 skipped); each result class says whether a folder holds its files and loads itself from them (the table of kinds in
-:mod:`vlmbind.core.results`), and its ``exports()`` name the figures and tables written here. Each figure is rebuilt from
-the saved numbers only, through the same builders the writers used (:mod:`vlmbind.viz`), so an exported HTML carries
-the same figure data as the original. Everything is rendered in memory first and written only when every figure and
-table succeeded; each file is written atomically and, if a write fails, the files of this export are removed again,
-so a failed export leaves nothing partial. Every target path is resolved and checked to lie inside the output
-directory. PNG, SVG and PDF go through kaleido (one shared Chromium process when several figures are exported); HTML
-pages load one ``plotly.min.js`` written at the top of the output folder. Without an output folder the export goes
-next to the results, unless they are part of a source tree (:func:`default_export_dir`).
+:mod:`vlmbind.core.results`), and its ``exports()`` name the figures and tables written here. Each figure is rebuilt
+from the saved numbers only, through the same builders the writers used (:mod:`vlmbind.viz`), so an exported HTML
+carries the same figure data as the original. Everything is rendered in memory first and written only when every figure
+and table succeeded; each file is written atomically and, if a write fails, the files of this export are removed again,
+so a failed export leaves nothing partial. Every target path is resolved and checked to lie inside the output directory.
+PNG, SVG and PDF go through kaleido (one shared Chromium process when several figures are exported); HTML pages load one
+``plotly.min.js`` written at the top of the output folder. Without an output folder the export goes next to the results,
+unless they are part of a source tree (:func:`default_export_dir`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class ResultSet:
 # reading: the result classes know their files (vlmbind.core.results)
 # ----------------------------------------------------------------------------------------------------------------
 def detect(directory: Path) -> str | None:
-    """The kind of result ``directory`` holds (a key of :data:`vlmbind.core.results.RESULTS`), or None when it holds none.
+    """The kind of result ``directory`` holds (a key of :data:`vlmbind.core.results.RESULTS`), or None when it holds
+    none.
 
     Raises:
         InputError: a marker file (e.g. ``results.json``) is damaged, or the folder holds several results.

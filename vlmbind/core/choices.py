@@ -11,17 +11,27 @@ are checked against the tuple here by ``tests/test_cli_startup.py``.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 from .errors import UnsupportedModelError, close_matches
 from .shipped import ORGANISM_NAMES, shipped_organisms
 
-# --- models (vlmbind.engine.loading, vlmbind.engine.vlm) ---------------------------------------------------------------------
-# the random-weight tiny models, in the order `vlmbind models` lists them (vlmbind.tiny.TINY_NAMES, from its builders)
-TINY_NAMES = ("tiny-qwen2_5_vl", "tiny-qwen2_vl", "tiny-llava", "tiny-llava_onevision", "tiny-gemma3", "tiny-molmo2",
-              "tiny-llava_next", "tiny-qwen3_vl", "tiny-qwen3_vl_moe", "tiny-qwen3_5",
-              "tiny-qwen3_5_moe", "tiny-idefics3", "tiny-smolvlm",
-              "tiny-mistral3", "tiny-paligemma", "tiny-internvl", "tiny-mllama")
+TINY_REGISTRATION = re.compile(r'^@register_tiny\("([^"]+)", rank=(\d+)\)$', re.M)
+
+
+def tiny_names_from_builders(folder: Path = Path(__file__).parents[1] / "tiny") -> tuple[str, ...]:
+    """The tiny models' names in listing order, read from the ``@register_tiny("tiny-<family>", rank=N)`` lines of
+    the builder modules without importing them (that would import torch); ``tests/test_cli_startup.py`` checks them
+    against :data:`vlmbind.tiny.TINY_NAMES`, the registry itself."""
+    found = [(int(rank), name) for path in sorted(folder.glob("*.py"))
+             for name, rank in TINY_REGISTRATION.findall(path.read_text(encoding="utf-8"))]
+    return tuple(name for _, name in sorted(found))
+
+
+# --- models (vlmbind.engine.loading, vlmbind.engine.vlm) --------------------------------------------------------------
+# the random-weight tiny models, in the order `vlmbind models` lists them: read from their builders' registrations
+TINY_NAMES = tiny_names_from_builders()
 # the tiny standalone vision encoders (vlmbind.engine.encoders)
 ENCODER_NAMES = ("tiny-clip", "tiny-siglip", "tiny-dinov2")
 # --dtype (the keys of vlmbind.engine.loading.DTYPES) and --attn-implementation
@@ -30,7 +40,7 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # --prompt-format
 PROMPT_FORMATS = ("raw", "chat")
 
-# --- locate (vlmbind.analysis.mediation, vlmbind.engine.patching) ---------------------------------------------------------
+# --- locate (vlmbind.analysis.mediation, vlmbind.engine.patching) -----------------------------------------------------
 # the mediation methods (the keys of vlmbind.engine.patching.METHOD_FUNCTIONS)
 METHODS = ("naive", "exact", "attribution", "integrated_gradients")
 CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval", "attention_swap")
@@ -39,17 +49,18 @@ UI_CONDITIONS = ("id_selection", "feature_retrieval")
 LOCATE_CHECKPOINT = "locate.partial.safetensors"
 IG_STEPS = 8
 
-# --- eval (vlmbind.analysis.evaluation) ---------------------------------------------------------------------------------------
+# --- eval (vlmbind.analysis.evaluation) -------------------------------------------------------------------------------
+# 
 EVAL_CHECKPOINT = "eval.partial.jsonl"
 
-# --- ablate, validate (vlmbind.analysis.ablation, vlmbind.analysis.validate) -------------------------------------
+# --- ablate, validate (vlmbind.analysis.ablation, vlmbind.analysis.validate) ------------------------------------------
 ABLATION_MODES = ("image_attention", "zero", "mean", "role_mean")
 VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients")
 DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
 # where a position-ID edit is added: the prompt's last position (VSM's), or also every answer position
 EDIT_POSITIONS = ("last", "answer")
 
-# --- points (vlmbind.stimuli.answers): --point-frame, the frames of generated points ------------------------------
+# --- points (vlmbind.stimuli.answers): --point-frame, the frames of generated points ----------------------------------
 FRAMES = {
     "canvas": "stimulus canvas cells: x = column, y = row, 0-based, cell centres at integers",
     "pixels": "pixels of the original image",
@@ -58,27 +69,28 @@ FRAMES = {
     "percent": "0-100 of the image's width and height (Molmo points)",
 }
 
-# --- track (vlmbind.analysis.tracking) -----------------------------------------------------------------------------
+# --- track (vlmbind.analysis.tracking) --------------------------------------------------------------------------------
 TRACK_QUERIES = ("emit", "self")
 TRACK_TASKS = ("count", "search")
 
-# --- stimuli (vlmbind.stimuli.tasks, vlmbind.stimuli.colorshape) ---------------------------------------------------
+# --- stimuli (vlmbind.stimuli.tasks, vlmbind.stimuli.colorshape) ------------------------------------------------------
 # the data sets `vlmbind stimuli` writes (the keys of vlmbind.stimuli.tasks.TASKS)
 STIMULI_TASKS = ("scene", "query", "search", "count", "rsa", "colorshape")
 PAIR_CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
 # the BalancedColorShape worlds (the keys of vlmbind.stimuli.colorshape.WORLDS)
 WORLD_NAMES = ("fbp", "organism")
 
-# --- probe (vlmbind.analysis.binding) ------------------------------------------------------------------------------
+# --- probe (vlmbind.analysis.binding) ---------------------------------------------------------------------------------
 PROBE_FAMILIES = ("linear", "quadratic", "dnn", "shared_factor", "attention", "pairwise")
 PROBE_CHECKPOINT = "probe.partial.json"
 DEFAULT_SITE_CHOICE = ("last vision block", "projector", "middle LM layer")
 
-# --- rsa (vlmbind.analysis.rsa) ------------------------------------------------------------------------------------
+# --- rsa (vlmbind.analysis.rsa) ---------------------------------------------------------------------------------------
 RSA_DEFAULT_SITES = "vision.blocks.*.hook_resid_post,projector.hook_out,blocks.*.hook_resid_post"
 SIMILARITIES = ("pearson", "cosine")
 
-# --- export (vlmbind.app.export) ---------------------------------------------------------------------------------------
+# --- export (vlmbind.app.export) --------------------------------------------------------------------------------------
+# 
 EXPORT_FORMATS = ("png", "svg", "pdf", "html", "csv")
 
 

@@ -41,6 +41,9 @@ class Result:
     # (ablate, edit, repair and eval share that file name); neither: the kind is never found by scanning
     marker_files: ClassVar[tuple[str, ...]] = ()
     marker_keys: ClassVar[tuple[str, ...]] = ()
+    # the files that save(load(folder)) writes again byte for byte (the others hold what a loaded result does not
+    # keep: timings per probe, attribution's verified scores, per-example records); tests/test_export.py checks them
+    reproduced_files: ClassVar[tuple[str, ...]] = ()
     # what export names the figure and the table of a result that has one of each
     figure_name: ClassVar[str | None] = None
     table_name: ClassVar[str | None] = None

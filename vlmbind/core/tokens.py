@@ -255,3 +255,20 @@ def grid_boxes(rows: int, cols: int, cell_w: float, cell_h: float, x_off: float 
         boxes[..., [0, 2]] = boxes[..., [0, 2]].clip(0, w)
         boxes[..., [1, 3]] = boxes[..., [1, 3]].clip(0, h)
     return boxes
+
+
+def stretched_image_grids(image_positions: np.ndarray, image_sizes: list[tuple[int, int]], rows: int, cols: int,
+                          cell: float, resized: tuple[int, int]) -> list[ImageGrid]:
+    """One ``rows x cols`` grid per image, in prompt order, for families that stretch every image to the same
+    ``resized`` ``(height, width)`` and give it one token per ``cell``-pixel square: image ``k`` takes the next
+    ``rows * cols`` of ``image_positions``, row by row, and each cell's box is mapped back to its original image
+    (``image_sizes``: ``(width, height)`` per image)."""
+    n = rows * cols
+    height, width = resized
+    grids = []
+    for k, (orig_w, orig_h) in enumerate(image_sizes):
+        positions = image_positions[k * n : (k + 1) * n].reshape(rows, cols)
+        boxes = grid_boxes(rows, cols, cell, cell, scale_x=width / orig_w, scale_y=height / orig_h,
+                           image_size=(orig_w, orig_h))
+        grids.append(ImageGrid("image", k, positions, boxes))
+    return grids

@@ -1,8 +1,8 @@
 """Every file a user hands to vlmbind, read and checked in one place.
 
 A scores table, a saved result, a model folder's JSON, an image: each reader here either returns checked content or
-raises :class:`UserFileError` (an :class:`~vlmbind.core.errors.InputError`, so the CLI prints one line and exits 2) whose
-message names the file, the row or field and the bad value, and says what to pass instead. Nothing is unpickled;
+raises :class:`UserFileError` (an :class:`~vlmbind.core.errors.InputError`, so the CLI prints one line and exits 2)
+whose message names the file, the row or field and the bad value, and says what to pass instead. Nothing is unpickled;
 JSON and CSV are parsed as text.
 """
 

@@ -1,6 +1,7 @@
 """Greedy generation, in the two forms vlmbind needs.
 
-* :func:`generate_ids`: Hugging Face ``generate`` with the key/value cache, under a :class:`~vlmbind.engine.hooks.HookSession`
+* :func:`generate_ids`: Hugging Face ``generate`` with the key/value cache, under a
+:class:`~vlmbind.engine.hooks.HookSession`
   (captures per step, interventions at every step); ``do_sample`` defaults to False. ``VLM.generate``, the pointing
   traces of ``attention_swap`` and centroid tracking go through it.
 * :func:`greedy_decode`: full forwards on the growing sequence (no cache), so a position-bound intervention stays at

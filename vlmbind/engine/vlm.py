@@ -1,8 +1,8 @@
 """Running models: the :class:`VLM` wrapper (:func:`vlmbind.engine.loading.load` makes one).
 
 A :class:`VLM` holds the HF model, its processor and the family adapter. ``prepare`` turns images and prompts into a
-:class:`Batch` (processor outputs plus one :class:`~vlmbind.core.tokens.TokenIndex` per row); ``run`` does one real forward
-with chosen sites captured and interventions applied, and removes every hook afterwards.
+:class:`Batch` (processor outputs plus one :class:`~vlmbind.core.tokens.TokenIndex` per row); ``run`` does one real
+forward with chosen sites captured and interventions applied, and removes every hook afterwards.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from .decoding import generate_ids
 from .hooks import AblateHeads, HookSession, Intervention, ZeroImageAttention
 
 TRAINING_FILE = "vlmbind_training.json"
-# PROMPT_FORMATS (from vlmbind.core.choices): how a task's prompt reaches the model: ``raw`` (image placeholders then the
-# prompt, as the organisms are trained) or ``chat`` (a user turn of the processor's chat template, then the assistant
-# turn the answer starts)
+# PROMPT_FORMATS (from vlmbind.core.choices): how a task's prompt reaches the model: ``raw`` (image placeholders then
+# the prompt, as the organisms are trained) or ``chat`` (a user turn of the processor's chat template, then the
+# assistant turn the answer starts)
 
 
 class VLM:

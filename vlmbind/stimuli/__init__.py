@@ -25,22 +25,20 @@ from .points import format_points, p2a_text, parse_count, parse_points, parse_ye
 from .rsa_set import rsa_set
 from .scenes import (
     CONDITIONS,
-    AlignedPairs,
     CounterfactualPair,
     PairSet,
-    binding_query,
-    check_alignment,
     scene_description,
     scene_pairs,
 )
+from .query import binding_query
 from .search import COUNT_SPLITS, SEARCH_SPLITS, counting, visual_search
 from .user import user_images
 
 __all__ = [
     "COLOURS", "LETTERS", "SHAPES", "CONDITIONS", "COUNT_SPLITS", "SEARCH_SPLITS",
-    "Canvas", "Dataset", "Example", "SceneObject", "CounterfactualPair", "PairSet", "AlignedPairs",
+    "Canvas", "Dataset", "Example", "SceneObject", "CounterfactualPair", "PairSet",
     "StimulusError", "PairAlignmentError",
-    "scene_description", "scene_pairs", "check_alignment", "binding_query", "visual_search", "counting", "rsa_set",
+    "scene_description", "scene_pairs", "binding_query", "visual_search", "counting", "rsa_set",
     "balanced_color_shape", "code_arrays", "covering_count", "entropies", "split_codes", "user_images",
     "answers", "format_points", "p2a_text", "parse_points", "parse_count", "parse_yes_no",
     "object_token_positions", "object_tokens", "render",

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -73,6 +74,62 @@ def check_shapes(shapes: Sequence[str]) -> tuple[str, ...]:
     if len(set(shapes)) != len(shapes):
         raise StimulusError(f"shapes repeat in {list(shapes)}")
     return tuple(shapes)
+
+
+# the parameter checks every generator shares
+def check_n(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise StimulusError(f"n must be a non-negative int (the number of examples), got {n!r}")
+    return int(n)
+
+
+def check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise StimulusError(f"seed must be a non-negative int, got {seed!r}")
+    return int(seed)
+
+
+def check_canvas(canvas: Any) -> Canvas:
+    if not isinstance(canvas, Canvas):
+        raise StimulusError(f"canvas must be a vlmbind.stimuli.Canvas, got {type(canvas).__name__}")
+    return canvas
+
+
+def object_range(n_objects: Any, canvas: Canvas, low: int = 2, high: int | None = None) -> tuple[int, int]:
+    """``(lo, hi)`` from an int or an inclusive pair, checked against ``[low, high]`` and the canvas."""
+    if isinstance(n_objects, (int, np.integer)) and not isinstance(n_objects, bool):
+        lo = hi = int(n_objects)
+    elif (isinstance(n_objects, (tuple, list)) and len(n_objects) == 2
+          and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in n_objects)):
+        lo, hi = (int(v) for v in n_objects)
+    else:
+        raise StimulusError(f"n_objects must be an int or an inclusive (lo, hi) pair of ints, got {n_objects!r}")
+    if lo > hi:
+        raise StimulusError(f"n_objects range {n_objects!r} is empty: use (lo, hi) with lo <= hi")
+    if lo < low:
+        raise StimulusError(
+            f"n_objects {n_objects!r} allows scenes of {lo} object(s); these tasks need at least {low} objects "
+            f"(a described object and a target): use n_objects >= {low}"
+        )
+    if high is not None and hi > high:
+        raise StimulusError(f"n_objects {n_objects!r} exceeds {high}, the most this task supports: use n_objects <= "
+                            f"{high}")
+    canvas.check_fits(hi)
+    return lo, hi
+
+
+def feature_pools(colours: Sequence[str] | None,
+                  shapes: Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    cs = tuple(COLOURS) if colours is None else check_colours(list(colours))
+    ss = SHAPES if shapes is None else check_shapes(list(shapes))
+    if not cs or not ss:
+        raise StimulusError("colours and shapes must each name at least one value (or be None for all)")
+    return cs, ss
+
+
+def object_count_summary(examples: Sequence[Example]) -> dict[str, Any]:
+    counts = Counter(len(e.objects) for e in examples)
+    return {"n_objects_counts": {str(k): counts[k] for k in sorted(counts)}}
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,16 +1,13 @@
-"""Scene description (VSM), its counterfactual pairs for the three CMA conditions, and the binding query task.
+"""Scene description (VSM) and its counterfactual pairs for the three CMA conditions.
 
 Design: a scene is 2-4 objects with distinct colour-shape conjunctions, one per cell of a :class:`~.core.Canvas`
 grid. Every generator draws example ``i`` from ``example_rng(seed, i)`` and builds its counterfactual from the *same*
 stream after the clean scene, so ``scene_pairs(n, condition, seed)`` has exactly the clean scenes of
 ``scene_description(n, seed)`` under all three conditions, and a larger ``n`` keeps the first pairs. Counterfactuals
 change the image only: clean and counterfactual prompts are the same string, so they tokenise alike, and
-:func:`check_alignment` proves it on a given model's processor (sequence length, image-token count and grid, text
-tokens) before any patching, and returns the patch positions. The binding query task is built so that the answer is
-not fixed by the colour and shape multisets: the multisets are drawn first, then paired by a uniformly random
-permutation (rejecting repeated conjunctions), so the Bayes-optimal strategy that sees only the multisets and the
-query answers with accuracy ``max_v P(v | multisets, query)``, which is computed exactly by enumerating permutations
-and stored per example and for the data set.
+:func:`vlmbind.engine.alignment.check_alignment` proves it on a given model's processor (sequence length,
+image-token count and grid, text tokens) before any patching, and returns the patch positions. The binding query
+task is in :mod:`.query`.
 
 Text conventions: lower-case words separated by single spaces, punctuation as separate words
 (``in this image there is a red square , a blue circle and a``); the article is always ``a`` (``an`` before the
@@ -19,13 +16,11 @@ answer would leak the answer's first letter).
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +29,17 @@ import numpy as np
 from ..core.errors import close_matches
 from ..core.images import read_image
 from .core import (
-    COLOURS,
-    SHAPES,
     Canvas,
     Dataset,
     Example,
-    PairAlignmentError,
     SceneObject,
     StimulusError,
-    check_colours,
-    check_shapes,
+    check_canvas,
+    check_n,
+    check_seed,
+    feature_pools,
+    object_count_summary,
+    object_range,
     example_rng,
     place,
     random_cells,
@@ -55,8 +51,6 @@ from .core import (
 
 ENTROPIES = ("high", "low")
 CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
-QUERIES = ("shape", "colour")
-MAX_QUERY_OBJECTS = 6  # exact ceilings enumerate n! pairings
 
 _DEFAULT_CANVAS = Canvas(image_size=224, grid=3)
 
@@ -64,59 +58,10 @@ _DEFAULT_CANVAS = Canvas(image_size=224, grid=3)
 # ------------------------------------------------------------------------------------------------------------------
 # Parameter checks
 # ------------------------------------------------------------------------------------------------------------------
-def _check_n(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise StimulusError(f"n must be a non-negative int (the number of examples), got {n!r}")
-    return int(n)
-
-
-def _check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise StimulusError(f"seed must be a non-negative int, got {seed!r}")
-    return int(seed)
-
-
-def _check_canvas(canvas: Any) -> Canvas:
-    if not isinstance(canvas, Canvas):
-        raise StimulusError(f"canvas must be a vlmbind.stimuli.Canvas, got {type(canvas).__name__}")
-    return canvas
-
-
-def _object_range(n_objects: Any, canvas: Canvas, low: int = 2, high: int | None = None) -> tuple[int, int]:
-    """``(lo, hi)`` from an int or an inclusive pair, checked against ``[low, high]`` and the canvas."""
-    if isinstance(n_objects, (int, np.integer)) and not isinstance(n_objects, bool):
-        lo = hi = int(n_objects)
-    elif (isinstance(n_objects, (tuple, list)) and len(n_objects) == 2
-          and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in n_objects)):
-        lo, hi = (int(v) for v in n_objects)
-    else:
-        raise StimulusError(f"n_objects must be an int or an inclusive (lo, hi) pair of ints, got {n_objects!r}")
-    if lo > hi:
-        raise StimulusError(f"n_objects range {n_objects!r} is empty: use (lo, hi) with lo <= hi")
-    if lo < low:
-        raise StimulusError(
-            f"n_objects {n_objects!r} allows scenes of {lo} object(s); these tasks need at least {low} objects "
-            f"(a described object and a target): use n_objects >= {low}"
-        )
-    if high is not None and hi > high:
-        raise StimulusError(f"n_objects {n_objects!r} exceeds {high}, the most this task supports: use n_objects <= "
-                            f"{high}")
-    canvas.check_fits(hi)
-    return lo, hi
-
-
 def _check_entropy(entropy: Any) -> str:
     if entropy not in ENTROPIES:
         raise StimulusError(f"entropy {entropy!r} is not one of {ENTROPIES}.{close_matches(str(entropy), ENTROPIES)}")
     return entropy
-
-
-def _pools(colours: Sequence[str] | None, shapes: Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    cs = tuple(COLOURS) if colours is None else check_colours(list(colours))
-    ss = SHAPES if shapes is None else check_shapes(list(shapes))
-    if not cs or not ss:
-        raise StimulusError("colours and shapes must each name at least one value (or be None for all)")
-    return cs, ss
 
 
 def _low_grids(n: int) -> list[tuple[int, int]]:
@@ -202,11 +147,6 @@ def _scene_params(lo: int, hi: int, entropy: str, canvas: Canvas, colours: tuple
             "shapes": list(shapes)}
 
 
-def _count_summary(examples: Sequence[Example]) -> dict[str, Any]:
-    counts = Counter(len(e.objects) for e in examples)
-    return {"n_objects_counts": {str(k): counts[k] for k in sorted(counts)}}
-
-
 def scene_description(
     n: int,
     seed: int = 0,
@@ -239,14 +179,15 @@ def scene_description(
     Raises:
         StimulusError: bad ``n``, ``seed``, ``n_objects``, ``entropy``, colour or shape, or a grid / pool too small.
     """
-    n, seed, canvas = _check_n(n), _check_seed(seed), _check_canvas(canvas)
+    n, seed, canvas = check_n(n), check_seed(seed), check_canvas(canvas)
     entropy = _check_entropy(entropy)
-    lo, hi = _object_range(n_objects, canvas)
-    cs, ss = _pools(colours, shapes)
+    lo, hi = object_range(n_objects, canvas)
+    cs, ss = feature_pools(colours, shapes)
     _check_scene_pools(lo, hi, entropy, cs, ss)
     examples = [_scene_example(example_rng(seed, i), f"scene-{i:05d}", canvas, lo, hi, entropy, cs, ss)
                 for i in range(n)]
-    return Dataset("scene", examples, _scene_params(lo, hi, entropy, canvas, cs, ss), seed, _count_summary(examples))
+    return Dataset("scene", examples, _scene_params(lo, hi, entropy, canvas, cs, ss), seed,
+                   object_count_summary(examples))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -491,10 +432,10 @@ def scene_pairs(
     Raises:
         StimulusError: bad condition or scene parameters, or no unused colour is left for feature retrieval.
     """
-    n, seed, canvas = _check_n(n), _check_seed(seed), _check_canvas(canvas)
+    n, seed, canvas = check_n(n), check_seed(seed), check_canvas(canvas)
     condition, entropy = _check_condition(condition), _check_entropy(entropy)
-    lo, hi = _object_range(n_objects, canvas)
-    cs, ss = _pools(colours, shapes)
+    lo, hi = object_range(n_objects, canvas)
+    cs, ss = feature_pools(colours, shapes)
     if swap not in SWAPS:
         raise StimulusError(f"swap must be one of {SWAPS}, got {swap!r}")
     if recolour not in RECOLOURS:
@@ -511,299 +452,11 @@ def scene_pairs(
     if swap != "last" or recolour != "unused":  # VSM's pairs keep the parameters they always had
         params.update(swap=swap, recolour=recolour)
     firsts = Counter(p.first_difference for p in pairs)
-    summary = {**_count_summary([p.clean for p in pairs]),
+    summary = {**object_count_summary([p.clean for p in pairs]),
                "first_difference_counts": {"colour": firsts[0], "shape": firsts[1]}}
     return PairSet(condition, pairs, params, seed, summary)
 
 
-@dataclass
-class AlignedPairs:
-    """Clean and counterfactual batches that line up token for token, and where to patch.
-
-    Attributes:
-        pairs: the pairs, in batch row order.
-        clean: the clean batch (row r = pair r).
-        counterfactual: the counterfactual batch, same shape and same positions.
-        positions: per pair, the sorted patch positions in the batch rows (a text span's tokens, or the last
-            position), identical on both sides.
-    """
-
-    pairs: list[CounterfactualPair]
-    clean: Any
-    counterfactual: Any
-    positions: list[np.ndarray]
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-
-def _differences(a: Any, b: Any, tokenizer: Any) -> list[str]:
-    """What differs between two TokenIndex rows that must line up (padding ignored: if every row of the batch lines
-    up, both batches pad each row alike)."""
-    out = []
-    ra, rb = a.roles[a.roles != "pad"], b.roles[b.roles != "pad"]
-    la, lb = len(ra), len(rb)
-    if la != lb:
-        out.append(f"sequence length {la} (clean) vs {lb} (counterfactual)")
-    ia, ib = int((a.roles == "image").sum()), int((b.roles == "image").sum())
-    if ia != ib:
-        out.append(f"image-token count {ia} (clean) vs {ib} (counterfactual)")
-    ga, gb = [(g.name, g.shape) for g in a.grids], [(g.name, g.shape) for g in b.grids]
-    if ga != gb:
-        out.append(f"image grids {ga} (clean) vs {gb} (counterfactual)")
-    if not out and not np.array_equal(ra, rb):
-        k = int(np.flatnonzero(ra != rb)[0])
-        out.append(f"token roles differ at real position {k}: {ra[k]!r} (clean) vs {rb[k]!r} (counterfactual)")
-    ta = a.input_ids[(a.roles != "pad") & (a.roles != "image")]
-    tb = b.input_ids[(b.roles != "pad") & (b.roles != "image")]
-    if not np.array_equal(ta, tb):
-        m = min(len(ta), len(tb))
-        k = int(np.flatnonzero(ta[:m] != tb[:m])[0]) if (ta[:m] != tb[:m]).any() else m
-        da = tokenizer.decode(ta[k:k + 4].tolist()) if k < len(ta) else "<end>"
-        db = tokenizer.decode(tb[k:k + 4].tolist()) if k < len(tb) else "<end>"
-        out.append(f"text tokens differ from text token {k}: {da!r} (clean) vs {db!r} (counterfactual)")
-    return out
-
-
-def _patch_positions(index: Any, pair: CounterfactualPair) -> np.ndarray:
-    patch = pair.patch
-    if patch.get("kind") == "last":
-        return np.array([index.last_position])
-    if patch.get("kind") == "span":
-        return index.span(patch["text"], occurrence=int(patch.get("occurrence", -1)))
-    raise StimulusError(f"pair {pair.id!r} has patch {patch!r}; kind must be 'span' or 'last'")
-
-
-def check_alignment(vlm: Any, pairs: PairSet | Sequence[CounterfactualPair], *, chat: bool = False) -> AlignedPairs:
-    """Prepare both sides of every pair with ``vlm``'s processor and check that they line up token for token.
-
-    Patching position p of the counterfactual run into position p of the clean run is only meaningful when both
-    sequences have the same length, the same image tokens at the same places (same grids) and the same text tokens.
-    Identical prompts guarantee the text; the image-token count can still differ on families whose count depends on
-    the image size or aspect ratio (Qwen2-VL's dynamic resolution, LLaVA-OneVision's any-res tiles).
-
-    Args:
-        vlm: a loaded :class:`~vlmbind.engine.vlm.VLM`.
-        pairs: the pairs, prepared as one batch (slice a large PairSet).
-        chat: wrap prompts in the processor's chat template.
-
-    Returns:
-        AlignedPairs with both batches and, per pair, the patch positions (``TokenIndex.span`` on the pair's text
-        span and occurrence, or the last position).
-
-    Raises:
-        PairAlignmentError: a pair whose sides differ; the message names the pair id and what differs.
-        StimulusError: no pairs.
-    """
-    pairs = list(pairs)
-    if not pairs:
-        raise StimulusError("check_alignment needs at least one pair")
-    clean = vlm.prepare([p.clean.image for p in pairs], [p.clean.prompt for p in pairs], chat=chat)
-    cf = vlm.prepare([p.counterfactual.image for p in pairs], [p.counterfactual.prompt for p in pairs], chat=chat)
-    tokenizer = vlm.adapter.tokenizer
-    # every row first: one misaligned row changes the other rows' left padding, so their positions differ too
-    for r, p in enumerate(pairs):
-        problems = _differences(clean.index[r], cf.index[r], tokenizer)
-        if problems:
-            raise PairAlignmentError(
-                f"pair {p.id!r} ({p.condition}) does not line up on {getattr(vlm, 'name', 'this model')}: "
-                f"{'; '.join(problems)}. Use the same prompt and images of the same size on both sides."
-            )
-    if clean.seq_len != cf.seq_len:  # unreachable when every row lines up; kept as the guard positions rely on
-        raise PairAlignmentError(f"batches padded to {clean.seq_len} (clean) vs {cf.seq_len} (counterfactual)")
-    positions = []
-    for r, p in enumerate(pairs):
-        pos_clean = _patch_positions(clean.index[r], p)
-        pos_cf = _patch_positions(cf.index[r], p)
-        if not np.array_equal(pos_clean, pos_cf):
-            raise PairAlignmentError(f"pair {p.id!r}: patch positions {pos_clean.tolist()} (clean) vs "
-                                     f"{pos_cf.tolist()} (counterfactual)")
-        positions.append(pos_clean)
-    return AlignedPairs(pairs, clean, cf, positions)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Binding query
-# ------------------------------------------------------------------------------------------------------------------
-def pair_features(rng: np.random.Generator, colours: Sequence[str], shapes: Sequence[str],
-                  max_tries: int = 10_000) -> list[int]:
-    """The generator's pairing step: a uniformly random permutation ``perm`` (object k = ``(colours[k],
-    shapes[perm[k]])``), redrawn while two objects would have the same conjunction.
-
-    Raises:
-        StimulusError: no valid permutation found in ``max_tries`` draws (the multisets admit none).
-    """
-    n = len(colours)
-    for _ in range(max_tries):
-        perm = [int(i) for i in rng.permutation(n)]
-        if len({(colours[k], shapes[perm[k]]) for k in range(n)}) == n:
-            return perm
-    raise StimulusError(f"no pairing of colours {list(colours)} with shapes {list(shapes)} gives distinct objects")
-
-
-def answer_distribution(colours: Sequence[str], shapes: Sequence[str], query: str, given: str) -> dict[str, Fraction]:
-    """Exact ``P(answer | multisets, query)`` under the uniform distribution over valid pairings.
-
-    Enumerates every permutation of ``shapes`` against ``colours`` (``n!``, n <= 6) and keeps those with distinct
-    conjunctions, exactly the pairings :func:`pair_features` can return, each equally likely.
-
-    Args:
-        colours: the scene's colour list (any order).
-        shapes: the scene's shape list.
-        query: ``"shape"`` (answer the shape of the object whose colour is ``given``) or ``"colour"``.
-        given: the value named in the prompt (unique in the scene).
-
-    Returns:
-        answer value -> probability, values with probability > 0 only, sorted by value.
-
-    Raises:
-        StimulusError: more than ``MAX_QUERY_OBJECTS`` objects, or the multisets admit no valid pairing.
-    """
-    n = len(colours)
-    if n > MAX_QUERY_OBJECTS:
-        raise StimulusError(f"exact enumeration supports up to {MAX_QUERY_OBJECTS} objects, got {n}")
-    counts: Counter[str] = Counter()
-    total = 0
-    for perm in itertools.permutations(range(n)):
-        objs = [(colours[k], shapes[perm[k]]) for k in range(n)]
-        if len(set(objs)) < n:
-            continue
-        total += 1
-        for c, s in objs:
-            if query == "shape" and c == given:
-                counts[s] += 1
-            elif query == "colour" and s == given:
-                counts[c] += 1
-    if total == 0:
-        raise StimulusError(f"colours {list(colours)} and shapes {list(shapes)} admit no distinct pairing")
-    return {v: Fraction(counts[v], total) for v in sorted(counts)}
-
-
-def _query_prompt(query: str, given: str) -> str:
-    return f"the {given} object is a" if query == "shape" else f"what colour is the {given} ? it is"
-
-
-def _draw_query_scene(rng: np.random.Generator, lo: int, hi: int, kinds: tuple[str, ...],
-                      colours: tuple[str, ...], shapes: tuple[str, ...], answer_values: tuple[int, ...]
-                      ) -> tuple[list[str], list[str], str, str, dict[str, Fraction]]:
-    """Multisets first, then the query; rejection until the answer is not fixed by the multisets."""
-    while True:
-        n = int(rng.integers(lo, hi + 1))
-        kind = kinds[int(rng.integers(len(kinds)))]
-        # the attribute named in the prompt has n distinct values (so any of them is unique); the answered
-        # attribute repeats: n i.i.d. draws among m values, m from answer_values
-        given_pool, answer_pool = (colours, shapes) if kind == "shape" else (shapes, colours)
-        given_vals = [given_pool[int(i)] for i in rng.choice(len(given_pool), size=n, replace=False)]
-        m = int(answer_values[int(rng.integers(len(answer_values)))])
-        support = [answer_pool[int(i)] for i in rng.choice(len(answer_pool), size=m, replace=False)]
-        answer_vals = [support[int(i)] for i in rng.integers(m, size=n)]
-        cs, ss = (given_vals, answer_vals) if kind == "shape" else (answer_vals, given_vals)
-        attr = cs if kind == "shape" else ss
-        unique = [v for v in attr if attr.count(v) == 1]
-        given = unique[int(rng.integers(len(unique)))]
-        dist = answer_distribution(cs, ss, kind, given)
-        if len(dist) >= 2:
-            return cs, ss, kind, given, dist
-
-
-def binding_query(
-    n: int,
-    seed: int = 0,
-    *,
-    n_objects: int | tuple[int, int] = (3, 4),
-    query: str | Sequence[str] = ("shape", "colour"),
-    canvas: Canvas = _DEFAULT_CANVAS,
-    colours: Sequence[str] | None = None,
-    shapes: Sequence[str] | None = None,
-    answer_values: int | Sequence[int] = (2, 3),
-) -> Dataset:
-    """The binding query task: ``the red object is a`` -> ``square``; ``what colour is the circle ? it is`` -> ``blue``.
-
-    Generation, per example: draw the query kind (uniform among ``query``); draw the attribute the prompt names with
-    ``n`` distinct values and the answered attribute as ``n`` i.i.d. draws among ``m`` values (``m`` uniform in
-    ``answer_values``; repeats make the answer ambiguous from counts); pick the named value uniformly (it is unique);
-    reject the scene if the answer is determined by the multisets (fewer than two answers with non-zero probability);
-    then pair colours with shapes by :func:`pair_features` (uniform permutation, distinct conjunctions) and place the
-    objects in random cells.
-
-    The counting-only strategy sees both multisets and the query but not the binding; its Bayes-optimal answer is the
-    most probable value under the uniform distribution over valid pairings, with per-example accuracy
-    ``max_v P(v | multisets, query)`` (:func:`answer_distribution`, exact). The defaults put the data-set mean near
-    0.6 (about 0.62 expected: 2/3 for 3 objects over 2 values, 3/4 or 1/2 for 4 objects over 2 values, ...), and no
-    example's ceiling reaches 1 by construction.
-
-    Args:
-        n: number of examples.
-        seed: data-set seed.
-        n_objects: objects per scene, an int or inclusive ``(lo, hi)``, between 2 and 6.
-        query: ``"shape"``, ``"colour"`` or both (asked with equal probability).
-        canvas: image size and grid.
-        colours: colour pool (default all).
-        shapes: shape pool (default ``SHAPES``).
-        answer_values: how many distinct values the answered attribute is drawn from (an int or a choice), >= 2.
-
-    Returns:
-        Dataset of task ``"query"``; fields ``query`` (the asked attribute), ``given`` (the value in the prompt),
-        ``target`` (object index), ``n_objects``, ``counting_distribution`` (value -> probability),
-        ``counting_ceiling`` (float) and ``counting_ceiling_fraction`` (``"p/q"``); ``summary["counting_ceiling"]``
-        (mean, float) and ``summary["counting_ceiling_fraction"]`` (exact ``"p/q"``).
-
-    Raises:
-        StimulusError: bad parameters, pools too small, or an unknown query kind.
-    """
-    n, seed, canvas = _check_n(n), _check_seed(seed), _check_canvas(canvas)
-    lo, hi = _object_range(n_objects, canvas, high=MAX_QUERY_OBJECTS)
-    cs, ss = _pools(colours, shapes)
-    kinds = (query,) if isinstance(query, str) else tuple(query)
-    for k in kinds:
-        if k not in QUERIES:
-            raise StimulusError(f"query {k!r} is not one of {QUERIES}.{close_matches(str(k), QUERIES)}")
-    if not kinds or len(set(kinds)) != len(kinds):
-        raise StimulusError(f"query must name 'shape', 'colour' or both once each, got {query!r}")
-    values = (answer_values,) if isinstance(answer_values, (int, np.integer)) else tuple(answer_values)
-    if not values or any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 2 for m in values):
-        raise StimulusError(f"answer_values must be ints >= 2 (an answer needs two candidates), got {answer_values!r}")
-    values = tuple(int(m) for m in values)
-    for k in kinds:
-        given_pool, answer_pool = (cs, ss) if k == "shape" else (ss, cs)
-        given_name, answer_name = ("colours", "shapes") if k == "shape" else ("shapes", "colours")
-        if len(given_pool) < hi:
-            raise StimulusError(f"{k} queries on {hi} objects need {hi} distinct {given_name}, got "
-                                f"{len(given_pool)}: add {given_name} or lower n_objects")
-        if len(answer_pool) < max(values):
-            raise StimulusError(f"answer_values {max(values)} needs {max(values)} {answer_name}, got "
-                                f"{len(answer_pool)}: add {answer_name} or lower answer_values")
-    examples, ceilings = [], []
-    for i in range(n):
-        rng = example_rng(seed, i)
-        c_list, s_list, kind, given, dist = _draw_query_scene(rng, lo, hi, kinds, cs, ss, values)
-        perm = pair_features(rng, c_list, s_list)
-        conj = [(c_list[k], s_list[perm[k]]) for k in range(len(c_list))]
-        cells = random_cells(rng, canvas, len(conj))
-        objects = raster([place(canvas, c, s, r, col) for (c, s), (r, col) in zip(conj, cells)])
-        target = next(k for k, o in enumerate(objects) if (o.colour if kind == "shape" else o.shape) == given)
-        answer = objects[target].shape if kind == "shape" else objects[target].colour
-        ceiling = max(dist.values())
-        ceilings.append(ceiling)
-        fraction = f"{ceiling.numerator}/{ceiling.denominator}"
-        examples.append(Example(
-            id=f"query-{i:05d}", image=render(canvas, objects), objects=objects, prompt=_query_prompt(kind, given),
-            answer=answer, task="query",
-            fields={"query": kind, "given": given, "target": target, "n_objects": len(objects),
-                    "counting_distribution": {v: float(p) for v, p in dist.items()},
-                    "counting_ceiling": float(ceiling), "counting_ceiling_fraction": fraction},
-        ))
-    mean = sum(ceilings, Fraction(0)) / len(ceilings) if ceilings else Fraction(0)
-    kinds_count = Counter(e.fields["query"] for e in examples)
-    summary = {**_count_summary(examples), "query_counts": {k: kinds_count[k] for k in kinds},
-               "counting_ceiling": float(mean), "counting_ceiling_fraction": f"{mean.numerator}/{mean.denominator}",
-               "counting_ceiling_max": float(max(ceilings)) if ceilings else 0.0}
-    params = {"n_objects": [lo, hi], "query": list(kinds), "canvas": canvas.to_dict(), "colours": list(cs),
-              "shapes": list(ss), "answer_values": list(values)}
-    return Dataset("query", examples, params, seed, summary)
-
-
 __all__ = [
-    "CONDITIONS", "ENTROPIES", "QUERIES", "AlignedPairs", "CounterfactualPair", "PairSet", "answer_distribution",
-    "binding_query", "check_alignment", "pair_features", "scene_description", "scene_pairs",
+    "CONDITIONS", "ENTROPIES", "CounterfactualPair", "PairSet", "scene_description", "scene_pairs",
 ]

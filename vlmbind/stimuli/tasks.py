@@ -20,7 +20,7 @@ from .core import Canvas, StimulusError
 # task -> (module, function, options it accepts besides n / seed / out)
 TASKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "scene": ("scenes", "scene_description", ("objects", "entropy", "canvas", "pairs")),
-    "query": ("scenes", "binding_query", ("objects", "canvas")),
+    "query": ("query", "binding_query", ("objects", "canvas")),
     "search": ("search", "visual_search", ("objects", "kind", "present", "regime", "canvas")),
     "count": ("search", "counting", ("objects", "diversity", "regime", "canvas")),
     "rsa": ("rsa_set", "rsa_set", ("positions", "canvas")),

@@ -11,19 +11,16 @@ adapter) are re-initialised so that the image matters.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 from ..core.errors import UnsupportedModelError, close_matches
-from . import gemma3, llava, molmo2, qwen  # noqa: F401  (each registers its builders)
-from . import llava_next  # noqa: F401
-from . import qwen3_vl  # noqa: F401
-from . import paligemma  # noqa: F401
-from . import idefics3  # noqa: F401
-from . import mistral3  # noqa: F401
-from . import internvl  # noqa: F401
-from . import qwen3_5  # noqa: F401
-from . import mllama  # noqa: F401
 from .registry import TINY_BUILDERS, listed_names, register_tiny
+
+# every module of this package is imported, so each builder module registers its tiny models by existing
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["TINY_BUILDERS", "TINY_NAMES", "build", "register_tiny", "tiny_family", "tiny_names_by_family"]
 

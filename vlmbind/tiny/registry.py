@@ -1,5 +1,5 @@
-"""The table of tiny-model builders: ``@register_tiny(name)`` adds one; :mod:`vlmbind.tiny` imports every family's
-builder module, so a new family's tiny model is registered by its own file and one line there."""
+"""The table of tiny-model builders: ``@register_tiny(name)`` adds one; :mod:`vlmbind.tiny` imports every module of
+its package, so a new family's tiny model is registered by its own file alone."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ TINY_BUILDERS: dict[str, Callable[..., tuple[Any, Any]]] = {}
 LISTING_RANK: dict[str, int] = {}
 
 
-def register_tiny(name: str, rank: int | None = None) -> Callable:
+def register_tiny(name: str, rank: int) -> Callable:
     """Decorator: register ``fn(seed=..., **kwargs) -> (model, processor)`` under ``name`` (``tiny-<family>``);
-    ``rank`` orders the listing (None: after every ranked one, in registration order)."""
+    ``rank`` orders the listing. Write it as ``@register_tiny("tiny-<family>", rank=N)`` on one line: the command
+    line reads the names from these lines without importing the builders
+    (:data:`vlmbind.core.choices.TINY_NAMES`)."""
     def deco(fn: Callable) -> Callable:
         if name in TINY_BUILDERS:
             raise ValueError(f"tiny model {name!r} registered twice")
+        if rank in LISTING_RANK.values():
+            raise ValueError(f"tiny model {name!r}: rank {rank} is taken")
         TINY_BUILDERS[name] = fn
-        LISTING_RANK[name] = 1000 + len(LISTING_RANK) if rank is None else int(rank)
+        LISTING_RANK[name] = int(rank)
         return fn
 
     return deco

@@ -4,28 +4,40 @@ Design: each subcommand is a module here with ``add_parser(sub, common)`` and a 
 to ``(summary, text, exit code)``: a JSON-serialisable summary (printed with ``--json``) and a short human summary
 (printed otherwise), so scripts and people read the same facts. :func:`main` owns the exit codes: 0 on success; 2 on
 bad usage or bad input, with exactly one line ``vlmbind: error: <reason>`` on stderr (argparse's own errors are
-routed through the same line, and every :class:`~vlmbind.core.errors.VlmbindError` message already names the bad value and
-the fix); 1 for any other failure, also as one line (set ``VLMBIND_DEBUG=1`` to see the traceback).
+routed through the same line, and every :class:`~vlmbind.core.errors.VlmbindError` message already names the bad value
+and the fix); 1 for any other failure, also as one line (set ``VLMBIND_DEBUG=1`` to see the traceback).
 
-A new subcommand is one module with those two functions and one entry in :data:`COMMANDS`.
+A new subcommand is one module here with those two functions and its ``HELP_ORDER`` (its place in ``vlmbind
+--help``): :data:`COMMANDS` finds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import pkgutil
 import sys
 import traceback
 from collections.abc import Sequence
 
 from ...core.errors import VlmbindError
-from . import ablate, demo, edit, export, locate, models, probe, rsa, stimuli, track, ui, validate
-from . import eval as eval_command
 from .arguments import Parser, UsageError, one_line
 
+# modules of this package that are not subcommands
+HELPERS = ("arguments",)
+
+
+def _discover() -> tuple:
+    # command modules import only the light core modules at their top, so importing them all keeps `--help` fast
+    found = [importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)
+             if m.name not in HELPERS]
+    return tuple(sorted(found, key=lambda module: module.HELP_ORDER))
+
+
 # the subcommands in the order `vlmbind --help` lists them
-COMMANDS = (models, demo, stimuli, eval_command, locate, track, rsa, probe, ablate, edit, validate, export, ui)
+COMMANDS = _discover()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,10 @@ from typing import Any
 
 from ...core.choices import ABLATION_MODES as MODES
 from ...core.errors import InputError
-from .arguments import add_placement, add_prompt_format, check_model, load_model, out_dir, parse_range
+from .arguments import add_placement, add_prompt_format, check_model, int_at_least, load_model, out_dir, parse_range
+
+# its place in `vlmbind --help`
+HELP_ORDER = 90
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -21,17 +24,17 @@ def add_parser(sub: Any, common: Any) -> None:
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
     heads.add_argument("--scores", help="a scores.csv from vlmbind locate")
-    p.add_argument("--top-k", type=int, default=5, help="heads per arm (default 5)")
+    p.add_argument("--top-k", type=int_at_least(1, "--top-k 5"), default=5, help="heads per arm (default 5)")
     p.add_argument("--mode", choices=MODES, default="image_attention",
                    help="image_attention (zero attention to image tokens), zero, mean (the head's output replaced by its mean "
                         "over every token) or role_mean (by its mean over the tokens of the same role: image, text)")
     p.add_argument("--renormalize", action="store_true", help="image_attention: renormalise the remaining attention")
-    p.add_argument("--seeds", type=int, default=5,
+    p.add_argument("--seeds", type=int_at_least(1, "--seeds 5"), default=5,
                    help="random-k draws, each from the heads outside the top-k (default 5)")
     p.add_argument("--bottom-by", choices=("abs", "score"), default="abs",
                    help="the bottom arm: the k smallest |score| (default; the heads least involved either way) or "
                         "the k lowest scores (the most negative heads)")
-    p.add_argument("--n", type=int, default=200, help="evaluation examples (default 200)")
+    p.add_argument("--n", type=int_at_least(1, "--n 200"), default=200, help="evaluation examples (default 200)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed")
     p.add_argument("--objects", type=parse_range, help="objects per display: N or LOW-HIGH (default: the task's)")
     p.add_argument("--out", default=None, help="output directory (default runs/ablate/<model>-<task>)")
@@ -48,12 +51,6 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     from ...core.userfiles import read_scores
     from ...stimuli.tasks import generate
 
-    if args.n < 1:
-        raise InputError(f"--n must be a positive number of examples, got {args.n}")
-    if args.top_k < 1:
-        raise InputError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.seeds < 1:
-        raise InputError(f"--seeds must be at least 1 (the random-k arms to compare with), got {args.seeds}")
     out = out_dir(args, "ablate", args.task)
     vlm = load_model(args)
     kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}

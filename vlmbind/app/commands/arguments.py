@@ -8,8 +8,8 @@ imported; then a bad ``--out`` fails (nothing written, no model loaded), then ch
 ranks and of leftovers of an interrupted run, then the ranks start and each loads the model.
 
 This module and the commands' ``add_parser`` functions import nothing heavy (the choices come from
-:mod:`vlmbind.core.choices`), so ``vlmbind --help`` and those errors answer at once; the heavy modules are imported by the
-functions that use them.
+:mod:`vlmbind.core.choices`), so ``vlmbind --help`` and those errors answer at once; the heavy modules are imported by
+the functions that use them.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def int_at_least(low: int, example: str):
             raise argparse.ArgumentTypeError(f"{value} is below {low}; pass e.g. {example}")
         return value
 
+    parse.lowest = low  # what the tests read to try every bounded option
     return parse
 
 
@@ -126,11 +127,12 @@ def placement(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_model(args: argparse.Namespace) -> None:
     """Refuse ``--model`` at once, without importing torch, when :func:`vlmbind.load` would refuse it by its name
-    alone: a misspelt registered name (the same :class:`~vlmbind.core.errors.UnsupportedModelError`, with close matches),
-    or a hub id whose config is not in the Hugging Face cache (vlmbind never downloads; the same
-    :class:`~vlmbind.core.errors.ModelLoadError` wording, saying how to fetch it or to pass a directory). Registered names
-    and local paths pass; :func:`vlmbind.load` checks them (and repeats these checks for the Python API). Every command
-    that runs a model calls it first, before its own imports; :func:`load_model` and :func:`model_session` call it
+    alone: a misspelt registered name (the same :class:`~vlmbind.core.errors.UnsupportedModelError`, with close
+    matches), or a hub id whose config is not in the Hugging Face cache (vlmbind never downloads; the same
+    :class:`~vlmbind.core.errors.ModelLoadError` wording, saying how to fetch it or to pass a directory). Registered
+    names and local paths pass; :func:`vlmbind.load` checks them (and repeats these checks for the Python API). Every
+    command that runs a model calls it first, before its own imports; :func:`load_model` and :func:`model_session` call
+    it
     too."""
     name = os.fspath(args.model)
     if is_registered(name):

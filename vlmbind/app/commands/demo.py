@@ -47,6 +47,8 @@ _SCENE_RGB = {
 _FIXED_OBJECTS = (("red", "square"), ("blue", "circle"))
 _THIRD_OBJECTS = tuple((c, s) for c in ("green", "yellow", "purple", "orange") for s in ("triangle", "square", "circle"))
 
+# its place in `vlmbind --help`
+HELP_ORDER = 20
 
 
 def add_parser(sub: Any, common: Any) -> None:

@@ -8,6 +8,9 @@ from ...core.choices import EDIT_POSITIONS
 from ...core.errors import InputError
 from .arguments import add_placement, add_prompt_format, check_model, load_model, out_dir, parse_range
 
+# its place in `vlmbind --help`
+HELP_ORDER = 100
+
 
 def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("edit", parents=[common], help="position-ID additive edits (VSM) and entropy repair",
@@ -37,7 +40,7 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, int]]:
     from ...analysis.ablation import ranked_heads
-    from ...analysis.edits import check_heads
+    from ...analysis.position_ids import check_heads
     from ...core.userfiles import read_scores
 
     frame = read_scores(path_text, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
@@ -49,7 +52,8 @@ def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, 
 
 def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
-    from ...analysis.edits import alpha_label, check_alphas, check_heads, check_positive, edit_study, entropy_repair
+    from ...analysis.edits import alpha_label, edit_study, entropy_repair
+    from ...analysis.position_ids import check_alphas, check_heads, check_positive
     from ...core.sites import parse_heads
 
     alphas = check_alphas(args.alpha)

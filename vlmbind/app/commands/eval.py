@@ -11,11 +11,15 @@ from .arguments import (
     add_point_frame,
     add_prompt_format,
     check_model,
+    int_at_least,
     model_session,
     out_dir,
     parse_range,
     rank_done,
 )
+
+# its place in `vlmbind --help`
+HELP_ORDER = 40
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -27,7 +31,7 @@ def add_parser(sub: Any, common: Any) -> None:
     add_point_frame(p)
     p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"),
                    help="the task to answer")
-    p.add_argument("--n", type=int, default=200, help="number of examples (default 200)")
+    p.add_argument("--n", type=int_at_least(1, "--n 200"), default=200, help="number of examples (default 200)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1; training uses others)")
     p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH")
     p.add_argument("--regime", choices=("direct", "p2a"), help="search / count: the answer format")
@@ -36,7 +40,8 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--diversity", choices=("low", "high"), help="count: one colour and shape, or many")
     p.add_argument("--image-size", type=int, help="canvas side in pixels (default: the model's training size)")
     p.add_argument("--grid", type=parse_range, help="object grid: N or ROWS-COLS")
-    p.add_argument("--batch-size", type=int, default=16, help="examples per generation batch (default 16)")
+    p.add_argument("--batch-size", type=int_at_least(1, "--batch-size 16"), default=16,
+                   help="examples per generation batch (default 16)")
     p.add_argument("--out", default=None, help="output directory (default runs/eval/<model>-<task>)")
     p.add_argument("--resume", action="store_true",
                    help=f"continue an interrupted run from OUT/{CHECKPOINT} (same arguments)")
@@ -53,10 +58,6 @@ def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     from ...engine import parallel
     from ...stimuli.tasks import generate, task_kwargs
 
-    if args.n < 1:
-        raise InputError(f"--n must be a positive number of examples, got {args.n}")
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
     world = parallel.world_size(args.processes)
     n_batches = -(-args.n // args.batch_size)
     if n_batches < world:

@@ -7,6 +7,9 @@ from typing import Any
 
 from ...core.choices import EXPORT_FORMATS as FORMATS
 
+# its place in `vlmbind --help`
+HELP_ORDER = 120
+
 
 def add_parser(sub: Any, common: Any) -> None:
     """Register ``vlmbind export``."""

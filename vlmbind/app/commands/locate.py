@@ -7,7 +7,19 @@ from typing import Any
 from ...core.choices import CONDITIONS, IG_STEPS, METHODS
 from ...core.choices import LOCATE_CHECKPOINT as CHECKPOINT
 from ...core.errors import InputError
-from .arguments import add_placement, add_prompt_format, check_model, model_session, out_dir, parse_range, rank_done
+from .arguments import (
+    add_placement,
+    add_prompt_format,
+    check_model,
+    int_at_least,
+    model_session,
+    out_dir,
+    parse_range,
+    rank_done,
+)
+
+# its place in `vlmbind --help`
+HELP_ORDER = 50
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -17,7 +29,7 @@ def add_parser(sub: Any, common: Any) -> None:
     add_placement(p)
     p.add_argument("--condition", required=True, choices=CONDITIONS,
                    help="scene pairs (VSM's three) or attention_swap (PbP: the model's own pointing traces)")
-    p.add_argument("--n-pairs", type=int, default=16,
+    p.add_argument("--n-pairs", type=int_at_least(1, "--n-pairs 16"), default=16,
                    help="counterfactual pairs (default 16); too few to separate any head from zero is said")
     p.add_argument("--seed", type=int, default=0, help="pair seed")
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
@@ -27,9 +39,9 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--method", choices=METHODS, default="exact",
                    help="exact (fast, equal to naive), naive (one forward per head), attribution (first-order "
                         "estimate), integrated_gradients (path estimate)")
-    p.add_argument("--verify-top", type=int, default=10,
+    p.add_argument("--verify-top", type=int_at_least(0, "--verify-top 10"), default=10,
                    help="attribution, integrated_gradients: run exact on this many top candidates")
-    p.add_argument("--ig-steps", type=int, default=IG_STEPS,
+    p.add_argument("--ig-steps", type=int_at_least(1, "--ig-steps 1"), default=IG_STEPS,
                    help=f"integrated_gradients: points on the path from clean to counterfactual (default {IG_STEPS})")
     p.add_argument("--trace-task", choices=("count", "search"), default="count",
                    help="attention_swap: displays the traces are generated on")
@@ -50,13 +62,7 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     from ...engine import parallel
     from ...stimuli import scene_pairs
 
-    if args.n_pairs < 1:
-        raise InputError(f"--n-pairs must be at least 1, got {args.n_pairs}")
-    if args.ig_steps < 1:
-        raise InputError(f"--ig-steps must be at least 1, got {args.ig_steps}")
     method_kwargs: dict[str, Any] = {"steps": args.ig_steps} if args.method == "integrated_gradients" else {}
-    if args.verify_top < 0:
-        raise InputError(f"--verify-top must be 0 or more, got {args.verify_top}")
     out = out_dir(args, "locate", args.condition)
     checkpoint = out / CHECKPOINT
     world = parallel.world_size(args.processes)

@@ -12,10 +12,14 @@ from .arguments import (
     add_placement,
     add_prompt_format,
     check_model,
+    int_at_least,
     model_session,
     out_dir,
     rank_done,
 )
+
+# its place in `vlmbind --help`
+HELP_ORDER = 80
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -33,15 +37,18 @@ def add_parser(sub: Any, common: Any) -> None:
                    help="the BalancedColorShape world: fbp (FBP's 8 x 8 palette, 18 objects on 256 px), organism "
                         "(the organisms' 4 x 4 palette, 5 objects on their 168 px canvas); default auto: the "
                         "organism world for the organisms, fbp otherwise")
-    p.add_argument("--n-train", type=int, default=39_200,
+    p.add_argument("--n-train", type=int_at_least(1, "--n-train 39200"), default=39_200,
                    help="training images (default FBP's 39,200; each image is drawn when it is captured)")
-    p.add_argument("--n-val", type=int, default=9_800, help="validation images, for early stopping (default 9,800)")
-    p.add_argument("--n-test", type=int, default=9_800, help="test images the bits are estimated on (default 9,800)")
-    p.add_argument("--epochs", type=int, default=None,
+    p.add_argument("--n-val", type=int_at_least(1, "--n-val 9800"), default=9_800,
+                   help="validation images, for early stopping (default 9,800)")
+    p.add_argument("--n-test", type=int_at_least(1, "--n-test 9800"), default=9_800,
+                   help="test images the bits are estimated on (default 9,800)")
+    p.add_argument("--epochs", type=int_at_least(1, "--epochs 1"), default=None,
                    help="a fixed number of epochs (FBP: 40); default: train each probe to convergence on the "
                         "validation loss")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (FBP: 1e-3; small sets want ~1e-2)")
-    p.add_argument("--batch-size", type=int, default=512, help="probe mini-batch (FBP: 512)")
+    p.add_argument("--batch-size", type=int_at_least(1, "--batch-size 512"), default=512,
+                   help="probe mini-batch (FBP: 512)")
     p.add_argument("--seed", type=int, default=0, help="stimulus and probe seed")
     p.add_argument("--resume", action="store_true",
                    help=f"continue an interrupted run: its capture in OUT/activations and the probes in OUT/{CHECKPOINT}")
@@ -62,17 +69,13 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     bad = [f for f in families if f not in PROBE_FAMILIES]
     if bad or not families:
         raise InputError(f"--family {args.family!r}: unknown {bad}; families: {', '.join(PROBE_FAMILIES)}")
-    if (args.epochs is not None and args.epochs < 1) or args.batch_size < 1 or not args.lr > 0:
-        raise InputError(f"--epochs and --batch-size must be at least 1 and --lr positive, got {args.epochs}, "
-                         f"{args.batch_size}, {args.lr}")
+    if not args.lr > 0:
+        raise InputError(f"--lr must be positive, got {args.lr}")
     out = out_dir(args, "probe")
     checkpoint = out / CHECKPOINT
     if checkpoint.is_file() and not args.resume:
         raise InputError(f"{out} holds an interrupted run ({CHECKPOINT}); pass --resume to continue it, or choose "
                          "another --out")
-    for split, n in (("train", args.n_train), ("val", args.n_val), ("test", args.n_test)):
-        if n < 1:  # before the model loads
-            raise InputError(f"the {split} split needs at least one image, got {n}")
     sweeps.check_shards(args.n_train + args.n_val + args.n_test, args.shard_size,
                         parallel.world_size(args.processes))
     with model_session(args, command, out) as (group, vlm):

@@ -6,16 +6,19 @@ from typing import Any
 
 from ...core.choices import RSA_DEFAULT_SITES as DEFAULT_SITES
 from ...core.choices import SIMILARITIES
-from ...core.errors import InputError
 from .arguments import (
     add_capture_arguments,
     add_placement,
     add_prompt_format,
     check_model,
+    int_at_least,
     model_session,
     out_dir,
     rank_done,
 )
+
+# its place in `vlmbind --help`
+HELP_ORDER = 70
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -26,10 +29,12 @@ def add_parser(sub: Any, common: Any) -> None:
     add_placement(p)
     add_prompt_format(p)
     p.add_argument("--sites", default=DEFAULT_SITES, help=f"comma-separated sites or patterns (default {DEFAULT_SITES})")
-    p.add_argument("--positions", type=int, default=4, help="cells per colour-shape conjunction (default 4)")
+    p.add_argument("--positions", type=int_at_least(1, "--positions 4"), default=4,
+                   help="cells per colour-shape conjunction (default 4)")
     p.add_argument("--similarity", choices=SIMILARITIES, default="pearson",
                    help="how two objects' representations are compared (default pearson)")
-    p.add_argument("--permutations", type=int, default=1000, help="permutations of the p-values (default 1000)")
+    p.add_argument("--permutations", type=int_at_least(0, "--permutations 1000"), default=1000,
+                   help="permutations of the p-values (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="stimulus and permutation seed")
     p.add_argument("--resume", action="store_true", help="continue an interrupted capture in OUT/activations")
     p.add_argument("--out", default=None, help="output directory (default runs/rsa/<model>)")
@@ -44,10 +49,6 @@ def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     from ...viz import write_html_atomic
     from ...viz.rsa import pca_figure
 
-    if args.positions < 1:
-        raise InputError(f"--positions must be at least 1, got {args.positions}")
-    if args.permutations < 0:
-        raise InputError(f"--permutations must be 0 or more, got {args.permutations}")
     out = out_dir(args, "rsa")
     with model_session(args, command, out) as (group, vlm):
         sites = [s.strip() for s in args.sites.split(",") if s.strip()]

@@ -9,7 +9,10 @@ from typing import Any
 
 from ...core.choices import PAIR_CONDITIONS
 from ...core.choices import STIMULI_TASKS as TASKS
-from .arguments import parse_range
+from .arguments import int_at_least, parse_range
+
+# its place in `vlmbind --help`
+HELP_ORDER = 30
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -19,7 +22,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("task", choices=sorted(TASKS), help="which data set")
     p.add_argument("--n", type=int, default=None, help="number of examples (pairs with --pairs); rsa takes none")
-    p.add_argument("--seed", type=int, default=0, help="stimulus seed (same seed, byte-identical files)")
+    p.add_argument("--seed", type=int_at_least(0, "--seed 0"), default=0,
+                   help="stimulus seed (same seed, byte-identical files)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--pairs", choices=PAIR_CONDITIONS, help="scene only: counterfactual pairs for this condition")
     p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH")
@@ -38,12 +42,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def cmd_stimuli(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
     from ...core.io import check_out_dir
-    from ...stimuli.core import StimulusError
     from ...stimuli.tasks import generate, task_kwargs
 
     kwargs = task_kwargs(args.task, vars(args))
-    if args.seed < 0:
-        raise StimulusError(f"--seed must be >= 0, got {args.seed}")
     check_out_dir(args.out)
     start = time.perf_counter()
     data = generate(args.task, args.n, args.seed, kwargs, pairs=args.pairs)

@@ -7,7 +7,19 @@ from typing import Any
 from ...core.choices import TRACK_QUERIES as QUERIES
 from ...core.choices import TRACK_TASKS as TASKS
 from ...core.errors import InputError
-from .arguments import add_placement, add_point_frame, add_prompt_format, check_model, load_model, out_dir, parse_range
+from .arguments import (
+    add_placement,
+    add_point_frame,
+    add_prompt_format,
+    check_model,
+    int_at_least,
+    load_model,
+    out_dir,
+    parse_range,
+)
+
+# its place in `vlmbind --help`
+HELP_ORDER = 60
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -19,14 +31,15 @@ def add_parser(sub: Any, common: Any) -> None:
     add_placement(p)
     add_prompt_format(p)
     p.add_argument("--task", required=True, choices=TASKS, help="the pointing task the centroids are tracked on")
-    p.add_argument("--n", type=int, default=32, help="number of examples (default 32)")
-    p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1)")
+    p.add_argument("--n", type=int_at_least(1, "--n 32"), default=32, help="number of examples (default 32)")
+    p.add_argument("--seed", type=int_at_least(0, "--seed 1"), default=1, help="stimulus seed (default 1)")
     p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH (default: training range)")
     p.add_argument("--threshold", type=float, default=0.9, help="centroid threshold, fraction of the max (0.9)")
     p.add_argument("--query", choices=QUERIES, default="emit",
                    help="emit: the step producing each token (default); self: the step where it is the query")
     add_point_frame(p)
-    p.add_argument("--batch-size", type=int, default=8, help="examples generated together (default 8)")
+    p.add_argument("--batch-size", type=int_at_least(1, "--batch-size 8"), default=8,
+                   help="examples generated together (default 8)")
     p.add_argument("--out", default=None, help="output directory (default runs/track/<model>-<task>)")
     p.set_defaults(func=cmd_track)
 
@@ -35,14 +48,8 @@ def cmd_track(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
     from ...analysis.tracking import track, tracking_dataset
 
-    if args.n < 1:
-        raise InputError(f"--n must be a positive number of examples, got {args.n}")
-    if args.seed < 0:
-        raise InputError(f"--seed must be 0 or more, got {args.seed}")
     if not 0.0 <= args.threshold < 1.0:
         raise InputError(f"--threshold must be in [0, 1), got {args.threshold}")
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = out_dir(args, "track", args.task)
     vlm = load_model(args)
     dataset = tracking_dataset(vlm, args.task, args.n, args.seed, objects=args.objects)

@@ -7,7 +7,10 @@ from typing import Any
 
 from ...core.choices import UI_CONDITIONS
 from ...core.errors import InputError
-from .arguments import add_placement, add_prompt_format, check_model, load_model
+from .arguments import add_placement, add_prompt_format, check_model, int_at_least, load_model
+
+# its place in `vlmbind --help`
+HELP_ORDER = 130
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -21,7 +24,7 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--condition", choices=UI_CONDITIONS, default=None,
                    help="counterfactual of generated scenes, patched at the last token (default: the condition of "
                         "--scores when it is one of these, else id_selection); the page can switch it")
-    p.add_argument("--pairs", type=int, default=8, help="pairs for on-demand locate")
+    p.add_argument("--pairs", type=int_at_least(1, "--pairs 8"), default=8, help="pairs for on-demand locate")
     p.add_argument("--seed", type=int, default=0, help="first scene's seed")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8050, help="TCP port (default 8050)")
@@ -39,8 +42,6 @@ def cmd_ui(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
     if not 0 < args.port < 65536:
         raise InputError(f"--port {args.port} is not a TCP port; pass 1..65535")
-    if args.pairs < 1:
-        raise InputError(f"--pairs must be at least 1, got {args.pairs}")
     vlm = load_model(args)
     app = build_app(vlm, scores=args.scores, seed=args.seed, condition=args.condition, n_pairs=args.pairs)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -9,6 +9,9 @@ from ...core.choices import DEFAULT_ALPHAS, EDIT_POSITIONS, IG_STEPS, VALIDATION
 from ...core.errors import InputError
 from .arguments import add_placement, add_prompt_format, check_model, int_at_least, load_model, out_dir
 
+# its place in `vlmbind --help`
+HELP_ORDER = 110
+
 
 def add_parser(sub: Any, common: Any) -> None:
     p = sub.add_parser("validate", parents=[common], help="score every method against planted heads",
