@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -229,38 +230,37 @@ def test_every_command_module_is_a_subcommand():
     assert names == [c.__name__.rsplit(".", 1)[1] for c in commands.COMMANDS]
 
 
-def test_a_new_command_module_is_found(tmp_path):
-    """The recipe's claim: a new module in vlmbind/app/commands is a subcommand with no other file touched."""
-    import subprocess
-
+def run_in_a_copy(tmp_path: Path, new_file: str, source: str, code: str) -> subprocess.CompletedProcess:
+    """``python -c code`` against a copy of the package with one new module, ``new_file``, written into it."""
     copy = tmp_path / "vlmbind"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
-    (copy / "app" / "commands" / "hello.py").write_text(
+    (copy / new_file).write_text(source)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+
+
+def test_a_new_command_module_is_found(tmp_path):
+    """The recipe's claim: a new module in vlmbind/app/commands is a subcommand with no other file touched."""
+    done = run_in_a_copy(
+        tmp_path, "app/commands/hello.py",
         "HELP_ORDER = 15\n\n\n"
         "def add_parser(sub, common):\n"
         "    sub.add_parser('hello', parents=[common], help='say hello').set_defaults(func=cmd_hello)\n\n\n"
         "def cmd_hello(args, command):\n"
-        "    return {'hello': True}, 'hello', 0\n")
-    code = "import sys; from vlmbind.app.commands import main; sys.exit(main(['hello']))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+        "    return {'hello': True}, 'hello', 0\n",
+        "import sys; from vlmbind.app.commands import main; sys.exit(main(['hello']))")
     assert done.returncode == 0 and done.stdout.strip() == "hello", done.stderr[-2000:]
 
 
 def test_a_new_analysis_module_registers_its_result_kind(tmp_path):
     """The recipe's claim: a result class in a new analysis module is in the table of kinds (and so known to
     vlmbind export) with no other file touched."""
-    import subprocess
-
-    copy = tmp_path / "vlmbind"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("weights", "__pycache__"))
-    (copy / "analysis" / "planted.py").write_text(
+    done = run_in_a_copy(
+        tmp_path, "analysis/planted.py",
         "from dataclasses import dataclass\n"
         "from ..core.results import Result, register_result\n\n\n"
-        "@register_result\n@dataclass\nclass Planted(Result):\n    kind = 'planted'\n")
-    code = "import vlmbind.app.export, vlmbind.core.results as r; print(sorted(r.RESULTS))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+        "@register_result\n@dataclass\nclass Planted(Result):\n    kind = 'planted'\n",
+        "import vlmbind.app.export, vlmbind.core.results as r; print(sorted(r.RESULTS))")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "'planted'" in done.stdout and "'locate'" in done.stdout
 

@@ -148,7 +148,7 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{name} is not shipped with this installation (no {path}); train it with "
                                  f"python -m vlmbind.organisms.recipes {name} --out DIR and load DIR")
-        with _quiet_weight_loading():  # a few dozen small tensors: a progress bar would only be noise on stderr
+        with quiet_progress_bars():  # a few dozen small tensors: a progress bar would only be noise on stderr
             vlm = _from_pretrained(str(path), **hf_kwargs)
         vlm.name, vlm.source = name, f"shipped organism ({path.relative_to(path.parents[3])})"
         return vlm
@@ -159,8 +159,8 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
 
 
 @contextlib.contextmanager
-def _quiet_weight_loading() -> Iterator[None]:
-    """transformers' progress bars off for the block, as they were after it."""
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars (weight loading and writing) off for the block, as they were after it."""
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -10,22 +10,21 @@ crash never leaves a half-written ``checkpoint-*``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers.utils import logging as hf_logging
 
 from ...core.errors import TrainingError
+from ...engine.loading import quiet_progress_bars
 from .config import TrainConfig
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -46,18 +45,6 @@ def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:
         if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and suffix.isdigit():
             found.append((int(suffix), p))
     return [p for _, p in sorted(found)]
-
-
-@contextlib.contextmanager
-def quiet_hf() -> Iterator[None]:
-    """Silence transformers' own progress bars (weight writing / loading) under the trainer's bar."""
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 _LAYER_KEY = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
@@ -107,7 +94,7 @@ def load_weights(model: torch.nn.Module, directory: str | os.PathLike,
                             f"checkpoint-* directory or a directory written by save_pretrained")
     cls = getattr(transformers, type(model).__name__)
     try:
-        with quiet_hf():
+        with quiet_progress_bars():
             source = cls.from_pretrained(directory, attn_implementation="eager")
     except (OSError, ValueError, RuntimeError) as exc:
         raise TrainingError(f"cannot load weights from {str(directory)!r}: {str(exc).splitlines()[0]}") from exc
@@ -172,7 +159,7 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module, processor:
     final = out_dir / f"{CHECKPOINT_PREFIX}{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=out_dir))
     try:
-        with quiet_hf():
+        with quiet_progress_bars():
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
         tensors, meta = optimizer_state(model, optimizer)
