@@ -5,7 +5,7 @@ of a model name that need no model.
 It imports only the standard library and base modules, so ``vlmbind --help`` and a misspelt model name answer
 without importing torch. The analysis, stimuli and engine modules that use these constants import them from here
 (one source of truth); where a heavy module keeps a registry of its own (a dict of builders or of dtypes), its keys
-are checked against the tuple here by ``tests/test_cli_startup.py``.
+are checked against the tuple here by ``tests/app/test_cli_startup.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TINY_REGISTRATION = re.compile(r'^@register_tiny\("([^"]+)", rank=(\d+)\)$', re.
 
 def tiny_names_from_builders(folder: Path = Path(__file__).parents[1] / "tiny") -> tuple[str, ...]:
     """The tiny models' names in listing order, read from the ``@register_tiny("tiny-<family>", rank=N)`` lines of
-    the builder modules without importing them (that would import torch); ``tests/test_cli_startup.py`` checks them
+    the builder modules without importing them (that would import torch); ``tests/app/test_cli_startup.py`` checks them
     against :data:`vlmbind.tiny.TINY_NAMES`, the registry itself."""
     found = [(int(rank), name) for path in sorted(folder.glob("*.py"))
              for name, rank in TINY_REGISTRATION.findall(path.read_text(encoding="utf-8"))]

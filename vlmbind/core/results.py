@@ -42,7 +42,7 @@ class Result:
     marker_files: ClassVar[tuple[str, ...]] = ()
     marker_keys: ClassVar[tuple[str, ...]] = ()
     # the files that save(load(folder)) writes again byte for byte (the others hold what a loaded result does not
-    # keep: timings per probe, attribution's verified scores, per-example records); tests/test_export.py checks them
+    # keep: timings per probe, attribution's verified scores, per-example records); tests/app/test_export.py checks them
     reproduced_files: ClassVar[tuple[str, ...]] = ()
     # what export names the figure and the table of a result that has one of each
     figure_name: ClassVar[str | None] = None

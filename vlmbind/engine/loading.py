@@ -37,7 +37,7 @@ def registered_names() -> list[str]:
     return [*shipped_organisms(), *tiny.TINY_NAMES, *ENCODER_NAMES]
 
 
-# its keys are vlmbind.core.choices.DTYPE_NAMES (the --dtype choices; tests/test_cli_startup.py checks they agree)
+# its keys are vlmbind.core.choices.DTYPE_NAMES (the --dtype choices; tests/app/test_cli_startup.py checks they agree)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 

@@ -1,0 +1,213 @@
+"""Head-level mediation: the score formula (naive and exact) against an independent nnsight computation, identity
+pairs score exactly zero, and results save as the contract says."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from helpers import get_tiny
+
+import vlmbind as vb
+from vlmbind.analysis import HeadScores, answer_token_ids, locate
+from vlmbind.engine.alignment import check_alignment
+
+S = vb.stimuli
+
+
+@pytest.mark.parametrize("method", ["naive", "exact"])
+@pytest.mark.parametrize("name", ["tiny-qwen2_5_vl", "tiny-gemma3"])
+@pytest.mark.parametrize("condition", ["id_retrieval", "feature_retrieval"])
+def test_scores_equal_an_nnsight_computation(name, condition, method):
+    vlm = get_tiny(name)
+    pairs = S.scene_pairs(2, condition, 0, n_objects=3)
+    scores = locate(vlm, pairs, layers=[1, 2], method=method)
+    assert np.all(scores.per_pair[:, [0, 3]] == 0)  # layers not asked for
+    nn_model = vlm.nnsight()
+    a_ = vlm.adapter
+    tok = a_.tokenizer
+    for i, pair in enumerate(pairs):
+        prefix, a, a_star = answer_token_ids(tok, pair.answer, pair.answer_counterfactual)
+        assert prefix == []  # high entropy: the colours differ
+        aligned = check_alignment(vlm, [pair])
+        pos, d = aligned.positions[0], a_.d_head
+        for layer, head in [(1, 0), (2, 3)]:
+            path = a_.o_proj_path(layer)
+            with torch.no_grad(), nn_model.trace(**aligned.counterfactual.inputs, use_cache=False):
+                z_cf = vlm.nnsight_module(nn_model, path).input.save()
+            with torch.no_grad(), nn_model.trace(**aligned.clean.inputs, use_cache=False):
+                clean_logits = nn_model.output.logits.save()
+            with torch.no_grad(), nn_model.trace(**aligned.clean.inputs, use_cache=False):
+                x = vlm.nnsight_module(nn_model, path).input
+                for p in pos.tolist():
+                    x[:, p, head * d:(head + 1) * d] = z_cf[:, p, head * d:(head + 1) * d]
+                patched = nn_model.output.logits.save()
+            ref = float((patched[0, -1, a_star] - patched[0, -1, a]) - (clean_logits[0, -1, a_star]
+                                                                         - clean_logits[0, -1, a]))
+            assert scores.per_pair[i, layer, head] == pytest.approx(ref, abs=1e-6)
+    assert np.abs(scores.per_pair).max() > 1e-5, "effects must be non-zero for the comparison to mean anything"
+
+
+@pytest.mark.parametrize("method", ["naive", "exact", "attribution"])
+def test_identity_pairs_score_zero(method):
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    pairs = [replace(p, counterfactual=replace(p.counterfactual, image=p.clean.image))
+             for p in S.scene_pairs(2, "id_selection", 1, n_objects=3)]
+    scores = locate(vlm, pairs, method=method)
+    assert np.all(scores.per_pair == 0)
+
+
+def test_shared_answer_prefix_is_appended():
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    tok = vlm.adapter.tokenizer
+    prefix, a, a_star = answer_token_ids(tok, "red square", "red circle")
+    assert tok.decode(prefix).strip() == "red" and a != a_star
+    with pytest.raises(vb.InputError, match="no differing token"):
+        answer_token_ids(tok, "red square", "red square")
+    pairs = [p for p in S.scene_pairs(40, "id_selection", 0, n_objects=(3, 4), entropy="low")
+             if p.first_difference == 1][:1]
+    assert pairs, "low-entropy pairs that share the colour exist"
+    scores = locate(vlm, pairs, layers=[3])
+    assert np.abs(scores.per_pair[0, 3]).max() > 0
+
+
+def test_results_table_and_files(tmp_path):
+    per_pair = np.arange(2 * 3 * 4, dtype=float).reshape(2, 3, 4)
+    hs = HeadScores("id_selection", "naive", "m", per_pair, pair_ids=["p0", "p1"])
+    frame = hs.to_frame()
+    assert list(frame.columns) == ["layer", "head", "score", "stderr", "n", "ci_low", "ci_high", "p_value", "q_value",
+                                   "significant"] and len(frame) == 12
+    assert frame.loc[(frame["layer"] == 2) & (frame["head"] == 3), "score"].item() == (11 + 23) / 2
+    assert hs.top(2) == [(2, 3), (2, 2)]
+    assert hs.stderr[0, 0] == pytest.approx(np.std([0, 12], ddof=1) / np.sqrt(2))
+    hs.save(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["top_heads"][0] == "2.3"
+    assert (tmp_path / "scores.csv").read_text().startswith("layer,head,score,stderr,n")
+    assert (tmp_path / "heatmap.html").stat().st_size > 1000
+
+
+def test_bad_calls():
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    with pytest.raises(vb.InputError, match="unknown method"):
+        locate(vlm, S.scene_pairs(1, "id_selection", 0), method="fast")
+    with pytest.raises(vb.InputError, match="at least one"):
+        locate(vlm, [])
+    mixed = [*S.scene_pairs(1, "id_selection", 0), *S.scene_pairs(1, "id_retrieval", 0)]
+    with pytest.raises(vb.InputError, match="mix conditions"):
+        locate(vlm, mixed)
+
+
+def test_locate_command(tmp_path, capsys):
+    from vlmbind.cli import main
+
+    out = tmp_path / "loc"
+    assert main(["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "2",
+                 "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["n"] == 2 and summary["method"] == "exact" and len(summary["top_heads"]) == 10
+    frame = __import__("pandas").read_csv(out / "scores.csv")
+    assert len(frame) == 16 and set(frame["n"]) == {2}
+    assert main(["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "0",
+                 "--out", str(out)]) == 2
+
+
+def test_killed_locate_resumes_to_an_identical_scores_csv(tmp_path):
+    """kill -9 a `vlmbind locate` run once it has written part of its checkpoint, resume it, and compare with an
+    uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = ["locate", "--model", "organism-p2a", "--condition", "feature_retrieval", "--n-pairs", "12",
+            "--method", "naive", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "vlmbind.cli"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    subprocess.run([*cmd, *args, "--out", str(ref)], check=True, capture_output=True, env=env)
+    proc = subprocess.Popen([*cmd, *args, "--out", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
+    checkpoint = run / "locate.partial.safetensors"
+    deadline = time.time() + 120
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.exists() and not (run / "scores.csv").exists(), "the run must be killed part-way"
+    # without --resume the interrupted run is refused, not overwritten
+    again = subprocess.run([*cmd, *args, "--out", str(run)], capture_output=True, text=True, env=env)
+    assert again.returncode == 2 and "--resume" in again.stderr.strip().splitlines()[-1]
+    subprocess.run([*cmd, *args, "--out", str(run), "--resume"], check=True, capture_output=True, env=env)
+    assert (run / "scores.csv").read_bytes() == (ref / "scores.csv").read_bytes()
+    assert not checkpoint.exists()
+
+
+def test_checkpoint_of_another_run_is_refused(tmp_path):
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    pairs = S.scene_pairs(2, "id_selection", 0, n_objects=3)
+    path = tmp_path / "c.safetensors"
+    from vlmbind.analysis.mediation import _save_checkpoint
+
+    _save_checkpoint(path, {"model": "other", "method": "exact", "condition": "id_selection", "layers": [0, 1, 2, 3],
+                            "pairs": [p.id for p in pairs]}, np.zeros((1, 4, 4)))
+    with pytest.raises(vb.InputError, match="another run"):
+        locate(vlm, pairs, checkpoint=path)
+    full = locate(vlm, pairs)
+    partial = tmp_path / "p.safetensors"
+    key = {"model": vlm.name, "method": "exact", "condition": "id_selection", "layers": [0, 1, 2, 3],
+           "pairs": [p.id for p in pairs], "prompt_format": "chat"}
+    _save_checkpoint(partial, key, full.per_pair[:1])
+    with pytest.raises(vb.InputError, match="prompt_format differ"):  # the tiny model prompts raw by default
+        locate(vlm, pairs, checkpoint=partial)
+    _save_checkpoint(partial, {**key, "prompt_format": "raw"}, full.per_pair[:1])
+    resumed = locate(vlm, pairs, checkpoint=partial)
+    np.testing.assert_array_equal(resumed.per_pair, full.per_pair)
+    assert not partial.exists()
+
+
+def test_head_uncertainty_matches_scipy_and_a_plain_bootstrap():
+    from scipy import stats
+
+    from vlmbind.analysis.mediation import head_uncertainty
+
+    rng = np.random.default_rng(3)
+    per_pair = rng.normal(size=(12, 3, 4)) * 0.1
+    per_pair[:, 2, 1] += 1.0  # one real head
+    per_pair[:, 0, 0] = 0.0  # a head that never moves
+    u = head_uncertainty(per_pair, n_boot=4000, seed=0)
+    t = stats.ttest_1samp(per_pair[:, 1, 2], 0.0)
+    assert u["p_value"][1, 2] == pytest.approx(t.pvalue, rel=1e-12)
+    p = u["p_value"].ravel()
+    assert np.allclose(u["q_value"].ravel(), stats.false_discovery_control(p, method="bh"))
+    assert u["p_value"][0, 0] == 1.0 and not u["significant"][0, 0]
+    assert u["significant"][2, 1] and u["significant"].sum() <= 2
+    # the interval of the real head is a plain bootstrap's, to Monte-Carlo error
+    boots = [per_pair[rng.integers(0, 12, 12), 2, 1].mean() for _ in range(4000)]
+    assert u["ci_low"][2, 1] == pytest.approx(np.percentile(boots, 2.5), abs=0.02)
+    assert u["ci_high"][2, 1] == pytest.approx(np.percentile(boots, 97.5), abs=0.02)
+    assert (u["ci_low"] <= per_pair.mean(0)).all() and (per_pair.mean(0) <= u["ci_high"]).all()
+    assert np.array_equal(head_uncertainty(per_pair, n_boot=4000, seed=0)["ci_low"], u["ci_low"])  # seeded
+
+
+def test_rankings_say_which_heads_are_significant_and_when_none_is(tmp_path):
+    rng = np.random.default_rng(0)
+    half = rng.normal(size=(2, 2, 3)) * 0.01
+    noise = HeadScores("id_selection", "exact", "m", np.concatenate([half, -half]))  # every mean exactly 0
+    assert noise.significant_top() == [] and "not evidence" in noise.significance_note()
+    assert "significance_note" in noise.summary() and noise.summary()["significant_heads"] == []
+    half = rng.normal(size=(4, 2, 3)) * 0.01
+    real = np.concatenate([half, -half])  # zero-mean noise everywhere ...
+    real[:, 1, 2] += 1.0  # ... and one head that moves the logit
+    strong = HeadScores("id_selection", "exact", "m", real)
+    assert strong.significant_top() == [(1, 2)] and strong.significance_note() is None
+    assert strong.ranking_text(2).startswith("1.2* (+1.")
+    strong.save(tmp_path)
+    loaded = HeadScores.load(tmp_path)
+    assert loaded.significant_top() == [(1, 2)]
+    np.testing.assert_array_equal(loaded.uncertainty()["ci_high"], strong.uncertainty()["ci_high"])
+    html = (tmp_path / "heatmap.html").read_text()
+    assert "rings: significant (1 of 6 heads)" in html and "95% percentile bootstrap" in json.dumps(strong.summary())
