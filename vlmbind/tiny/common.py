@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -63,8 +65,11 @@ def build_tokenizer(
     )
 
 
-def seeded(seed: int) -> None:
+def random_model(model_cls: type, config: Any, seed: int, attn_implementation: str) -> torch.nn.Module:
+    """``model_cls`` built from ``config`` with the weights HF's init draws after ``torch.manual_seed(seed)``."""
+    config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
+    return model_cls._from_config(config, attn_implementation=attn_implementation)
 
 
 def rescale_linear_weights(module: torch.nn.Module, std: float, seed: int) -> None:

@@ -22,7 +22,7 @@ from transformers import (
     Gemma3Processor,
 )
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
@@ -41,18 +41,11 @@ SLIDING_WINDOW = 16
 
 
 @register_tiny("tiny-gemma3", rank=4)
-def tiny_gemma3(seed: int = 0, **kwargs: Any) -> tuple[Gemma3ForConditionalGeneration, Gemma3Processor]:
-    """Build the tiny Gemma-3 model and processor.
-
-    Args:
-        seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``); ``tokenizer`` and ``chat_template`` replace the
-            tiny ones (:mod:`vlmbind.tiny.real`).
-
-    Returns:
-        ``(model, processor)``; the model is in eval mode.
-    """
-    tok = kwargs.pop("tokenizer", None) or build_tokenizer(
+def tiny_gemma3(
+    seed: int = 0, *, attn_implementation: str = "eager", tokenizer: Any = None, chat_template: str | None = None
+) -> tuple[Gemma3ForConditionalGeneration, Gemma3Processor]:
+    """Build the tiny Gemma-3 model and processor."""
+    tok = tokenizer or build_tokenizer(
         SPECIALS,
         bos_token="<bos>",
         eos_token="<eos>",
@@ -84,11 +77,7 @@ def tiny_gemma3(seed: int = 0, **kwargs: Any) -> tuple[Gemma3ForConditionalGener
         image_token_index=ids["<image_soft_token>"], bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"],
         pad_token_id=ids["<pad>"], tie_word_embeddings=True,
     )
-    config.architectures = [Gemma3ForConditionalGeneration.__name__]
-    seeded(seed)
-    model = Gemma3ForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(Gemma3ForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     # Gemma-3 zero-initialises the projection, so a random model would ignore the image: redraw it from the seed.
     # Its input is RMS-normalised (entries ~1), so this std gives image features the scale of the text embeddings
@@ -101,6 +90,6 @@ def tiny_gemma3(seed: int = 0, **kwargs: Any) -> tuple[Gemma3ForConditionalGener
     image_processor = Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = Gemma3Processor(
         image_processor=image_processor, tokenizer=tok,
-        chat_template=kwargs.pop("chat_template", None) or CHAT_TEMPLATE, image_seq_length=n_tokens,
+        chat_template=chat_template or CHAT_TEMPLATE, image_seq_length=n_tokens,
     )
     return model.eval(), processor

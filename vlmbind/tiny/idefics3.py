@@ -43,7 +43,7 @@ from transformers import (
 )
 
 from ..core.errors import ModelLoadError
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 TILE_TAGS = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
@@ -112,9 +112,7 @@ def build_idefics3(family: str, seed: int, attn_implementation: str = "eager") -
         scale_factor=scale,
         tie_word_embeddings=False,
     )
-    config.architectures = [model_cls.__name__]
-    seeded(seed)
-    model = model_cls._from_config(config, attn_implementation=attn_implementation)
+    model = random_model(model_cls, config, seed, attn_implementation)
     rescale_linear_weights(model.model.text_model, std=0.08, seed=seed + 1)
     image_processor = image_processor_cls(
         size={"longest_edge": LONGEST_EDGE}, max_image_size={"longest_edge": TILE}, do_image_splitting=True,
@@ -135,12 +133,16 @@ def build_idefics3(family: str, seed: int, attn_implementation: str = "eager") -
 
 # listed after the other families (ranks 0-8)
 @register_tiny("tiny-idefics3", rank=12)
-def tiny_idefics3(seed: int = 0, **kwargs: Any) -> tuple[Idefics3ForConditionalGeneration, Idefics3Processor]:
-    """Build the tiny Idefics3 model and processor (``attn_implementation`` in ``kwargs``, default ``"eager"``)."""
-    return build_idefics3("idefics3", seed, attn_implementation=kwargs.pop("attn_implementation", "eager"))
+def tiny_idefics3(
+    seed: int = 0, *, attn_implementation: str = "eager"
+) -> tuple[Idefics3ForConditionalGeneration, Idefics3Processor]:
+    """Build the tiny Idefics3 model and processor."""
+    return build_idefics3("idefics3", seed, attn_implementation=attn_implementation)
 
 
 @register_tiny("tiny-smolvlm", rank=13)
-def tiny_smolvlm(seed: int = 0, **kwargs: Any) -> tuple[SmolVLMForConditionalGeneration, SmolVLMProcessor]:
-    """Build the tiny SmolVLM model and processor (``attn_implementation`` in ``kwargs``, default ``"eager"``)."""
-    return build_idefics3("smolvlm", seed, attn_implementation=kwargs.pop("attn_implementation", "eager"))
+def tiny_smolvlm(
+    seed: int = 0, *, attn_implementation: str = "eager"
+) -> tuple[SmolVLMForConditionalGeneration, SmolVLMProcessor]:
+    """Build the tiny SmolVLM model and processor."""
+    return build_idefics3("smolvlm", seed, attn_implementation=attn_implementation)

@@ -31,7 +31,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
@@ -66,16 +66,10 @@ def internvl_tokenizer() -> Any:
 
 # listed after the families before it (ranks 0-20)
 @register_tiny("tiny-internvl", rank=24)
-def tiny_internvl(seed: int = 0, **kwargs: Any) -> tuple[InternVLForConditionalGeneration, InternVLProcessor]:
-    """Build the tiny InternVL model and processor.
-
-    Args:
-        seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``).
-
-    Returns:
-        ``(model, processor)``; the model is in eval mode.
-    """
+def tiny_internvl(
+    seed: int = 0, *, attn_implementation: str = "eager"
+) -> tuple[InternVLForConditionalGeneration, InternVLProcessor]:
+    """Build the tiny InternVL model and processor."""
     tok = internvl_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
     config = InternVLConfig(
@@ -89,11 +83,7 @@ def tiny_internvl(seed: int = 0, **kwargs: Any) -> tuple[InternVLForConditionalG
         vision_feature_select_strategy="default",
         tie_word_embeddings=False,
     )
-    config.architectures = [InternVLForConditionalGeneration.__name__]
-    seeded(seed)
-    model = InternVLForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(InternVLForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     size = {"height": TILE, "width": TILE}
     image_processor = GotOcr2ImageProcessor(size=size, crop_to_patches=True, min_patches=1, max_patches=MAX_TILES,

@@ -35,7 +35,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 # ---- LLaVA-1.5 ------------------------------------------------------------------------------------------------
@@ -69,18 +69,11 @@ _VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, 
 
 
 @register_tiny("tiny-llava", rank=2)
-def tiny_llava(seed: int = 0, **kwargs: Any) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
-    """Build the tiny LLaVA-1.5 model and processor.
-
-    Args:
-        seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``); ``tokenizer`` and ``chat_template`` replace the
-            tiny ones (:mod:`vlmbind.tiny.real`).
-
-    Returns:
-        ``(model, processor)``; the model is in eval mode.
-    """
-    tok = kwargs.pop("tokenizer", None) or build_tokenizer(
+def tiny_llava(
+    seed: int = 0, *, attn_implementation: str = "eager", tokenizer: Any = None, chat_template: str | None = None
+) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
+    """Build the tiny LLaVA-1.5 model and processor."""
+    tok = tokenizer or build_tokenizer(
         LLAVA_SPECIALS, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", add_bos=True,
         extra_special_tokens={"image_token": "<image>"},
     )
@@ -97,11 +90,7 @@ def tiny_llava(seed: int = 0, **kwargs: Any) -> tuple[LlavaForConditionalGenerat
         vision_feature_layer=-2,
         tie_word_embeddings=False,
     )
-    config.architectures = [LlavaForConditionalGeneration.__name__]
-    seeded(seed)
-    model = LlavaForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(LlavaForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     image_processor = LlavaImageProcessor(
         size={"shortest_edge": LLAVA_IMAGE_SIZE}, crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
@@ -109,24 +98,16 @@ def tiny_llava(seed: int = 0, **kwargs: Any) -> tuple[LlavaForConditionalGenerat
     processor = LlavaProcessor(
         image_processor=image_processor, tokenizer=tok, patch_size=LLAVA_PATCH_SIZE,
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=kwargs.pop("chat_template", None) or LLAVA_CHAT_TEMPLATE,
+        chat_template=chat_template or LLAVA_CHAT_TEMPLATE,
     )
     return model.eval(), processor
 
 
 @register_tiny("tiny-llava_onevision", rank=3)
 def tiny_llava_onevision(
-    seed: int = 0, **kwargs: Any
+    seed: int = 0, *, attn_implementation: str = "eager", tokenizer: Any = None, chat_template: str | None = None
 ) -> tuple[LlavaOnevisionForConditionalGeneration, LlavaOnevisionProcessor]:
-    """Build the tiny LLaVA-OneVision model and processor.
-
-    Args:
-        seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``).
-
-    Returns:
-        ``(model, processor)``; the model is in eval mode.
-    """
+    """Build the tiny LLaVA-OneVision model and processor."""
     tok = build_tokenizer(
         ONEVISION_SPECIALS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         extra_special_tokens={"image_token": "<image>", "video_token": "<video>"},
@@ -146,11 +127,7 @@ def tiny_llava_onevision(
         vision_aspect_ratio="anyres_max_9",
         tie_word_embeddings=False,
     )
-    config.architectures = [LlavaOnevisionForConditionalGeneration.__name__]
-    seeded(seed)
-    model = LlavaOnevisionForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(LlavaOnevisionForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     tile = {"height": ONEVISION_TILE, "width": ONEVISION_TILE}
     image_processor = LlavaOnevisionImageProcessor(

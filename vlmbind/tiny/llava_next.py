@@ -27,7 +27,7 @@ from transformers import (
     MistralConfig,
 )
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .llava import _TEXT, _VISION, LLAVA_SPECIALS
 from .registry import register_tiny
 
@@ -47,7 +47,9 @@ NEXT_CHAT_TEMPLATE = (
 
 
 @register_tiny("tiny-llava_next", rank=6)
-def tiny_llava_next(seed: int = 0, **kwargs: Any) -> tuple[LlavaNextForConditionalGeneration, LlavaNextProcessor]:
+def tiny_llava_next(
+    seed: int = 0, *, attn_implementation: str = "eager", tokenizer: Any = None, chat_template: str | None = None
+) -> tuple[LlavaNextForConditionalGeneration, LlavaNextProcessor]:
     """Build the tiny LLaVA-NeXT model and processor.
 
     Args:
@@ -58,7 +60,7 @@ def tiny_llava_next(seed: int = 0, **kwargs: Any) -> tuple[LlavaNextForCondition
     Returns:
         ``(model, processor)``; the model is in eval mode.
     """
-    tok = kwargs.pop("tokenizer", None) or build_tokenizer(
+    tok = tokenizer or build_tokenizer(
         LLAVA_SPECIALS, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", add_bos=True,
         extra_special_tokens={"image_token": "<image>"},
     )
@@ -75,11 +77,7 @@ def tiny_llava_next(seed: int = 0, **kwargs: Any) -> tuple[LlavaNextForCondition
         image_grid_pinpoints=NEXT_PINPOINTS,
         tie_word_embeddings=False,
     )
-    config.architectures = [LlavaNextForConditionalGeneration.__name__]
-    seeded(seed)
-    model = LlavaNextForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(LlavaNextForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     image_processor = LlavaNextImageProcessor(
         size={"shortest_edge": NEXT_TILE}, crop_size={"height": NEXT_TILE, "width": NEXT_TILE},
@@ -88,6 +86,6 @@ def tiny_llava_next(seed: int = 0, **kwargs: Any) -> tuple[LlavaNextForCondition
     processor = LlavaNextProcessor(
         image_processor=image_processor, tokenizer=tok, patch_size=NEXT_PATCH_SIZE,
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=kwargs.pop("chat_template", None) or NEXT_CHAT_TEMPLATE,
+        chat_template=chat_template or NEXT_CHAT_TEMPLATE,
     )
     return model.eval(), processor

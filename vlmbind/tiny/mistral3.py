@@ -12,8 +12,6 @@ checkpoints: 1540) and rounds each side up to a multiple of 28: a 224x224 image 
 
 from __future__ import annotations
 
-from typing import Any
-
 from transformers import (
     Mistral3Config,
     Mistral3ForConditionalGeneration,
@@ -23,7 +21,7 @@ from transformers import (
     PixtralVisionConfig,
 )
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 # Mistral's control tokens, in the real vocabulary's order where it has them (<unk> 0, <s> 1, </s> 2, ...)
@@ -46,16 +44,10 @@ _VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, 
 
 # listed after the families before it (ranks 0-13)
 @register_tiny("tiny-mistral3", rank=16)
-def tiny_mistral3(seed: int = 0, **kwargs: Any) -> tuple[Mistral3ForConditionalGeneration, PixtralProcessor]:
-    """Build the tiny Mistral3 model and processor.
-
-    Args:
-        seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``).
-
-    Returns:
-        ``(model, processor)``; the model is in eval mode.
-    """
+def tiny_mistral3(
+    seed: int = 0, *, attn_implementation: str = "eager"
+) -> tuple[Mistral3ForConditionalGeneration, PixtralProcessor]:
+    """Build the tiny Mistral3 model and processor."""
     tok = build_tokenizer(
         SPECIALS, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", add_bos=True,
         extra_special_tokens={"image_token": "[IMG]"},
@@ -70,11 +62,7 @@ def tiny_mistral3(seed: int = 0, **kwargs: Any) -> tuple[Mistral3ForConditionalG
         vision_feature_layer=-1,
         tie_word_embeddings=False,
     )
-    config.architectures = [Mistral3ForConditionalGeneration.__name__]
-    seeded(seed)
-    model = Mistral3ForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(Mistral3ForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     image_processor = PixtralImageProcessor(size={"longest_edge": LONGEST_EDGE},
                                             patch_size={"height": PATCH_SIZE, "width": PATCH_SIZE})

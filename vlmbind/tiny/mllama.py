@@ -15,12 +15,10 @@ template also writes, so chat texts are encoded without special tokens (the adap
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaImageProcessor, MllamaProcessor
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|image|>", "<|start_header_id|>",
@@ -41,16 +39,10 @@ GATE = 1.0
 
 
 @register_tiny("tiny-mllama", rank=28)
-def tiny_mllama(seed: int = 0, **kwargs: Any) -> tuple[MllamaForConditionalGeneration, MllamaProcessor]:
-    """Build the tiny Llama-3.2-Vision model and processor.
-
-    Args:
-        seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``).
-
-    Returns:
-        ``(model, processor)``; the model is in eval mode.
-    """
+def tiny_mllama(
+    seed: int = 0, *, attn_implementation: str = "eager"
+) -> tuple[MllamaForConditionalGeneration, MllamaProcessor]:
+    """Build the tiny Llama-3.2-Vision model and processor."""
     tok = build_tokenizer(
         SPECIALS, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>",
         add_bos=True, extra_special_tokens={"image_token": "<|image|>"},
@@ -72,11 +64,7 @@ def tiny_mllama(seed: int = 0, **kwargs: Any) -> tuple[MllamaForConditionalGener
         ),
         image_token_index=ids["<|image|>"],
     )
-    config.architectures = [MllamaForConditionalGeneration.__name__]
-    seeded(seed)
-    model = MllamaForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(MllamaForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     with torch.no_grad():
         for layer in CROSS_LAYERS:

@@ -26,7 +26,7 @@ from transformers import (
     Molmo2VideoProcessor,
 )
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 # The processor looks these eight up by name (``Molmo2Processor.image_token_ids``); every one of them is marked as an
@@ -61,7 +61,9 @@ def _reinit_adapter(adapter: torch.nn.Module, seed: int) -> None:
 
 
 @register_tiny("tiny-molmo2", rank=5)
-def tiny_molmo2(seed: int = 0, **kwargs: Any) -> tuple[Molmo2ForConditionalGeneration, Molmo2Processor]:
+def tiny_molmo2(
+    seed: int = 0, *, attn_implementation: str = "eager", tokenizer: Any = None, chat_template: str | None = None
+) -> tuple[Molmo2ForConditionalGeneration, Molmo2Processor]:
     """Build the tiny Molmo2 model and its processor.
 
     Args:
@@ -72,7 +74,7 @@ def tiny_molmo2(seed: int = 0, **kwargs: Any) -> tuple[Molmo2ForConditionalGener
     Returns:
         ``(model, processor)``; the model is in eval mode.
     """
-    tok = kwargs.pop("tokenizer", None) or build_tokenizer(
+    tok = tokenizer or build_tokenizer(
         SPECIALS,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
@@ -109,15 +111,11 @@ def tiny_molmo2(seed: int = 0, **kwargs: Any) -> tuple[Molmo2ForConditionalGener
     )
     config.text_config.eos_token_id = ids["<|endoftext|>"]
     config.text_config.pad_token_id = ids["<|endoftext|>"]
-    config.architectures = [Molmo2ForConditionalGeneration.__name__]
-    seeded(seed)
-    model = Molmo2ForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(Molmo2ForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     _reinit_adapter(model.model.multi_modal_projector, seed=seed + 2)
     processor = Molmo2Processor(
         image_processor=image_processor, video_processor=video_processor, tokenizer=tok,
-        chat_template=kwargs.pop("chat_template", None) or CHAT_TEMPLATE,
+        chat_template=chat_template or CHAT_TEMPLATE,
     )
     return model.eval(), processor

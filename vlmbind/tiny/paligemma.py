@@ -22,7 +22,7 @@ from transformers import (
     SiglipImageProcessor,
 )
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]
@@ -40,18 +40,11 @@ SLIDING_WINDOW = 16
 
 
 @register_tiny("tiny-paligemma", rank=20)
-def tiny_paligemma(seed: int = 0, **kwargs: Any) -> tuple[PaliGemmaForConditionalGeneration, PaliGemmaProcessor]:
-    """Build the tiny PaliGemma 2 model and processor.
-
-    Args:
-        seed: weights are a deterministic function of it (same seed -> identical weights).
-        **kwargs: ``attn_implementation`` (default ``"eager"``); ``tokenizer`` and ``chat_template`` replace the
-            tiny ones (:mod:`vlmbind.tiny.real`).
-
-    Returns:
-        ``(model, processor)``; the model is in eval mode.
-    """
-    tok = kwargs.pop("tokenizer", None) or build_tokenizer(
+def tiny_paligemma(
+    seed: int = 0, *, attn_implementation: str = "eager", tokenizer: Any = None, chat_template: str | None = None
+) -> tuple[PaliGemmaForConditionalGeneration, PaliGemmaProcessor]:
+    """Build the tiny PaliGemma 2 model and processor."""
+    tok = tokenizer or build_tokenizer(
         SPECIALS, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
         extra_special_tokens={"image_token": "<image>"},
     )
@@ -60,7 +53,7 @@ def tiny_paligemma(seed: int = 0, **kwargs: Any) -> tuple[PaliGemmaForConditiona
     image_processor.image_seq_length = n_tokens  # PaliGemmaProcessor reads the token count from here
     # the processor adds the location / segmentation tokens to the tokenizer: build it before sizing the vocabulary
     processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok,
-                                   chat_template=kwargs.pop("chat_template", None) or CHAT_TEMPLATE)
+                                   chat_template=chat_template or CHAT_TEMPLATE)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
     text = dict(
         model_type="gemma2", vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -78,10 +71,6 @@ def tiny_paligemma(seed: int = 0, **kwargs: Any) -> tuple[PaliGemmaForConditiona
         hidden_size=128, vocab_size=len(tok), bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"],
         pad_token_id=ids["<pad>"], tie_word_embeddings=True,
     )
-    config.architectures = [PaliGemmaForConditionalGeneration.__name__]
-    seeded(seed)
-    model = PaliGemmaForConditionalGeneration._from_config(
-        config, attn_implementation=kwargs.pop("attn_implementation", "eager")
-    )
+    model = random_model(PaliGemmaForConditionalGeneration, config, seed, attn_implementation)
     rescale_linear_weights(model.model.language_model, std=0.08, seed=seed + 1)
     return model.eval(), processor

@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .registry import register_tiny
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -120,9 +120,7 @@ def build_qwen_vl(
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    config.architectures = [model_cls.__name__]
-    seeded(seed)
-    model = model_cls._from_config(config, attn_implementation=attn_implementation)
+    model = random_model(model_cls, config, seed, attn_implementation)
     if text_init_std is not None:
         rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
     processor = proc_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
@@ -130,16 +128,13 @@ def build_qwen_vl(
     return model.eval(), processor
 
 
-def _build(family: str, seed: int, image_size: int = 224, **model_kwargs: Any) -> tuple[torch.nn.Module, Any]:
-    return build_qwen_vl(family, seed, image_size,
-                         attn_implementation=model_kwargs.pop("attn_implementation", "eager"))
-
-
 @register_tiny("tiny-qwen2_5_vl", rank=0)
-def tiny_qwen2_5_vl(seed: int = 0, **kwargs):
-    return _build("qwen2_5_vl", seed, **kwargs)
+def tiny_qwen2_5_vl(seed: int = 0, *, attn_implementation: str = "eager"):
+    """Build the tiny Qwen2.5-VL model and processor."""
+    return build_qwen_vl("qwen2_5_vl", seed, attn_implementation=attn_implementation)
 
 
 @register_tiny("tiny-qwen2_vl", rank=1)
-def tiny_qwen2_vl(seed: int = 0, **kwargs):
-    return _build("qwen2_vl", seed, **kwargs)
+def tiny_qwen2_vl(seed: int = 0, *, attn_implementation: str = "eager"):
+    """Build the tiny Qwen2-VL model and processor."""
+    return build_qwen_vl("qwen2_vl", seed, attn_implementation=attn_implementation)

@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
 
-from .common import rescale_linear_weights, seeded
+from .common import random_model, rescale_linear_weights
 from .qwen import CHAT_TEMPLATE, SPECIALS
 from .qwen3_vl import (
     IMAGE_MEAN,
@@ -108,9 +108,7 @@ def build_qwen3_5(
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    config.architectures = [model_cls.__name__]
-    seeded(seed)
-    model = model_cls._from_config(config, attn_implementation=attn_implementation)
+    model = random_model(model_cls, config, seed, attn_implementation)
     if text_init_std is not None:
         rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
         _redraw_experts(model.model.language_model, std=text_init_std, seed=seed + 2)
@@ -121,10 +119,12 @@ def build_qwen3_5(
 
 # dense before MoE in `vlmbind models`
 @register_tiny("tiny-qwen3_5", rank=9)
-def tiny_qwen3_5(seed: int = 0, **kwargs):
-    return build_qwen3_5(seed, attn_implementation=kwargs.pop("attn_implementation", "eager"))
+def tiny_qwen3_5(seed: int = 0, *, attn_implementation: str = "eager"):
+    """Build the tiny Qwen3.5 model and processor."""
+    return build_qwen3_5(seed, attn_implementation=attn_implementation)
 
 
 @register_tiny("tiny-qwen3_5_moe", rank=10)
-def tiny_qwen3_5_moe(seed: int = 0, **kwargs):
-    return build_qwen3_5(seed, moe=True, attn_implementation=kwargs.pop("attn_implementation", "eager"))
+def tiny_qwen3_5_moe(seed: int = 0, *, attn_implementation: str = "eager"):
+    """Build the tiny Qwen3.5-MoE model and processor."""
+    return build_qwen3_5(seed, moe=True, attn_implementation=attn_implementation)

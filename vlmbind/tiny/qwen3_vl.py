@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
 
-from .common import build_tokenizer, rescale_linear_weights, seeded
+from .common import build_tokenizer, random_model, rescale_linear_weights
 from .qwen import CHAT_TEMPLATE, SPECIALS
 from .registry import register_tiny
 
@@ -138,9 +138,7 @@ def build_qwen3_vl(
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    config.architectures = [model_cls.__name__]
-    seeded(seed)
-    model = model_cls._from_config(config, attn_implementation=attn_implementation)
+    model = random_model(model_cls, config, seed, attn_implementation)
     if text_init_std is not None:
         rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
         _redraw_experts(model.model.language_model, std=text_init_std, seed=seed + 2)
@@ -149,17 +147,14 @@ def build_qwen3_vl(
     return model.eval(), processor
 
 
-def _tiny(family: str, seed: int, image_size: int = 224, **model_kwargs: Any) -> tuple[torch.nn.Module, Any]:
-    return build_qwen3_vl(family, seed, image_size,
-                          attn_implementation=model_kwargs.pop("attn_implementation", "eager"))
-
-
 # dense before MoE in `vlmbind models`
 @register_tiny("tiny-qwen3_vl", rank=7)
-def tiny_qwen3_vl(seed: int = 0, **kwargs):
-    return _tiny("qwen3_vl", seed, **kwargs)
+def tiny_qwen3_vl(seed: int = 0, *, attn_implementation: str = "eager"):
+    """Build the tiny Qwen3-VL model and processor."""
+    return build_qwen3_vl("qwen3_vl", seed, attn_implementation=attn_implementation)
 
 
 @register_tiny("tiny-qwen3_vl_moe", rank=8)
-def tiny_qwen3_vl_moe(seed: int = 0, **kwargs):
-    return _tiny("qwen3_vl_moe", seed, **kwargs)
+def tiny_qwen3_vl_moe(seed: int = 0, *, attn_implementation: str = "eager"):
+    """Build the tiny Qwen3-VL-MoE model and processor."""
+    return build_qwen3_vl("qwen3_vl_moe", seed, attn_implementation=attn_implementation)
