@@ -5,7 +5,7 @@ through :func:`vlmbind.capture` keeping ``blocks.*.hook_resid_post`` at the imag
 Both include preparing the batches; (b) also includes token tables, copies and atomic writes. The ratio (b)/(a) is the
 overhead; the target is at most 1.10. Interleaved repeats, median; ratios from one run are what count.
 
-    python benchmarks/capture.py [--n 64] [--repeats 3] [--json] [NAME ...]
+    python benchmarks/capture.py [--n 64] [--repeats 3] [--json] [--save] [NAME ...]
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import torch
 import vlmbind as vb
 from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli import scene_description
+
+from saved import add_save_option, code_block, heading, save  # benchmarks/saved.py
 
 
 def measure(name: str, n: int, repeats: int, batch_size: int) -> dict:
@@ -58,6 +60,24 @@ def measure(name: str, n: int, repeats: int, batch_size: int) -> dict:
             "overhead": med["capture"] / med["plain"], "bytes_written": size}
 
 
+def table(rows: list[dict]) -> str:
+    lines = [f"{'model':20s} {'n':>4s} {'sites':>5s} {'plain s':>8s} {'capture s':>9s} {'overhead':>8s} {'MB':>7s}"]
+    for r in rows:
+        lines.append(f"{r['model']:20s} {r['n']:4d} {r['sites']:5d} {r['seconds']['plain']:8.3f} "
+                     f"{r['seconds']['capture']:9.3f} {r['overhead']:8.3f} {r['bytes_written'] / 1e6:7.2f}")
+    return "\n".join(lines)
+
+
+def render(record: dict) -> str:
+    """RESULTS.md's section for a saved run."""
+    rows = record["result"]["rows"]
+    return (heading(record, "capture overhead") + "\n\n"
+            f"Plain forwards over {rows[0]['n']} scene-description examples versus `vb.capture` of "
+            f"`blocks.*.hook_resid_post` (image tokens) to safetensors shards, batches of {rows[0]['batch_size']}, "
+            f"median of {record['result']['repeats']} interleaved repeats; the target overhead is at most 1.10.\n\n"
+            + code_block(table(rows)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=["organism-p2a", "tiny-qwen2_5_vl", "tiny-llava"])
@@ -66,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [measure(name, args.n, args.repeats, args.batch_size) for name in args.names]
@@ -73,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(json.dumps(r))
     else:
-        print(f"{'model':20s} {'n':>4s} {'sites':>5s} {'plain s':>8s} {'capture s':>9s} {'overhead':>8s} {'MB':>7s}")
-        for r in rows:
-            print(f"{r['model']:20s} {r['n']:4d} {r['sites']:5d} {r['seconds']['plain']:8.3f} "
-                  f"{r['seconds']['capture']:9.3f} {r['overhead']:8.3f} {r['bytes_written'] / 1e6:7.2f}")
+        print(table(rows))
+    if args.save:
+        save("capture", argv if argv is not None else sys.argv[1:], {"rows": rows, "repeats": args.repeats},
+             threads=args.threads)
     return 0
 
 

@@ -14,7 +14,8 @@ counts), ``naive_diffs`` on ``--naive-heads`` heads spread over the layers, extr
 forward (a full sweep is heads + 1 forwards), and ``attribution_diffs`` (one forward-backward). Exact is checked
 against naive on the sampled heads. Every stage runs under ``--time-limit``: naive stops sampling when its share of
 the remaining time is spent, stages that would start past the limit are skipped and listed. ``--scale ci`` is a
-4-layer x 4-head, hidden-64, 224 px model that runs on CPU in float32 in seconds (tests/test_benchmarks.py runs it).
+4-layer x 4-head, hidden-64, 224 px model that runs on CPU in float32 in seconds (tests/project/test_benchmarks.py
+runs it).
 
     python benchmarks/gpu.py [--scale 7b|ci] [--device cuda] [--dtype bfloat16] [--out result.json]
 """
@@ -40,6 +41,8 @@ from vlmbind.engine.patching import DEFAULT_MEMORY_BUDGET, PatchTask, attributio
 from vlmbind.engine.vlm import VLM
 from vlmbind.stimuli import Canvas, scene_pairs
 from vlmbind.tiny.qwen import build_qwen_vl
+
+from saved import add_save_option, code_block, heading, save  # benchmarks/saved.py
 
 CONDITIONS = {"last_token": "id_selection", "mid_prompt": "id_retrieval"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -284,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="push counterfactual values this many std from the captured ones (0: as captured)")
     parser.add_argument("--time-limit", type=float, default=420.0, help="wall-clock seconds for the whole run")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     shape = SCALES[args.scale]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -327,7 +331,29 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text + "\n")
     else:
         print(text)
+    if args.save:
+        save("gpu", argv if argv is not None else sys.argv[1:], result, threads=torch.get_num_threads())
     return 0
+
+
+def render(record: dict[str, Any]) -> str:
+    """RESULTS.md's section for a saved run."""
+    result = record["result"]
+    shape = result["shape"]
+    lines = "\n".join(_line(row) for row in result["conditions"])
+    text = (heading(record, f"all-heads sweeps, {shape['layers']} layers x {shape['heads']} heads "
+                            f"({result['dtype']}, {result['device']})") + "\n\n"
+            "Per condition (last token: `id_selection`; mid-prompt span: `id_retrieval`), given the task: "
+            "`exact_diffs` on every head (each `--max-tokens` value and the `batched` layout; the fastest counts), "
+            "`naive_diffs` on a sample of heads extrapolated to a full sweep (heads + 1 forwards at the measured cost "
+            "per forward), `attribution_diffs`; speed-ups over naive, and exact against naive on the sampled heads.\n\n"
+            + code_block(lines))
+    if result["scale"] != "7b":
+        text += ("\n\nThis is the scaled-down twin that the tests run on CPU. The 7B-shaped run (Qwen2.5-VL-7B's text "
+                 "decoder, 28 x 28 heads, 1,040 tokens of which 1,024 image tokens, random weights built on the device "
+                 "in bfloat16) waits for a GPU; on one it replaces this section:\n\n"
+                 "    python benchmarks/gpu.py --scale 7b --device cuda --dtype bfloat16 --save")
+    return text
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@ For each tiny model (or the names given): median wall time of a 1-example forwar
 ``blocks.*.attn.hook_z``; and with an nnsight trace saving every ``o_proj`` input. Timings on a busy machine are noisy:
 read the ratios, which come from one interleaved run.
 
-    python benchmarks/hooks.py [--repeats 20] [--json out.json] [NAME ...]
+    python benchmarks/hooks.py [--repeats 20] [--json out.json] [--save] [NAME ...]
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from PIL import Image, ImageDraw
 
 import vlmbind as vb
 from vlmbind.tiny import TINY_NAMES
+
+from saved import add_save_option, code_block, heading, save  # benchmarks/saved.py
 
 
 def _scene() -> Image.Image:
@@ -71,22 +73,41 @@ def measure(name: str, repeats: int) -> dict:
     }
 
 
+def table(rows: list[dict]) -> str:
+    lines = [f"{'model':24s} {'L x H (kv)':11s} {'image grid':28s} {'tokens':>6s} {'fwd ms':>7s} "
+             f"{'hook_z ms':>9s} {'ratio':>6s} {'nnsight/vlmbind':>15s}"]
+    for r in rows:
+        lines.append(f"{r['name']:24s} {r['layers']}x{r['heads']} ({r['kv_heads']}){'':4s} {' '.join(r['grids']):28s} "
+                     f"{r['seq_len']:6d} {r['forward_ms']:7.1f} {r['vlmbind_ms']:9.1f} "
+                     f"{r['vlmbind_overhead_ratio']:6.2f} {r['nnsight_over_vlmbind_ratio']:15.2f}")
+    return "\n".join(lines)
+
+
+def render(record: dict) -> str:
+    """RESULTS.md's section for a saved run."""
+    rows = record["result"]["rows"]
+    return (heading(record, "hook overhead") + "\n\n"
+            f"Median wall time of a one-example forward over {record['result']['repeats']} interleaved repeats: plain "
+            "(\"fwd\"), with vlmbind capturing `blocks.*.attn.hook_z` (\"hook_z\"; \"ratio\" is its time over the "
+            "plain forward's), and with an nnsight trace saving every `o_proj` input (\"nnsight/vlmbind\": its time "
+            "over vlmbind's).\n\n" + code_block(table(rows)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=list(TINY_NAMES))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
+    add_save_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     rows = [measure(n, args.repeats) for n in args.names]
-    print(f"{'model':24s} {'L x H (kv)':11s} {'image grid':28s} {'tokens':>6s} {'fwd ms':>7s} "
-          f"{'hook_z ms':>9s} {'ratio':>6s} {'nnsight/vlmbind':>15s}")
-    for r in rows:
-        print(f"{r['name']:24s} {r['layers']}x{r['heads']} ({r['kv_heads']}){'':4s} {' '.join(r['grids']):28s} "
-              f"{r['seq_len']:6d} {r['forward_ms']:7.1f} {r['vlmbind_ms']:9.1f} {r['vlmbind_overhead_ratio']:6.2f} "
-              f"{r['nnsight_over_vlmbind_ratio']:15.2f}")
+    print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+    if args.save:
+        save("hooks", argv if argv is not None else sys.argv[1:], {"rows": rows, "repeats": args.repeats},
+             threads=2)
     return 0
 
 

@@ -11,7 +11,7 @@ that no method can avoid, so end-to-end ratios are capped near (heads + 2) / 2. 
 run; the score difference is the largest absolute difference to naive's per-pair scores, also relative to naive's
 score range.
 
-    python benchmarks/locate.py [--pairs 2] [--json] [--cases organism,small]
+    python benchmarks/locate.py [--pairs 2] [--json] [--cases organism,small] [--save]
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import time
 
 import numpy as np
 import torch
+from saved import add_save_option, code_block, heading, save  # benchmarks/saved.py
 
 import vlmbind as vb
 from vlmbind.analysis import locate
+from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.analysis.mediation import aligned_scene_pair, scene_task
 from vlmbind.engine.patching import METHOD_FUNCTIONS
-from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.stimuli import Canvas, scene_pairs
 
 CONDITIONS = {"last_token": "id_selection", "mid_prompt": "id_retrieval"}
@@ -135,6 +136,36 @@ def phases(vlm: vb.VLM, pair) -> dict:
     return {"task": t_task, "exact_sweep": t_sweep, "one_forward": t_forward}
 
 
+def table(rows: list[dict]) -> str:
+    """The per-case table: seconds and ratios to naive end to end and given the tasks, and the scores' agreement."""
+    lines = [f"{'case':9s} {'condition':13s} {'method':13s} {'seconds':>8s} {'x naive':>8s} {'sweep s':>8s} "
+             f"{'x naive':>8s} {'max|d|':>9s} {'rel':>8s} {'top10':>6s}"]
+    for r in rows:
+        for m, s in r["seconds"].items():
+            sw = r["sweep_seconds"].get(m)
+            sweep = f"{sw:8.3f} {r['sweep_ratio_to_naive'][m]:8.1f}" if sw is not None else f"{'-':>8s} {'-':>8s}"
+            lines.append(f"{r['case']:9s} {r['condition']:13s} {m:13s} {s:8.2f} {r['ratio_to_naive'][m]:8.1f} "
+                         f"{sweep} {r['max_abs_diff_to_naive'][m]:9.2e} {r['max_rel_diff_to_naive'][m]:8.1e} "
+                         f"{r['top10_recall_vs_naive'][m]:6.1f}")
+        p = r["phases"]
+        lines.append(f"{'':9s} {'':13s} one pair: task {p['task']:.3f} s, exact sweep {p['exact_sweep']:.3f} s, "
+                     f"one forward {p['one_forward']:.3f} s; {r['tokens']} tokens, {r['heads']} heads")
+    return "\n".join(lines)
+
+
+def render(record: dict) -> str:
+    """RESULTS.md's section for a saved run."""
+    rows = record["result"]["rows"]
+    models = ", ".join(dict.fromkeys(f"{r['model']} ({r['heads']} heads, {r['tokens']} tokens)" for r in rows))
+    return (heading(record, "all-heads sweeps, per pair") + "\n\n"
+            f"Models: {models}; {rows[0]['pairs']} pairs per condition. \"seconds\": end to end from the pairs "
+            "(alignment, counterfactual run, sweep); \"sweep\": the same given each pair's task (aligned clean prompt "
+            "+ counterfactual z), which every method builds the same way. One counterfactual forward per pair is "
+            "unavoidable for every method, so end-to-end ratios are capped near (heads + 2) / 2. \"max|d|\" and "
+            "\"rel\": the largest absolute difference to naive's per-pair scores, and relative to naive's score "
+            "range; \"top10\": recall of naive's ten best heads.\n\n" + code_block(table(rows)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2)
@@ -142,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-nnsight", action="store_true", help="skip the nnsight loop (slowest)")
     parser.add_argument("--json", action="store_true", help="one JSON object per case on stdout")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     methods = ["naive", "exact", "attribution"] + ([] if args.no_nnsight else ["nnsight_loop"])
@@ -166,19 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(result), flush=True)
     if not args.json:
-        print(f"{'case':9s} {'condition':13s} {'method':13s} {'seconds':>8s} {'x naive':>8s} {'sweep s':>8s} "
-              f"{'x naive':>8s} {'max|d|':>9s} {'rel':>8s} {'top10':>6s}")
-        for r in rows:
-            for m, s in r["seconds"].items():
-                sw = r["sweep_seconds"].get(m)
-                sweep = f"{sw:8.3f} {r['sweep_ratio_to_naive'][m]:8.1f}" if sw is not None else f"{'-':>8s} {'-':>8s}"
-                print(f"{r['case']:9s} {r['condition']:13s} {m:13s} {s:8.2f} {r['ratio_to_naive'][m]:8.1f} {sweep} "
-                      f"{r['max_abs_diff_to_naive'][m]:9.2e} {r['max_rel_diff_to_naive'][m]:8.1e} "
-                      f"{r['top10_recall_vs_naive'][m]:6.1f}")
-            p = r["phases"]
-            print(f"{'':9s} {'':13s} one pair: task {p['task']:.3f} s, exact sweep {p['exact_sweep']:.3f} s, "
-                  f"one forward {p['one_forward']:.3f} s; {r['tokens']} tokens, {r['heads']} heads; sweep = given "
-                  f"the tasks (aligned prompt + counterfactual z), which every method builds the same way")
+        print(table(rows))
+    if args.save:
+        save("locate", argv if argv is not None else sys.argv[1:], {"rows": rows}, threads=args.threads)
     return 0
 
 

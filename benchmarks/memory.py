@@ -17,29 +17,24 @@ The budget it checks: every vlmbind job's extra memory stays under :data:`BUDGET
 1,300-token forward at this width, the key/value cache, the exact method's default 2 GiB attention budget never
 reached at this size, and logits at the scored positions only).
 
-    python benchmarks/memory.py [--out benchmarks/memory.json] [--results]
-
-``--results`` writes the table into ``benchmarks/RESULTS.md`` (between its memory-table markers); ``--render FILE``
-writes it from a saved run without measuring again.
+    python benchmarks/memory.py [--out FILE] [--save]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from saved import add_save_option, heading, save  # benchmarks/saved.py
+
 BUDGET_BYTES = int(1.5 * 1024**3)
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-BEGIN, END = "<!-- memory table: begin -->", "<!-- memory table: end -->"
 IMAGE_SIZE = 1008
 JOBS = ("locate", "eval", "full_logits")
 
@@ -97,42 +92,32 @@ def run_job(job: str) -> dict[str, Any]:
             "seconds": round(seconds, 1)}
 
 
-def write_results(summary: dict[str, Any]) -> None:
-    """The measured table, into RESULTS.md between the markers."""
+def render(record: dict[str, Any]) -> str:
+    """RESULTS.md's section for a saved run."""
+    summary = record["result"]
     rows = {r["job"]: r for r in summary["rows"]}
     lines = ["| job | prompt tokens | extra peak memory | time | resident before |", "|---|---|---|---|---|"]
     for job in JOBS:
         r = rows[job]
         lines.append(f"| {job} | {r['tokens']} | {r['extra_bytes'] / 2**30:.2f} GiB | {r['seconds']:.0f} s | "
                      f"{r['rss_before_bytes'] / 2**30:.2f} GiB |")
-    block = (f"{BEGIN}\n## `benchmarks/memory.py`: peak memory at a real prompt length ({summary['date']}, CPU, "
-             f"{summary['cpus']} cores, torch {summary['torch']})\n\nOne decoder layer of Qwen2.5-VL-7B's shape with "
-             f"the real 151,665-token vocabulary, a 1008 px scene (1,296 image tokens); each job in a fresh process, "
-             f"its peak resident memory above what the built model holds. Budget: "
-             f"{summary['budget_bytes'] / 2**30:.2f} GiB for locate (exact, two id_retrieval pairs) and eval (two "
-             f"scene examples); within it: {summary['within_budget']}.\n\n" + "\n".join(lines) +
-             f"\n\nThe straightforward forward of eval's two-row batch with every position's logits takes "
-             f"{summary['full_logits_over_eval']:.2f}x the memory of the whole vlmbind eval run. A 28-layer model "
-             f"adds its weights and its key/value cache (28 x the one layer's) to these figures; the per-forward "
-             f"transients do not grow with depth.\n{END}")
-    text = RESULTS.read_text()
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    RESULTS.write_text(text)
+    return (heading(record, "peak memory at a real prompt length") + "\n\n"
+            "One decoder layer of Qwen2.5-VL-7B's shape with the real 151,665-token vocabulary, a 1008 px scene "
+            "(1,296 image tokens); each job in a fresh process, its peak resident memory above what the built model "
+            f"holds. Budget: {summary['budget_bytes'] / 2**30:.2f} GiB for locate (exact, two id_retrieval pairs) and "
+            f"eval (two scene examples); within it: {summary['within_budget']}.\n\n" + "\n".join(lines) +
+            "\n\nThe straightforward forward of eval's two-row batch with every position's logits takes "
+            f"{summary['full_logits_over_eval']:.2f}x the memory of the whole vlmbind eval run. A 28-layer model adds "
+            "its weights and its key/value cache (28 x the one layer's) to these figures; the per-forward transients "
+            "do not grow with depth.")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", choices=JOBS, help=argparse.SUPPRESS)  # one job, in a child process
     parser.add_argument("--out", default=None, help="write the measurements here as JSON")
-    parser.add_argument("--results", action="store_true", help="write the table into benchmarks/RESULTS.md")
-    parser.add_argument("--render", default=None, help="write RESULTS.md's table from this saved run and stop")
+    add_save_option(parser)
     args = parser.parse_args(argv)
-    if args.render:
-        write_results(json.loads(Path(args.render).read_text()))
-        return 0
     if args.job:
         print(json.dumps(run_job(args.job)))
         return 0
@@ -156,12 +141,11 @@ def main(argv: list[str] | None = None) -> int:
           f"within budget: {within}")
     import torch
 
-    summary = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cpus": os.cpu_count(),
-               "budget_bytes": BUDGET_BYTES, "rows": rows, "within_budget": within, "full_logits_over_eval": ratio}
+    summary = {"budget_bytes": BUDGET_BYTES, "rows": rows, "within_budget": within, "full_logits_over_eval": ratio}
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
-    if args.results:
-        write_results(summary)
+    if args.save:
+        save("memory", argv if argv is not None else sys.argv[1:], summary, threads=torch.get_num_threads())
     return 0 if within else 1
 
 

@@ -3,10 +3,11 @@
 For each family and condition: exact mediation scores of every head on the same pairs with float32 weights and with
 bfloat16 weights (scores are always computed in float32 from the logits), then the Spearman correlation of the
 per-head mean scores, the overlap of the top-5 heads, and the median relative difference of the scores that matter
-(|float32 score| above a tenth of the largest). The figures are written to ``vlmbind/engine/precision.json`` (read by the
-warning ``vlmbind`` prints when a user scores in bfloat16) and to the table in ``benchmarks/RESULTS.md``.
+(|float32 score| above a tenth of the largest). The figures are written to ``vlmbind/engine/precision.json``
+(read by the warning ``vlmbind`` prints when a user scores in bfloat16); ``--save`` also saves the run and its
+section of ``benchmarks/RESULTS.md``.
 
-    .venv/bin/python benchmarks/precision.py [--pairs 8] [--threads 2]
+    .venv/bin/python benchmarks/precision.py [--pairs 8] [--threads 2] [--save]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
+import sys
 import time
 from pathlib import Path
 
@@ -29,10 +30,10 @@ from vlmbind.core.io import write_json_atomic
 from vlmbind.stimuli.scenes import scene_pairs
 from vlmbind.tiny import real
 
+from saved import add_save_option, heading, save  # benchmarks/saved.py
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "vlmbind" / "engine" / "precision.json"
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-BEGIN, END = "<!-- precision table: begin -->", "<!-- precision table: end -->"
 CONDITIONS = ("id_selection", "feature_retrieval")
 
 
@@ -65,13 +66,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--families", default=",".join(real.FAMILIES), help="real-vocabulary families, comma-separated")
-    parser.add_argument("--out", type=Path, default=OUT, help="the precision table vlmbind reads (default: the package's)")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the RESULTS.md whose precision block is replaced")
+    parser.add_argument("--families", default=",".join(real.FAMILIES),
+                        help="real-vocabulary families, comma-separated")
+    parser.add_argument("--out", type=Path, default=OUT,
+                        help="the precision table vlmbind reads (default: the package's)")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -83,23 +86,23 @@ def main(argv: list[str] | None = None) -> None:
                "median_relative_difference": float(np.median([r["median_relative_difference"] for r in rows])),
                "seconds": round(time.perf_counter() - start, 1)}
     write_json_atomic(summary, args.out)
-    text = args.results.read_text()
-    block = (f"{BEGIN}\n## `benchmarks/precision.py --pairs {args.pairs}`: bfloat16 vs float32 head scores "
-             f"({summary['date']}, CPU, torch {torch.__version__})\n\nReal-vocabulary tiny models "
-             f"(`vlmbind.tiny.real`, logits with a standard deviation of 8), chat prompts, exact mediation of every "
-             f"head on the same pairs with float32 and with bfloat16 weights. Relative differences are over the "
-             f"heads whose float32 score exceeds a tenth of the largest.\n\n{table(rows)}\n\nMedian Spearman "
-             f"{summary['median_spearman']:.3f} (lowest {summary['min_spearman']:.3f}), median top-5 overlap "
-             f"{summary['median_top5_overlap']:.0f}/5, median relative difference "
-             f"{100 * summary['median_relative_difference']:.1f}%; {summary['seconds']} s.\n{END}")
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    args.results.write_text(text)
     print(table(rows))
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
+    if args.save:
+        save("precision", argv if argv is not None else sys.argv[1:], summary, threads=args.threads)
+    return 0
 
+
+def render(record: dict) -> str:
+    """RESULTS.md's section for a saved run."""
+    summary = record["result"]
+    return (heading(record, "bfloat16 vs float32 head scores") + "\n\n"
+            "Real-vocabulary tiny models (`vlmbind.tiny.real`, logits with a standard deviation of 8), chat prompts, "
+            "exact mediation of every head on the same pairs with float32 and with bfloat16 weights. Relative "
+            "differences are over the heads whose float32 score exceeds a tenth of the largest.\n\n"
+            f"{table(summary['rows'])}\n\nMedian Spearman {summary['median_spearman']:.3f} (lowest "
+            f"{summary['min_spearman']:.3f}), median top-5 overlap {summary['median_top5_overlap']:.0f}/5, median "
+            f"relative difference {100 * summary['median_relative_difference']:.1f}%; {summary['seconds']} s.")
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,7 +12,7 @@ every unplanted head interchanged alone): one ``answer_changes`` call per head, 
 (the straightforward way), against ``answer_changes_per_set`` in a ``shared_image_features`` block (one unpatched
 and one source run per batch for all heads, as training evaluates now); ``equal`` says the shares came out the same.
 
-    python benchmarks/training.py [--stages 1,6,12] [--steps 8] [--threads 1] [--recorded] [--json]
+    python benchmarks/training.py [--stages 1,6,12] [--steps 8] [--threads 1] [--recorded] [--json] [--save]
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from vlmbind.organisms.siit.interchange import HeadInterchange
 from vlmbind.organisms.siit.pairs import evaluation_pairs
 from vlmbind.organisms.siit.spec import SIITSpec
 from vlmbind.organisms.training.run import train
+
+from saved import add_save_option, code_block, heading, save  # benchmarks/saved.py
 
 
 def timed_stage_config(fields: dict, steps: int, eval_every: int):
@@ -111,6 +113,39 @@ def run(stages: list[int], steps: int, threads: int, recorded: bool = False) -> 
             **({"recorded_min": round(sum(r.get("recorded_min", 0.0) for r in rows), 1)} if recorded else {})}
 
 
+def table(out: dict) -> str:
+    recorded = "recorded_min" in out
+    lines = [f"organism-vsm recipe, {out['steps_timed']} steps timed per stage and path, {out['threads']} thread(s)",
+             f"{'stage':42s} {'steps':>6s} {'plain s/step':>12s} {'shared':>7s} {'x':>5s} {'plain eval s':>12s} "
+             f"{'shared':>7s} {'x':>5s} {'plain min':>9s} {'shared min':>10s}" + ("  recorded min" if recorded else "")]
+    for r in out["stages"]:
+        lines.append(f"{r['stage']:42s} {r['steps']:6d} {r['plain_step_s']:12.3f} {r['shared_step_s']:7.3f} "
+                     f"{r['step_ratio']:5.2f} {r['plain_eval_s']:12.2f} {r['shared_eval_s']:7.2f} "
+                     f"{r['eval_ratio']:5.2f} {r['plain_projected_min']:9.1f} {r['shared_projected_min']:10.1f}"
+                     + (f"  {r.get('recorded_min', float('nan')):12.1f}" if recorded else ""))
+    lines.append(f"projected total: plain {out['plain_projected_min']} min, shared {out['shared_projected_min']} min, "
+                 f"x{out['ratio']}" + (f"; recorded {out['recorded_min']} min" if recorded else ""))
+    st = out["strictness"]
+    lines.append(f"strictness evaluation on the shipped organism-vsm ({st['heads']} unplanted heads, "
+                 f"{st['pairs_per_variable']} pairs x {len(st['variables'])} variables): one call per head "
+                 f"{st['per_head_s']:.2f} s, per set with shared images {st['per_set_s']:.2f} s, x{st['ratio']:.2f}, "
+                 f"same shares: {st['equal']}")
+    return "\n".join(lines)
+
+
+def render(record: dict) -> str:
+    """RESULTS.md's section for a saved run."""
+    return (heading(record, "organism training with shared image features") + "\n\n"
+            "organism-vsm's recipe, stage by stage, on freshly initialised weights of each stage's size: training "
+            "steps and one evaluation timed with the vision tower in every forward (\"plain\") and with each distinct "
+            "image of an optimiser step (or of an evaluation) through the vision tower once (\"shared\", what `train` "
+            "does); minutes project each stage's step and evaluation times onto its steps and evaluations. "
+            "\"recorded\" is the wall time the shipped release logged per stage (the plain path, on its own day and "
+            "load). The last line times the evaluation's strictness shares on the shipped organism-vsm: one call per "
+            "unplanted head against one pass per set with shared images. One run's ratios per stage are noisy at a "
+            "few steps; the projected total is the figure to read.\n\n" + code_block(table(record["result"])))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", default="1,6,12", help="recipe stages (1-12), comma-separated, or 'all'")
@@ -118,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--recorded", action="store_true", help="show the release's recorded wall time per stage")
     p.add_argument("--json", action="store_true")
+    add_save_option(p)
     args = p.parse_args(argv)
     n = len(recipe_stages("organism-vsm"))
     try:
@@ -127,25 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 1 <= s <= n for s in stages) or args.steps < 2:
         p.error(f"--stages must be within 1-{n} and --steps at least 2")
     out = run(stages, args.steps, args.threads, args.recorded)
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(f"organism-vsm recipe, {out['steps_timed']} steps timed per stage and path, {out['threads']} thread(s)")
-    print(f"{'stage':42s} {'steps':>6s} {'plain s/step':>12s} {'shared':>7s} {'x':>5s} {'plain eval s':>12s} "
-          f"{'shared':>7s} {'x':>5s} {'plain min':>9s} {'shared min':>10s}"
-          + ("  recorded min" if args.recorded else ""))
-    for r in out["stages"]:
-        print(f"{r['stage']:42s} {r['steps']:6d} {r['plain_step_s']:12.3f} {r['shared_step_s']:7.3f} "
-              f"{r['step_ratio']:5.2f} {r['plain_eval_s']:12.2f} {r['shared_eval_s']:7.2f} {r['eval_ratio']:5.2f} "
-              f"{r['plain_projected_min']:9.1f} {r['shared_projected_min']:10.1f}"
-              + (f"  {r.get('recorded_min', float('nan')):12.1f}" if args.recorded else ""))
-    print(f"projected total: plain {out['plain_projected_min']} min, shared {out['shared_projected_min']} min, "
-          f"x{out['ratio']}" + (f"; recorded {out['recorded_min']} min" if args.recorded else ""))
-    st = out["strictness"]
-    print(f"strictness evaluation on the shipped organism-vsm ({st['heads']} unplanted heads, "
-          f"{st['pairs_per_variable']} "
-          f"pairs x {len(st['variables'])} variables): one call per head {st['per_head_s']:.2f} s, per set with "
-          f"shared images {st['per_set_s']:.2f} s, x{st['ratio']:.2f}, same shares: {st['equal']}")
+    print(json.dumps(out) if args.json else table(out))
+    if args.save:
+        save("training", argv if argv is not None else sys.argv[1:], out, threads=args.threads)
     return 0
 
 

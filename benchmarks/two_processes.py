@@ -8,7 +8,7 @@ gradients are added). The set-up (building the model, the data, starting the pro
 times one step, and the step time is the difference over ``steps - 1`` steps. Evaluations are left out (rank 0
 evaluates alone, at one-thread speed). Run it on an otherwise idle machine: two processes need both cores.
 
-    python benchmarks/two_processes.py [--stages 1,6,12] [--steps 12] [--json]
+    python benchmarks/two_processes.py [--stages 1,6,12] [--steps 12] [--json] [--save]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from saved import add_save_option, code_block, heading, save  # benchmarks/saved.py
 from training import timed_stage_config  # the stage's configuration for a timed run (benchmarks/training.py)
 from vlmbind.organisms.recipes import recipe_stages
 from vlmbind.organisms.training.run import train
@@ -52,12 +53,40 @@ def run(stages: list[int], steps: int, organism: str = "organism-vsm") -> dict:
     return {"organism": organism, "steps_timed": steps, "stages": rows}
 
 
+def table(out: dict) -> str:
+    lines = [f"{out['organism']} recipe, {out['steps_timed']} steps timed per stage and way; seconds per step",
+             f"{'stage':42s} {'steps':>6s} " + " ".join(f"{w[0]:>26s}" for w in WAYS) + f" {'2 threads x':>11s} "
+             f"{'2 processes x':>13s}"]
+    for r in out["stages"]:
+        lines.append(f"{r['stage']:42s} {r['steps']:6d} " + " ".join(f"{r[w[0]]:26.3f}" for w in WAYS)
+                     + f" {r['threads_x']:11.2f} {r['processes_x']:13.2f}")
+    minutes = {w[0]: sum(r["steps"] * r[w[0]] for r in out["stages"]) / 60 for w in WAYS}
+    one = minutes[WAYS[0][0]]
+    lines.append("over these stages' steps: " + ", ".join(
+        f"{label} {m:.1f} min" + ("" if label == WAYS[0][0] else f" (x{one / m:.2f})") for label, m in minutes.items()))
+    return "\n".join(lines)
+
+
+def render(record: dict) -> str:
+    """RESULTS.md's section for a saved run."""
+    return (heading(record, "organism training in two processes") + "\n\n"
+            "Stages of the recipe on freshly initialised weights of each stage's size, training steps timed three ways "
+            "in one run: one process with one thread (the straightforward way), one process with two threads, and "
+            "`train(processes=2)` (two processes of one thread each, each computing part of every step's summed "
+            "loss, gradients added by one `all_reduce`); the set-up cancels (each way also times one step). Two "
+            "processes gain most where a step's work splits evenly between its IIT and strictness halves; what keeps "
+            "both ways under 2x is the work that does not split (the second process repeats the vision tower for its "
+            "images). Ratios between runs move by several tenths: read the columns against each other.\n\n"
+            + code_block(table(record["result"])))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", default="1,6,12", help="recipe stages, comma-separated, or 'all'")
     p.add_argument("--steps", type=int, default=12, help="training steps timed per stage and way (at least 2)")
     p.add_argument("--organism", default="organism-vsm", choices=["organism-vsm", "organism-vsm-natural"])
     p.add_argument("--json", action="store_true")
+    add_save_option(p)
     args = p.parse_args(argv)
     n = len(recipe_stages(args.organism))
     try:
@@ -67,15 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 1 <= s <= n for s in stages) or args.steps < 2:
         p.error(f"--stages must be within 1-{n} and --steps at least 2")
     out = run(stages, args.steps, args.organism)
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(f"{out['organism']} recipe, {out['steps_timed']} steps timed per stage and way; seconds per step")
-    print(f"{'stage':42s} {'steps':>6s} " + " ".join(f"{w[0]:>26s}" for w in WAYS) + f" {'2 threads x':>11s} "
-          f"{'2 processes x':>13s}")
-    for r in out["stages"]:
-        print(f"{r['stage']:42s} {r['steps']:6d} " + " ".join(f"{r[w[0]]:26.3f}" for w in WAYS)
-              + f" {r['threads_x']:11.2f} {r['processes_x']:13.2f}")
+    print(json.dumps(out) if args.json else table(out))
+    if args.save:
+        save("two_processes", argv if argv is not None else sys.argv[1:], out, threads=1)
     return 0
 
 

@@ -211,3 +211,25 @@ def test_rankings_say_which_heads_are_significant_and_when_none_is(tmp_path):
     np.testing.assert_array_equal(loaded.uncertainty()["ci_high"], strong.uncertainty()["ci_high"])
     html = (tmp_path / "heatmap.html").read_text()
     assert "rings: significant (1 of 6 heads)" in html and "95% percentile bootstrap" in json.dumps(strong.summary())
+
+
+def test_a_scene_task_is_built_in_the_models_prompt_format_as_locate_builds_it():
+    """``scene_task`` and ``aligned_scene_pair`` follow the model's prompt format unless told, as ``locate`` does:
+    a script that builds its own tasks scores the prompts locate scores."""
+    from vlmbind.analysis.mediation import scene_task
+    from vlmbind.engine.patching import naive_diffs
+
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    pair = vb.stimuli.scene_pairs(1, "id_selection", 0, n_objects=3)[0]
+    raw = scene_task(vlm, pair, [0], "raw").batch.inputs["input_ids"]
+    chat = scene_task(vlm, pair, [0], "chat").batch.inputs["input_ids"]
+    assert raw.shape != chat.shape or not torch.equal(raw, chat)
+    assert torch.equal(scene_task(vlm, pair, [0]).batch.inputs["input_ids"], raw)  # a tiny model's default: raw
+    try:
+        vlm.use_prompt_format("chat")
+        assert torch.equal(scene_task(vlm, pair, [0]).batch.inputs["input_ids"], chat)
+        per_pair = locate(vlm, [pair], method="naive", layers=[0], verify_top=0).per_pair[0, 0]
+        clean, patched = naive_diffs(vlm, scene_task(vlm, pair, [0]), [(0, h) for h in range(vlm.n_heads)])
+        np.testing.assert_allclose(per_pair, patched - clean, atol=1e-5)
+    finally:
+        vlm.use_prompt_format(None)

@@ -38,6 +38,27 @@ def test_locate_benchmark_json():
         assert r["top10_recall_vs_naive"]["naive"] == 1.0 and r["heads"] == 16
 
 
+def test_the_nnsight_loop_scores_the_prompts_locate_scores_in_either_format():
+    """The plain nnsight loop is the benchmark's independent reference: in the chat format too (a model's default
+    when it has a chat template, as the benchmark's small model does) it must patch the prompts locate patches and
+    give naive's scores."""
+    from helpers import get_tiny
+
+    from vlmbind.stimuli import scene_pairs
+
+    bench = load_benchmark("locate")
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    pairs = list(scene_pairs(1, "id_selection", 0, n_objects=3))
+    try:
+        for fmt in ("raw", "chat"):
+            vlm.use_prompt_format(fmt)
+            r = bench.run_case(vlm, pairs, ["naive", "nnsight_loop"])
+            assert r["score_range"] > 1e-3, fmt
+            assert r["max_abs_diff_to_naive"]["nnsight_loop"] <= max(1e-4 * r["score_range"], 1e-5), (fmt, r)
+    finally:
+        vlm.use_prompt_format(None)
+
+
 def test_small_benchmark_model_has_the_stated_shape():
     bench = load_benchmark("locate")
     vlm = bench.small_qwen()
@@ -82,24 +103,48 @@ def test_gpu_benchmark_ci_scale_runs_on_cpu(tmp_path):
     assert c["suffix"] > 1  # the mid-prompt condition patches a span before the last token
 
 
-def test_memory_results_come_from_the_saved_run_and_meet_the_budget(tmp_path, monkeypatch):
+def test_memory_saved_run_meets_the_budget():
     memory = load_benchmark("memory")
-    saved = json.loads((ROOT / "benchmarks" / "memory.json").read_text())
+    saved = json.loads((ROOT / "benchmarks" / "saved" / "memory.json").read_text())["result"]
     rows = {r["job"]: r for r in saved["rows"]}
     assert set(rows) == set(memory.JOBS) and saved["budget_bytes"] == memory.BUDGET_BYTES
     assert rows["locate"]["tokens"] > 1200  # a real prompt length, not a tiny one
     assert all(rows[j]["extra_bytes"] <= memory.BUDGET_BYTES for j in ("locate", "eval"))
     # the straightforward full-logits forward needs at least its logits: 2 rows x tokens x 151,665 floats
     assert rows["full_logits"]["extra_bytes"] >= 2 * rows["full_logits"]["tokens"] * 151_665 * 4
-    results = tmp_path / "RESULTS.md"
-    results.write_text("# results\n")
-    monkeypatch.setattr(memory, "RESULTS", results)
-    memory.write_results(saved)
-    memory.write_results(saved)  # replaces its block, never appends a second
-    text = results.read_text()
-    assert text.count(memory.BEGIN) == 1
-    assert f"| locate | {rows['locate']['tokens']} | {rows['locate']['extra_bytes'] / 2**30:.2f} GiB |" in text
-    assert text.split(memory.BEGIN)[1] in (ROOT / "benchmarks" / "RESULTS.md").read_text()  # RESULTS.md is current
+
+
+def test_results_page_is_rendered_from_the_saved_runs():
+    """benchmarks/RESULTS.md is exactly what the saved runs render (nothing typed by hand), every benchmark has a
+    saved run, and each section names the command that produced it."""
+    saved = load_benchmark("saved")
+    runs = sorted(p.stem for p in (ROOT / "benchmarks" / "saved").glob("*.json"))
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "saved")
+    assert runs == scripts, "save a run of the new benchmark: python benchmarks/<name>.py --save"
+    page = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert page == saved.results_page(), "run python benchmarks/saved.py after changing a benchmark's render"
+    for name in runs:
+        record = json.loads((ROOT / "benchmarks" / "saved" / f"{name}.json").read_text())
+        assert record["benchmark"] == name and record["command"].startswith(f"python benchmarks/{name}.py")
+        assert f"## `{record['command'].removeprefix('python ')}`" in page
+    assert saved.main(["--check"]) == 0
+
+
+def test_save_writes_the_run_and_the_page_again(tmp_path):
+    """--save's bookkeeping, in a scratch folder: the record holds the command and the machine, and the page gets
+    the run's section (rendered by the benchmark) after the introduction, once however often it is saved."""
+    saved = load_benchmark("saved")
+    result = {"model": "organism-vsm", "head_sets": ["2.3 3.1"], "n_estimate": 8, "n_eval": 2, "alphas": [1.0],
+              "sequential_s": 2.0, "shared_s": 1.0, "ratio": 2.0, "equal": True}
+    for _ in range(2):
+        record = saved.save("edits", ["--n-estimate", "8"], result, threads=1, saved=tmp_path / "saved",
+                            results=tmp_path / "RESULTS.md")
+    assert record["command"] == "python benchmarks/edits.py --n-estimate 8"
+    assert record["machine"]["threads"] == 1 and record["machine"]["cores"] >= 1
+    assert json.loads((tmp_path / "saved" / "edits.json").read_text()) == record
+    page = (tmp_path / "RESULTS.md").read_text()
+    assert page.startswith(saved.INTRO) and page.count("## `benchmarks/edits.py --n-estimate 8`") == 1
+    assert "x2.00   same rows: True" in page
 
 
 def test_edits_benchmark_compares_the_shared_estimation_with_one_study_per_set():
@@ -128,8 +173,8 @@ SMALL_RUNS = {
                 None, lambda rows: rows[0]["overhead"] > 0 and rows[0]["bytes_written"] > 0),
     "hooks": (["--repeats", "1", "--json", "{tmp}/hooks.json", "tiny-qwen2_5_vl"], "hooks.json",
               lambda rows: rows[0]["vlmbind_overhead_ratio"] > 0 and rows[0]["nnsight_over_vlmbind_ratio"] > 0),
-    "precision": (["--pairs", "1", "--threads", "1", "--families", "qwen2_5_vl", "--out", "{tmp}/precision.json",
-                   "--results", "{tmp}/RESULTS.md"], "precision.json",
+    "precision": (["--pairs", "1", "--threads", "1", "--families", "qwen2_5_vl", "--out", "{tmp}/precision.json"],
+                  "precision.json",
                   lambda s: len(s["rows"]) == 2 and all(-1 <= r["spearman"] <= 1 for r in s["rows"])),
     "probe_size": (["--n-train", "32", "--n-val", "8", "--n-test", "8", "--families", "linear", "--threads", "1",
                     "--out", "{tmp}/probe"], "probe/probe_size.json",
@@ -143,7 +188,8 @@ SMALL_RUNS = {
 # scripts run at a small size by the tests above
 COVERED_ABOVE = {"locate": test_locate_benchmark_json, "gpu": test_gpu_benchmark_ci_scale_runs_on_cpu,
                  "edits": test_edits_benchmark_compares_the_shared_estimation_with_one_study_per_set,
-                 "memory": test_memory_results_come_from_the_saved_run_and_meet_the_budget}
+                 "memory": test_memory_saved_run_meets_the_budget,
+                 "saved": test_results_page_is_rendered_from_the_saved_runs}
 
 
 def test_every_benchmark_script_is_run_by_the_suite():
@@ -174,8 +220,6 @@ def test_benchmark_script_runs_at_a_small_size(script, tmp_path):
 
     argv, written, check = SMALL_RUNS[script]
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    if script == "precision":
-        (tmp_path / "RESULTS.md").write_text("# results\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *argv], capture_output=True,
                           text=True, env=env, timeout=600, cwd=tmp_path)
@@ -185,5 +229,3 @@ def test_benchmark_script_runs_at_a_small_size(script, tmp_path):
     else:
         result = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith(("{", "["))]
     assert check(result), result
-    if script == "precision":
-        assert "precision table: begin" in (tmp_path / "RESULTS.md").read_text()

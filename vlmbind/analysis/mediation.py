@@ -333,12 +333,13 @@ def answer_casing(vlm: Any, pairs: Sequence[Any], prompt_format: str | None = No
                     "one's (the scores use the lower-case tokens)"}
 
 
-def aligned_scene_pair(vlm: Any, pair: Any, prompt_format: str = "raw") -> tuple[Any, Any, np.ndarray, int, int]:
+def aligned_scene_pair(vlm: Any, pair: Any, prompt_format: str | None = None) -> tuple[Any, Any, np.ndarray, int, int]:
     """``(clean, counterfactual, positions, a, a_star)`` of one scene pair: both batches lined up token for token,
     the clean row's patch positions, and the first differing answer tokens. When the answers share leading tokens
     (``red square`` vs ``red circle``) those tokens are appended to both sides by id, and the scored position (and a
-    last-token patch) moves to the new last token."""
-    chat = prompt_format == "chat"
+    last-token patch) moves to the new last token. ``prompt_format`` None is the model's
+    (:attr:`~vlmbind.engine.vlm.VLM.active_prompt_format`), as in :func:`locate`."""
+    chat = vlm.prompt_format(prompt_format) == "chat"
     prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual,
                                          vlm.answer_separator(chat))
     aligned = check_alignment(vlm, [pair], chat=chat)
@@ -350,9 +351,10 @@ def aligned_scene_pair(vlm: Any, pair: Any, prompt_format: str = "raw") -> tuple
     return clean, counterfactual, positions, a, a_star
 
 
-def scene_task(vlm: Any, pair: Any, layers: Sequence[int], prompt_format: str = "raw") -> PatchTask:
-    """The :class:`PatchTask` of one scene pair (:func:`aligned_scene_pair`): the aligned clean prompt, its patch
-    positions, the counterfactual's z of ``layers`` there, and the first differing answer tokens."""
+def scene_task(vlm: Any, pair: Any, layers: Sequence[int], prompt_format: str | None = None) -> PatchTask:
+    """The :class:`PatchTask` of one scene pair (:func:`aligned_scene_pair`, in the model's prompt format unless
+    ``prompt_format`` says otherwise): the aligned clean prompt, its patch positions, the counterfactual's z of
+    ``layers`` there, and the first differing answer tokens."""
     clean, counterfactual, positions, a, a_star = aligned_scene_pair(vlm, pair, prompt_format)
     return PatchTask.from_counterfactual(vlm, clean, counterfactual, positions, layers, a, a_star)
 
