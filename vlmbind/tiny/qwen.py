@@ -35,6 +35,23 @@ def mrope_section(head_dim: int) -> list[int]:
     return [half - 2 * hw, hw, hw]
 
 
+def qwen_random_model(config_cls: type, model_cls: type, text: dict[str, Any], vision: dict[str, Any],
+                      ids: dict[str, int], seed: int, attn_implementation: str,
+                      text_init_std: float | None) -> torch.nn.Module:
+    """A model of the Qwen-VL layout (its image, video and vision-span token ids) with random weights from ``seed``,
+    the text decoder's Linear weights re-drawn from N(0, ``text_init_std``) unless it is None."""
+    config = config_cls(
+        text_config=text, vision_config=vision,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    model = random_model(model_cls, config, seed, attn_implementation)
+    if text_init_std is not None:
+        rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
+    return model
+
+
 def build_qwen_vl(
     family: str,
     seed: int,
@@ -114,15 +131,7 @@ def build_qwen_vl(
                       num_heads=vision_heads)
         config_cls, model_cls, proc_cls = (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration,
                                            transformers.Qwen2VLProcessor)
-    config = config_cls(
-        text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    model = random_model(model_cls, config, seed, attn_implementation)
-    if text_init_std is not None:
-        rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
+    model = qwen_random_model(config_cls, model_cls, text, vision, ids, seed, attn_implementation, text_init_std)
     processor = proc_cls(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
                          chat_template=chat_template or CHAT_TEMPLATE)
     return model.eval(), processor

@@ -16,8 +16,7 @@ import torch
 import transformers
 from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
 
-from .common import random_model, rescale_linear_weights
-from .qwen import CHAT_TEMPLATE, SPECIALS
+from .qwen import CHAT_TEMPLATE, SPECIALS, qwen_random_model
 from .qwen3_vl import (
     IMAGE_MEAN,
     IMAGE_STD,
@@ -102,15 +101,8 @@ def build_qwen3_5(
         config_cls, model_cls = transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration
     else:
         config_cls, model_cls = transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration
-    config = config_cls(
-        text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    model = random_model(model_cls, config, seed, attn_implementation)
+    model = qwen_random_model(config_cls, model_cls, text, vision, ids, seed, attn_implementation, text_init_std)
     if text_init_std is not None:
-        rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
         _redraw_experts(model.model.language_model, std=text_init_std, seed=seed + 2)
     processor = transformers.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok,
                                               video_processor=video_processor, chat_template=CHAT_TEMPLATE)

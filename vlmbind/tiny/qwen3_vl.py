@@ -16,8 +16,8 @@ import torch
 import transformers
 from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
 
-from .common import build_tokenizer, random_model, rescale_linear_weights
-from .qwen import CHAT_TEMPLATE, SPECIALS
+from .common import build_tokenizer
+from .qwen import CHAT_TEMPLATE, SPECIALS, qwen_random_model
 from .registry import register_tiny
 
 PATCH_SIZE = 16
@@ -132,15 +132,8 @@ def build_qwen3_vl(
         config_cls, model_cls = transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration
     else:
         config_cls, model_cls = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
-    config = config_cls(
-        text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    model = random_model(model_cls, config, seed, attn_implementation)
+    model = qwen_random_model(config_cls, model_cls, text, vision, ids, seed, attn_implementation, text_init_std)
     if text_init_std is not None:
-        rescale_linear_weights(model.model.language_model, std=text_init_std, seed=seed + 1)
         _redraw_experts(model.model.language_model, std=text_init_std, seed=seed + 2)
     processor = transformers.Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok,
                                               video_processor=video_processor, chat_template=CHAT_TEMPLATE)
