@@ -132,6 +132,10 @@ def env(tmp_path_factory) -> Env:
     (fx / "notes.txt").write_text("my favourite heads are 2.1 and 3.0\nthey look interesting\n")
     pd.DataFrame([{"layer": l, "head": h, "score": float(4 * l + h)} for l in range(4) for h in range(4)]).to_csv(
         fx / "scores.csv", index=False)
+    # the same table as vlmbind locate leaves it for another model: a summary.json beside it names that model
+    (fx / "located_on_p2a").mkdir()
+    (fx / "located_on_p2a" / "scores.csv").write_text((fx / "scores.csv").read_text())
+    (fx / "located_on_p2a" / "summary.json").write_text(json.dumps({"kind": "head_scores", "model": "organism-p2a"}))
     # result folders for export: malformed JSON, and a valid ablation result
     (fx / "res_badjson").mkdir()
     (fx / "res_badjson" / "results.json").write_text('{"arms": [')
@@ -277,6 +281,10 @@ CLI_CASES = [
     C("probe-misspelt-site", f"probe --model {T} --sites blocks.0.attn.hook_zz {O}",
       "Did you mean 'blocks.0.attn.hook_z'"),
     # malformed score tables and result files
+    C("ablate-scores-of-another-model", f"ablate --model {T} --task scene --scores {{fx}}/located_on_p2a/scores.csv {O}",
+      "located on organism-p2a", f"not on --model {T}", "--scores-from-any-model"),
+    C("edit-scores-of-another-model", f"edit --model {T} --scores {{fx}}/located_on_p2a/scores.csv {O}",
+      "located on organism-p2a", "--scores-from-any-model"),
     C("ablate-scores-unclosed-quote", f"ablate --model {T} --task scene --scores {{fx}}/unclosed.csv --n 2 {O}",
       "--scores", "not a readable CSV"),
     C("ablate-scores-wrong-columns", f"ablate --model {T} --task scene --scores {{fx}}/columns.csv --n 2 {O}",

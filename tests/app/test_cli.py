@@ -448,3 +448,25 @@ def test_conditions_side_by_side_share_one_colour_scale():
         assert (fig.data[0].zmin, fig.data[0].zmax, fig.data[0].zmid) == (-15.6, 15.6, 0.0)
         assert "+-15.6" in fig.layout.title.text
     assert small.data[0].text[0][0] == repr(0.0005)  # hover keeps the exact value
+
+
+def test_scores_of_another_model_are_used_only_when_asked(tmp_path, capsys):
+    """ablate reads the model a scores table was located on from the summary.json beside it: the same model passes,
+    another one is refused (tests/app/test_bad_input.py) unless --scores-from-any-model, and a table without a
+    summary (made by hand) is taken as it is."""
+    rows = "layer,head,score\n" + "".join(f"{l},{h},{4 * l + h}\n" for l in range(4) for h in range(4))
+    for folder, model in (("same", "tiny-qwen2_5_vl"), ("other", "organism-p2a"), ("hand", None)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "scores.csv").write_text(rows)
+        if model:
+            (tmp_path / folder / "summary.json").write_text(json.dumps({"model": model}))
+    base = ["ablate", "--model", "tiny-qwen2_5_vl", "--task", "scene", "--n", "2", "--top-k", "1", "--seeds", "1",
+            "--json"]
+    for folder, extra in (("same", []), ("other", ["--scores-from-any-model"]), ("hand", [])):
+        code = cli.main([*base, "--scores", str(tmp_path / folder / "scores.csv"), *extra,
+                         "--out", str(tmp_path / f"run-{folder}")])
+        assert code == 0, (folder, capsys.readouterr().err)
+        arms = {a["arm"]: a for a in json.loads(capsys.readouterr().out)["arms"]}
+        assert arms["top"]["heads"] == ["3.3"], folder
+    assert cli.main([*base, "--scores", str(tmp_path / "other" / "scores.csv"), "--out", str(tmp_path / "x")]) == 2
+    assert "located on organism-p2a" in capsys.readouterr().err and not (tmp_path / "x").exists()

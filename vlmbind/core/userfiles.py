@@ -21,7 +21,7 @@ from .errors import InputError
 from .images import read_image
 
 __all__ = ["SCORE_COLUMNS", "UserFileError", "read_csv_columns", "read_image", "read_json_object", "read_scores",
-           "require_keys"]
+           "require_keys", "same_model", "scores_model"]
 
 SCORE_COLUMNS = ("layer", "head", "score")
 _INTEGER = re.compile(r"[+]?\d+(?:\.0*)?")
@@ -81,6 +81,26 @@ def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: st
         raise UserFileError(f"{name} has no column(s) {missing} (its header: {list(frame.columns)[:8]}); it is not "
                             f"the file vlmbind wrote")
     return frame
+
+
+def scores_model(path: str | os.PathLike) -> str | None:
+    """The model a scores table was located on: the ``model`` of the ``summary.json`` vlmbind locate writes beside
+    its ``scores.csv``; None for a table without one (made by hand or elsewhere)."""
+    summary = Path(path).with_name("summary.json")
+    try:
+        data = json.loads(summary.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two ``--model`` values name the same model: equal, or two paths to one existing directory."""
+    if a == b:
+        return True
+    pa, pb = Path(a), Path(b)
+    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
 
 
 def read_scores(path: str | os.PathLike, *, n_layers: int | None = None, n_heads: int | None = None,

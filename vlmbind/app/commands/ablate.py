@@ -6,7 +6,17 @@ from typing import Any
 
 from ...core.choices import ABLATION_MODES as MODES
 from ...core.errors import InputError
-from .arguments import add_placement, add_prompt_format, check_model, int_at_least, load_model, out_dir, parse_range
+from .arguments import (
+    add_placement,
+    add_prompt_format,
+    add_scores_options,
+    check_model,
+    check_scores_model,
+    int_at_least,
+    load_model,
+    out_dir,
+    parse_range,
+)
 
 # its place in `vlmbind --help`
 HELP_ORDER = 90
@@ -23,7 +33,7 @@ def add_parser(sub: Any, common: Any) -> None:
                    help="the task whose accuracy is measured")
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
-    heads.add_argument("--scores", help="a scores.csv from vlmbind locate")
+    add_scores_options(p, heads)
     p.add_argument("--top-k", type=int_at_least(1, "--top-k 5"), default=5, help="heads per arm (default 5)")
     p.add_argument("--mode", choices=MODES, default="image_attention",
                    help="image_attention (zero attention to image tokens), zero, mean (the head's output replaced by its mean "
@@ -43,6 +53,7 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    check_scores_model(args)
     import pandas as pd
 
     from ...analysis.ablation import ablation_study

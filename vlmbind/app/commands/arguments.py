@@ -161,6 +161,27 @@ def _not_cached(hub_id: str) -> str | None:
     return "its config.json is not in the Hugging Face cache"
 
 
+def add_scores_options(p: argparse.ArgumentParser, group: Any) -> None:
+    """``--scores`` (into the mutually exclusive ``group``) and ``--scores-from-any-model``."""
+    group.add_argument("--scores", help="a scores.csv from vlmbind locate, run on the same --model")
+    p.add_argument("--scores-from-any-model", action="store_true",
+                   help="use --scores located on another model than --model (refused otherwise)")
+
+
+def check_scores_model(args: argparse.Namespace) -> None:
+    """Refuse ``--scores`` located on another model than ``--model`` (read from the summary.json beside it), unless
+    ``--scores-from-any-model``: another model's heads have the same names and mean something else."""
+    from ...core.userfiles import UserFileError, same_model, scores_model
+
+    if not getattr(args, "scores", None) or args.scores_from_any_model:
+        return
+    origin = scores_model(args.scores)
+    if origin is not None and not same_model(origin, str(args.model)):
+        raise UserFileError(f"--scores {args.scores!r} were located on {origin} (its summary.json says so), not on "
+                            f"--model {args.model}; run vlmbind locate on {args.model}, or pass "
+                            f"--scores-from-any-model to use them anyway")
+
+
 def out_dir(args: argparse.Namespace, command: str, *qualifiers: str) -> Path:
     """``--out``, or ``runs/<command>/<model>[-<qualifier>...]``, checked before any work (:func:`check_out_dir`)."""
     from ...core.io import check_out_dir

@@ -6,7 +6,16 @@ from typing import Any
 
 from ...core.choices import EDIT_POSITIONS
 from ...core.errors import InputError
-from .arguments import add_placement, add_prompt_format, check_model, load_model, out_dir, parse_range
+from .arguments import (
+    add_placement,
+    add_prompt_format,
+    add_scores_options,
+    check_model,
+    check_scores_model,
+    load_model,
+    out_dir,
+    parse_range,
+)
 
 # its place in `vlmbind --help`
 HELP_ORDER = 100
@@ -22,7 +31,7 @@ def add_parser(sub: Any, common: Any) -> None:
     add_prompt_format(p)
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
-    heads.add_argument("--scores", help="a scores.csv from vlmbind locate (with --top-k)")
+    add_scores_options(p, heads)
     p.add_argument("--top-k", type=int, default=3, help="with --scores: edit the k best heads (default 3)")
     p.add_argument("--alpha", default="0,0.5,1,2,4,8", help="comma-separated alphas (0 is always added)")
     p.add_argument("--n-estimate", type=int, default=512, help="estimation examples (default 512)")
@@ -52,6 +61,7 @@ def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, 
 
 def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    check_scores_model(args)
     from ...analysis.edits import alpha_label, edit_study, entropy_repair
     from ...analysis.position_ids import check_alphas, check_heads, check_positive
     from ...core.sites import parse_heads
