@@ -470,3 +470,20 @@ def test_scores_of_another_model_are_used_only_when_asked(tmp_path, capsys):
         assert arms["top"]["heads"] == ["3.3"], folder
     assert cli.main([*base, "--scores", str(tmp_path / "other" / "scores.csv"), "--out", str(tmp_path / "x")]) == 2
     assert "located on organism-p2a" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_resume_on_a_finished_locate_with_other_arguments_is_refused(tmp_path, capsys):
+    """--resume over a finished run has nothing to resume: with other arguments it exits 2 naming each difference
+    and leaves the run as it was; with the same arguments it runs again to the same scores."""
+    out = tmp_path / "run"
+    argv = ["locate", "--model", "tiny-qwen2_5_vl", "--condition", "id_selection", "--n-pairs", "3", "--out", str(out),
+            "--json"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    before = (out / "scores.csv").read_bytes()
+    assert cli.main([*argv[:6], "2", *argv[7:], "--method", "naive", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--n-pairs 3 (this command: 2)" in err and "--method exact (this command: naive)" in err
+    assert len(err.strip().splitlines()) == 1 and (out / "scores.csv").read_bytes() == before
+    assert cli.main([*argv, "--resume"]) == 0
+    assert (out / "scores.csv").read_bytes() == before

@@ -53,6 +53,34 @@ def add_parser(sub: Any, common: Any) -> None:
     p.set_defaults(func=cmd_locate)
 
 
+def refuse_other_finished_run(out: Any, args: Any) -> None:
+    """``--resume`` on a folder whose run finished (no checkpoint or parts left) with other arguments has nothing to
+    resume and would replace that run: refuse it, naming what differs (from the finished run's summary.json)."""
+    import json
+
+    from ...core.userfiles import same_model
+
+    summary = out / "summary.json"
+    if (out / CHECKPOINT).is_file() or (out / ".parts").is_dir() or not summary.is_file():
+        return
+    try:
+        done = json.loads(summary.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if not isinstance(done, dict) or done.get("kind", "head_scores") != "head_scores":
+        return
+    pairs = {"--model": (done.get("model"), str(args.model)), "--condition": (done.get("condition"), args.condition),
+             "--method": (done.get("method"), args.method), "--n-pairs": (done.get("n"), args.n_pairs)}
+    if args.prompt_format:
+        pairs["--prompt-format"] = (done.get("prompt_format"), args.prompt_format)
+    changed = [f"{flag} {then} (this command: {now})" for flag, (then, now) in pairs.items()
+               if then is not None and then != now and not (flag == "--model" and same_model(then, now))]
+    if changed:
+        raise InputError(f"--resume: {out} holds a finished run with {', '.join(changed)}, so there is nothing to "
+                         f"resume and it would be replaced; drop --resume and choose another --out, or repeat the "
+                         f"finished run's arguments")
+
+
 def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
     from ...analysis import sweeps
@@ -65,6 +93,8 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     method_kwargs: dict[str, Any] = {"steps": args.ig_steps} if args.method == "integrated_gradients" else {}
     out = out_dir(args, "locate", args.condition)
     checkpoint = out / CHECKPOINT
+    if args.resume:
+        refuse_other_finished_run(out, args)
     world = parallel.world_size(args.processes)
     if args.n_pairs < world:
         raise InputError(f"--n-pairs {args.n_pairs} cannot be shared by {world} processes; pass --processes "
