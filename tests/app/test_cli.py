@@ -487,3 +487,19 @@ def test_resume_on_a_finished_locate_with_other_arguments_is_refused(tmp_path, c
     assert len(err.strip().splitlines()) == 1 and (out / "scores.csv").read_bytes() == before
     assert cli.main([*argv, "--resume"]) == 0
     assert (out / "scores.csv").read_bytes() == before
+
+
+def test_default_output_folders_tell_runs_apart(tmp_path, monkeypatch, capsys):
+    """Two ablate runs that differ in mode (or k) write two default folders, never one over the other."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scores.csv").write_text(
+        "layer,head,score\n" + "".join(f"{l},{h},{4 * l + h}\n" for l in range(4) for h in range(4)))
+    base = ["ablate", "--model", "tiny-qwen2_5_vl", "--task", "scene", "--n", "2", "--seeds", "1", "--json"]
+    for extra in (["--mode", "zero", "--top-k", "1"], ["--mode", "mean", "--top-k", "1"],
+                  ["--mode", "zero", "--top-k", "2"]):
+        assert cli.main([*base, "--scores", "scores.csv", *extra]) == 0
+    assert cli.main([*base, "--heads", "0.0", "--mode", "zero"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "runs" / "ablate").iterdir()) == [
+        "tiny-qwen2_5_vl-scene-mean-top1", "tiny-qwen2_5_vl-scene-zero-heads", "tiny-qwen2_5_vl-scene-zero-top1",
+        "tiny-qwen2_5_vl-scene-zero-top2"]

@@ -47,7 +47,8 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--n", type=int_at_least(1, "--n 200"), default=200, help="evaluation examples (default 200)")
     p.add_argument("--seed", type=int, default=1, help="stimulus seed")
     p.add_argument("--objects", type=parse_range, help="objects per display: N or LOW-HIGH (default: the task's)")
-    p.add_argument("--out", default=None, help="output directory (default runs/ablate/<model>-<task>)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default runs/ablate/<model>-<task>-<mode>-top<k>, or -heads with --heads)")
     p.set_defaults(func=cmd_ablate)
 
 
@@ -62,7 +63,8 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     from ...core.userfiles import read_scores
     from ...stimuli.tasks import generate
 
-    out = out_dir(args, "ablate", args.task)
+    # what tells runs apart names the default folder, so that a run in another mode never replaces one
+    out = out_dir(args, "ablate", args.task, args.mode, f"top{args.top_k}" if args.scores else "heads")
     vlm = load_model(args)
     kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
     dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))

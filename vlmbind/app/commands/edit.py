@@ -43,7 +43,8 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
     p.add_argument("--repair", action="store_true", help="also run entropy repair (high-entropy IDs into "
                                                           "low-entropy scenes)")
-    p.add_argument("--out", default=None, help="output directory (default runs/edit/<model>)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default runs/edit/<model>-<positions>-top<k>, or -heads with --heads)")
     p.set_defaults(func=cmd_edit)
 
 
@@ -70,7 +71,7 @@ def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_positive(**{"--n-estimate": args.n_estimate, "--n-eval": args.n_eval})
     if args.heads is not None:
         parse_heads(args.heads)  # malformed heads fail before the model loads
-    out = out_dir(args, "edit")
+    out = out_dir(args, "edit", args.positions, f"top{args.top_k}" if args.scores else "heads")
     vlm = load_model(args)
     heads = _heads_from_scores(args.scores, args.top_k, vlm) if args.scores else check_heads(vlm, args.heads)
     options = dict(n_estimate=args.n_estimate, n_eval=args.n_eval, seed=args.seed, n_objects=args.objects or 3,
