@@ -230,3 +230,50 @@ def test_more_random_pools_share_one_study():
     assert both.random_seeds() == rest.random_seeds()  # the main random arm is untouched
     with pytest.raises(vb.InputError, match="random_from must be one of"):
         ablation_study(vlm, ds, scores, k=2, mode="zero", also_random_from=("layers",))
+
+
+def _heads(arm):
+    return {tuple(int(x) for x in h.split(".")) for h in arm["heads"]}
+
+
+def test_top_k_of_half_the_heads_is_accepted_and_one_more_is_refused():
+    """k may be as large as half the heads (the top and bottom arms then split the model without overlap): 8 of the
+    fake model's 4 x 4 heads runs, 9 is refused."""
+    ds = S.binding_query(2, 0)
+    vlm = HeadSensitiveVLM()
+    vlm.answers = {id(e.image): e.answer for e in ds}
+    order = [(l, h) for l in range(4) for h in range(4)]
+    result = ablation_study(vlm, ds, _scores(order), k=8, mode="zero", seeds=(0,), bottom_by="score")
+    arms = {a["arm"]: _heads(a) for a in result.arms}
+    assert result.k == 8 and arms["top"] == set(order[:8]) and arms["bottom"] == set(order[8:])
+    with pytest.raises(vb.InputError, match="k = 9"):
+        ablation_study(vlm, ds, _scores(order), k=9, mode="zero", seeds=(0,))
+
+
+def test_random_arm_never_draws_a_top_k_head_not_even_the_kth():
+    """Random-k comes from the heads outside the whole top-k, its k-th head included. With k = 8 of 16 heads that
+    pool is exactly the other 8, so every seed draws all of them; with k = 2, many seeds together draw each of the 14
+    other heads and neither of the top two."""
+    ds = S.binding_query(2, 0)
+    vlm = HeadSensitiveVLM()
+    vlm.answers = {id(e.image): e.answer for e in ds}
+    order = [divmod(int(i), 4) for i in np.random.default_rng(5).permutation(16)]
+    half = ablation_study(vlm, ds, _scores(order), k=8, mode="zero", seeds=tuple(range(5)))
+    assert [_heads(a) for a in half.random_seeds()] == [set(order[8:])] * 5
+    two = ablation_study(vlm, ds, _scores(order), k=2, mode="zero", seeds=tuple(range(60)))
+    assert set().union(*(_heads(a) for a in two.random_seeds())) == set(order[2:])
+
+
+def test_random_arm_interval_is_a_t_interval_with_the_sample_standard_deviation():
+    """Four seeds at 0.4, 0.5, 0.6 and 0.5: mean 0.5, sample standard deviation sqrt(0.02 / 3) (ddof 1) and
+    t(0.975, 3 df) = 3.182446305284263 (tables), so the 95% interval is 0.5 -+ 3.18245 * 0.0816497 / 2, about
+    [0.370, 0.630]: inside [0, 1], so nothing is clipped."""
+    fixed = [{"arm": arm, "seed": None, "heads": ["0.0"], "accuracy": 0.5, "n": 10}
+             for arm in ("clean", "top", "bottom")]
+    seeds = [{"arm": "random", "seed": s, "heads": ["1.1"], "accuracy": acc, "n": 10}
+             for s, acc in enumerate((0.4, 0.5, 0.6, 0.5))]
+    result = vb.analysis.ablation.AblationResult("m", "query", "zero", 1, False, arms=[*fixed, *seeds])
+    half = 3.182446305284263 * np.sqrt(0.02 / 3) / 2
+    r = result.intervals()["random"]
+    assert r["accuracy"] == pytest.approx(0.5)
+    assert (r["low"], r["high"]) == (pytest.approx(0.5 - half, abs=1e-12), pytest.approx(0.5 + half, abs=1e-12))

@@ -233,3 +233,39 @@ def test_a_scene_task_is_built_in_the_models_prompt_format_as_locate_builds_it()
         np.testing.assert_allclose(per_pair, patched - clean, atol=1e-5)
     finally:
         vlm.use_prompt_format(None)
+
+
+def test_the_95_percent_interval_is_the_2_5_and_97_5_percentiles_of_the_bootstrap():
+    """Three pairs scoring 0, 1 and 10: a resample of three pairs has sum 0 with probability 1/27 (three times the
+    0) and sum 30 with probability 1/27 (three times the 10), and the next sums are 1 (3/27) and 21 (3/27). So 3.7%
+    of the bootstrap means lie at each end: the 2.5th percentile is mean 0 and the 97.5th mean 10, while a 90%
+    interval (5th and 95th percentiles) would be [1/3, 7]."""
+    from vlmbind.analysis.mediation import head_uncertainty
+
+    per_pair = np.array([0.0, 1.0, 10.0]).reshape(3, 1, 1)
+    for seed in (0, 1, 2):
+        u = head_uncertainty(per_pair, n_boot=20000, seed=seed)
+        assert (u["ci_low"][0, 0], u["ci_high"][0, 0]) == (0.0, 10.0), seed
+
+
+def test_significance_is_decided_by_the_benjamini_hochberg_q_not_the_raw_p():
+    """Six heads: one far from 0, one at p = 0.026 (significant alone, but not once six heads are tested: its BH q
+    is 0.026 * 6 / 2 = 0.079) and four whose pairs average exactly 0. The q values are computed here by hand."""
+    from scipy import stats
+
+    from vlmbind.analysis.mediation import head_uncertainty
+
+    columns = [[5.0, 5.1, 4.9, 5.05, 4.95, 5.0], [1.0, 2.0, 0.5, 1.5, 0.2, 0.3], [1.0, -1.0, 2.0, -2.0, 0.5, -0.5],
+               [0.3, -0.3, 0.1, -0.1, 0.2, -0.2], [2.0, -2.0, 1.0, -1.0, 0.0, 0.0], [0.1, -0.1, 0.4, -0.4, 1.0, -1.0]]
+    per_pair = np.array(columns).T.reshape(6, 2, 3)
+    p = np.array([stats.ttest_1samp(c, 0.0).pvalue for c in columns])
+    order = np.argsort(p)
+    m, q, running = len(p), np.empty(len(p)), 1.0
+    for rank in range(m, 0, -1):  # q_(i) = min over j >= i of p_(j) * m / j
+        running = min(running, p[order[rank - 1]] * m / rank)
+        q[order[rank - 1]] = running
+    assert p[1] < 0.05 <= q[1] and q[0] < 0.05  # one head the correction removes, one it keeps
+    u = head_uncertainty(per_pair)
+    np.testing.assert_allclose(u["q_value"].ravel(), q, rtol=1e-9)
+    assert u["significant"].ravel().tolist() == (q < 0.05).tolist()
+    assert HeadScores("id_selection", "exact", "m", per_pair).significant_top() == [(0, 0)]

@@ -357,3 +357,22 @@ def test_answer_changes_by_position_matches_hand_built_masks():
     assert any(0 < share < 1 for share in shares) and 0.0 in shares  # a share between 0 and 1, and an inert head
     with pytest.raises(TrainingError, match="positions must be one of"):
         answer_changes(vlm.model, interchange, builder, pairs[:2], [(0, 1)], positions="images")
+
+
+def test_the_best_edit_is_never_the_unedited_alpha_0():
+    """The edit summary picks the alpha with the highest efficacy among the edited ones: alpha 0 adds nothing, so
+    its efficacy (answers that already name the object at t) can top every real edit and must still never be
+    reported as the best edit. Here alpha 0 scores 0.9, alphas 1 and 2 score 0.5 and 0.7: the best is 2."""
+    def rows(heads, efficacies):
+        return [{"heads": heads, "alpha": alpha, "arm": arm, "efficacy": eff if arm == "edit" else eff / 4,
+                 "described": 0.4, "n": 20}
+                for alpha, eff in efficacies.items() for arm in ("edit", "control", "random_direction")]
+
+    result = ValidationResult(model="m", reference="given", heads={"id_selection": ["1.0", "2.3"]},
+                              edit=[*rows("1.0 2.3", {0.0: 0.9, 1.0: 0.5, 2.0: 0.7}),
+                                    *rows("1.0", {0.0: 0.0, 1.0: 0.0, 2.0: 0.0})],
+                              params={"n_objects": 3})
+    best = result.edit_summary()
+    assert (best["alpha"], best["efficacy"], best["control"], best["random_control"]) == (2.0, 0.7, 0.7 / 4, 0.7 / 4)
+    assert best["control_chance"] == pytest.approx(0.4 / 2)
+    assert result.edit_summary("1.0")["alpha"] == 1.0  # all tied at 0: the first edited alpha, not 0

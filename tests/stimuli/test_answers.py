@@ -146,3 +146,54 @@ def test_generated_text_keeps_internvl_grounding_markers():
     ids = tok(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
     assert decode_generated(tok, ids) == text
     assert "<box>" not in tok.decode(ids, skip_special_tokens=True)  # the plain decode loses them: not vacuous
+
+
+@pytest.mark.parametrize("text", [
+    "There are a total of 2 red shapes and the total is 3.",
+    "A total of 2 are red; 3 objects in total.",
+    "Total: 1 circle and 2 squares, a total of 3.",
+    "The answer is 1. Let me recount: the answer is 3.",
+    "A total of 2 squares, so in total 3.",  # "so in total" is no count: "total 3" still marks one
+])
+def test_count_reads_the_last_marked_total(text):
+    """A reply that states a running total and then a final one is read at the final one (the last marked total):
+    every text here marks 3 last and a smaller number before it."""
+    assert read_count(text) == 3
+
+
+@pytest.mark.parametrize("text, count", [
+    ("2.5", None),
+    ("There are 3.5 objects.", None),
+    ("About 2.5 per row; 4 objects.", 4),
+    ("Each is 0.5 wide; there are two.", 2),
+    ("A total of 2.5 objects.", None),  # a marked total is a count only when it is whole
+    ("2.5 in total", None),
+    ("The answer is 2.5.", None),
+    ("The answer is 2.5, so 4 in total.", 4),
+])
+def test_a_decimal_is_never_a_count(text, count):
+    """``2.5`` is neither the count 2 nor 5: a decimal is skipped and the first whole number (or none) is read."""
+    assert read_count(text) == count
+
+
+def test_non_square_images_scale_x_by_width_and_y_by_height_in_every_frame():
+    """Points on a non-square image, processed to a non-square size, on a grid with more columns than rows: each
+    axis is scaled by its own side. Worked by hand for the centre of cell (column 2, row 1):
+
+    canvas 200 px, grid 2 rows x 4 cols -> cells 50 px wide, 100 px tall -> canvas pixel (125, 150);
+    original image (width 400, height 100) -> pixel (125 * 400 / 200, 150 * 100 / 200) = (250, 75);
+    per-mille (250 / 400, 75 / 100) * 1000 = (625, 750); percent (62.5, 75);
+    resized to (width 320, height 60) -> (250 * 320 / 400, 75 * 60 / 100) = (200, 45).
+    """
+    canvas = Canvas(image_size=200, grid=(2, 4))
+    written = {"canvas": (2, 1), "pixels": (250, 75), "permille": (625, 750), "percent": (62.5, 75),
+               "resized": (200, 45)}
+    assert set(written) == set(FRAMES)
+    for frame, (x, y) in written.items():
+        got = to_canvas(pointing_spans(f"({x}, {y})"), {"tuple": frame}, canvas, image_size=(400, 100),
+                        resized_size=(320, 60))
+        np.testing.assert_allclose(got, [(2.0, 1.0)], atol=1e-9, err_msg=frame)
+    # the formats that carry their own frame: a Molmo tag (percent) and a Qwen2-VL box (per-mille, its centre)
+    text = '<point x="62.5" y="75">a</point> <|box_start|>(600,700),(650,800)<|box_end|>'
+    got = to_canvas(pointing_spans(text), frames_for({}), canvas, image_size=(400, 100))
+    np.testing.assert_allclose(got, [(2.0, 1.0), (2.0, 1.0)], atol=1e-9)

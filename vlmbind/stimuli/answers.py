@@ -52,9 +52,11 @@ SPELLINGS = {"grey": "gray"}
 SELF_DESCRIBING = {"box": "permille", "molmo": "percent", "molmo2": "permille", "internvl": "permille"}
 
 _WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?")
+# a count: whole digits (never part of a decimal such as 2.5) or a number word
+_COUNT = r"(?:(?<![\d.])\d+(?!\d|\.\d)|" + "|".join(sorted(NUMBER_WORDS, key=len, reverse=True)) + ")"
 _TOTAL = re.compile(
     r"(?:\btotal(?:\s+(?:of|is|count(?:\s+is)?|number(?:\s+is)?))?\s*[:=]?\s*|\banswer(?:\s+is)?\s*[:=]?\s*)"
-    r"(?P<a>\d+|[a-z]+)\b|\b(?P<b>\d+|[a-z]+)\s+(?:[a-z]+\s+){0,3}in\s+total\b")
+    rf"(?P<a>{_COUNT})\b|\b(?P<b>{_COUNT})\s+(?:[a-z]+\s+){{0,3}}in\s+total\b")
 
 
 class UnknownFrameError(InputError):
