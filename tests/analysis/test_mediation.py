@@ -269,3 +269,21 @@ def test_significance_is_decided_by_the_benjamini_hochberg_q_not_the_raw_p():
     np.testing.assert_allclose(u["q_value"].ravel(), q, rtol=1e-9)
     assert u["significant"].ravel().tolist() == (q < 0.05).tolist()
     assert HeadScores("id_selection", "exact", "m", per_pair).significant_top() == [(0, 0)]
+
+
+def test_tied_zero_variance_heads_are_reported_as_ties_and_never_significant():
+    """Two heads that score the same nonzero value on every pair (zero variance, tied) are not evidence: no head is
+    significant, the note says why, and the ranking names the tie instead of ordering it by head index."""
+    rng = np.random.default_rng(0)
+    per_pair = rng.normal(0, 0.05, (12, 2, 3))
+    per_pair[:, 0, 1] = per_pair[:, 1, 2] = 0.8
+    scores = HeadScores("id_selection", "exact", "m", per_pair.copy())
+    u = scores.uncertainty()
+    assert not u["significant"].any() and u["p_value"][0, 1] == u["p_value"][1, 2] == 1.0
+    assert u["zero_variance"][0, 1] and u["zero_variance"][1, 2] and u["zero_variance"].sum() == 2
+    assert scores.significant_top() == [] and "2 head(s) score the same nonzero value" in scores.significance_note()
+    assert scores.ties(5) == [["0.1", "1.2"]] and scores.summary()["tied_top_heads"] == [["0.1", "1.2"]]
+    assert scores.ranking_text(3).endswith("; tied: 0.1 = 1.2")
+    per_pair[:, 1, 2] += rng.normal(0, 1e-3, 12)  # no longer tied, no longer constant: ordinary evidence again
+    varied = HeadScores("id_selection", "exact", "m", per_pair)
+    assert varied.ties(5) == [] and "tied_top_heads" not in varied.summary() and varied.significant_top() == [(1, 2)]

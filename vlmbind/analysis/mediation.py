@@ -75,29 +75,31 @@ UNCERTAINTY_METHOD = (f"95% percentile bootstrap interval of the mean over pairs
 def head_uncertainty(per_pair: np.ndarray, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> dict[str, np.ndarray]:
     """``L H`` arrays ``ci_low``, ``ci_high`` (95% percentile bootstrap of the mean over pairs, seeded), ``p_value``
     (two-sided one-sample t-test of the pairs' scores against 0), ``q_value`` (Benjamini-Hochberg over every head)
-    and ``significant`` (q < 0.05). A head whose pairs all score the same has p = 1 when that score is 0. With fewer
-    than 2 pairs nothing is significant and the intervals are NaN."""
+    and ``significant`` (q < 0.05). A head whose pairs all score the same (zero variance) has no t statistic and is
+    never significant: p = 1 whatever the score. With fewer than 2 pairs nothing is significant and the intervals are
+    NaN."""
     n, shape = per_pair.shape[0], per_pair.shape[1:]
     if n < 2:
         nan = np.full(shape, np.nan)
         return {"ci_low": nan, "ci_high": nan.copy(), "p_value": np.ones(shape), "q_value": np.ones(shape),
-                "significant": np.zeros(shape, bool)}
+                "significant": np.zeros(shape, bool), "zero_variance": np.zeros(shape, bool)}
     flat = per_pair.reshape(n, -1).astype(np.float64)
     # resampling pairs with replacement = multinomial counts over the pairs: one matrix product for every resample
     counts = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=n_boot)
     boot = counts @ flat / n
     low, high = np.percentile(boot, [2.5, 97.5], axis=0)
-    # scores equal to float precision are constant: their t statistic is noise (scipy warns), so they are decided
-    # by their value instead
+    # scores equal to float precision are constant: no variance to test against, so no evidence either way (scipy's
+    # t statistic would be noise, or infinite)
     constant = flat.std(0) <= 1e-12 * np.abs(flat).max(0)
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         p = ttest_1samp(flat, 0.0, axis=0).pvalue
-    p = np.where(constant, np.where(flat[0] == 0, 1.0, 0.0), p)
+    p = np.where(constant, 1.0, p)
     p = np.where(np.isnan(p), 1.0, p)
     q = false_discovery_control(p, method="bh")
     return {"ci_low": low.reshape(shape), "ci_high": high.reshape(shape), "p_value": p.reshape(shape),
-            "q_value": q.reshape(shape), "significant": (q < SIGNIFICANCE).reshape(shape)}
+            "q_value": q.reshape(shape), "significant": (q < SIGNIFICANCE).reshape(shape),
+            "zero_variance": (constant & (flat[0] != 0)).reshape(shape)}
 
 
 @register_result
@@ -205,17 +207,37 @@ class HeadScores(Result):
         return ranked if k is None else ranked[:k]
 
     def ranking_text(self, k: int = 5) -> str:
-        """The top ``k`` heads with their means and 95% intervals, ``*`` on those significant after correction."""
+        """The top ``k`` heads with their means and 95% intervals, ``*`` on those significant after correction, and
+        the ties among them (their order is the heads' index order, not evidence)."""
         u = self.uncertainty()
-        return ", ".join(f"{l}.{h}{'*' if u['significant'][l, h] else ''} ({self.scores[l, h]:+.3f} "
+        text = ", ".join(f"{l}.{h}{'*' if u['significant'][l, h] else ''} ({self.scores[l, h]:+.3f} "
                          f"[{u['ci_low'][l, h]:+.3f}, {u['ci_high'][l, h]:+.3f}])" for l, h in self.top(k))
+        ties = self.ties(k)
+        return text + ("; tied: " + "; ".join(" = ".join(group) for group in ties) if ties else "")
+
+    def ties(self, k: int = 10) -> list[list[str]]:
+        """Groups of heads (``"L.H"``) among the top ``k`` whose mean scores are equal (to 1e-9 of the largest):
+        their places in the ranking are arbitrary."""
+        top = self.top(k)
+        scale = max(float(np.abs(self.scores).max()), 1e-30)
+        groups: list[list[str]] = []
+        for (l, h), (pl, ph) in zip(top[1:], top[:-1]):
+            if abs(self.scores[l, h] - self.scores[pl, ph]) <= 1e-9 * scale:
+                if groups and groups[-1][-1] == f"{pl}.{ph}":
+                    groups[-1].append(f"{l}.{h}")
+                else:
+                    groups.append([f"{pl}.{ph}", f"{l}.{h}"])
+        return groups
 
     def significance_note(self) -> str | None:
         """What to tell a user when no head separates from zero at this many pairs (None when some head does)."""
         if self.significant_top():
             return None
+        flat = int(self.uncertainty().get("zero_variance", np.zeros(1, bool)).sum())  # a loaded table has none
         return (f"no head's score differs from 0 at n = {self.n} pairs (t-test, Benjamini-Hochberg q < "
-                f"{SIGNIFICANCE} over {self.scores.size} heads): the ranking is not evidence; add pairs (--n-pairs)")
+                f"{SIGNIFICANCE} over {self.scores.size} heads): the ranking is not evidence; add pairs (--n-pairs)"
+                + (f"; {flat} head(s) score the same nonzero value on every pair (zero variance: not testable; "
+                   f"check that the pairs differ)" if flat else ""))
 
     @property
     def verified_scores(self) -> np.ndarray | None:
@@ -258,6 +280,7 @@ class HeadScores(Result):
                "seconds": self.seconds, "top_heads": [f"{l}.{h}" for l, h in self.top(10)],
                "pair_ids": self.pair_ids, "prompt_format": self.prompt_format,
                "significant_heads": [f"{l}.{h}" for l, h in self.significant_top()],
+               **({"tied_top_heads": ties} if (ties := self.ties(10)) else {}),
                "uncertainty": UNCERTAINTY_METHOD}
         note = self.significance_note()
         if note:
