@@ -195,7 +195,8 @@ def test_edit_bookkeeping_on_a_fake_decoder(organism_p2a, monkeypatch):
         return outs
 
     monkeypatch.setattr(edits, "greedy_decode", fake_decode)
-    result = edit_study(organism_p2a, "1.0,2.1", [0.5, 1, 3], n_estimate=160, n_eval=30, seed=4, min_count=2)
+    result = edit_study(organism_p2a, "1.0,2.1", [0.5, 1, 3], n_estimate=160, n_eval=30, seed=4, min_count=2,
+                        positions="last")  # VSM's edit: one decode per arm, which the fake stands in for
     assert result.alphas == [0.0, 0.5, 1.0, 3.0]
     assert result.n_used + sum(result.skipped.values()) == 30 and result.n_used > 10
     used = [r for r in result.records if r["alpha"] == 0 and r["arm"] == "edit"]
@@ -266,7 +267,8 @@ def test_repair_bookkeeping_on_a_fake_decoder(organism_p2a, monkeypatch):
         return outs
 
     monkeypatch.setattr(edits, "greedy_decode", fake_decode)
-    result = entropy_repair(organism_p2a, [(1, 0), (2, 1)], [1, 2], n_estimate=160, n_eval=30, seed=4, min_count=2)
+    result = entropy_repair(organism_p2a, [(1, 0), (2, 1)], [1, 2], n_estimate=160, n_eval=30, seed=4, min_count=2,
+                            positions="last")
     high, low = rec.ids
     assert high.n_examples == low.n_examples == 160
     assert result.n_used + sum(result.skipped.values()) == 30
@@ -310,7 +312,7 @@ def test_small_study_on_the_organism(organism_p2a, tmp_path):
 def test_several_head_sets_at_once_equal_each_set_alone(organism_p2a):
     """``edit_studies`` (one estimation, one unedited decode) gives each head set what its own ``edit_study`` gives:
     the same rows, records, estimates and norms; a head set that is a subset reads the union's estimate."""
-    kwargs = dict(n_estimate=192, n_eval=16, seed=3, min_count=2)
+    kwargs = dict(n_estimate=192, n_eval=16, seed=3, min_count=2, positions="last")
     together = edits.edit_studies(organism_p2a, ["2.1,2.3", "2.3", "1.0"], [0, 2, 8], **kwargs)
     for heads, fast in zip(["2.1,2.3", "2.3", "1.0"], together):
         slow = edit_study(organism_p2a, heads, [0, 2, 8], **kwargs)
@@ -399,3 +401,15 @@ def test_answer_positions_edit_every_position_from_the_prompts_last(organism_p2a
     assert unedited == greedy_decode(organism_p2a, batch, (), 3)
     with pytest.raises(vb.InputError, match="positions must be one of"):
         edit_study(organism_p2a, "2.1", [1.0], n_estimate=8, n_eval=2, positions="everywhere")
+
+
+def test_edits_go_where_validate_puts_them_unless_told(organism_p2a):
+    """On a model vlmbind trained the default edit positions are the answer positions (where validate edits and the
+    planted IDs are read); on any other model VSM's last prompt position; the choice is recorded."""
+    from helpers import get_tiny
+
+    assert edits.default_positions(organism_p2a) == "answer"
+    assert edits.default_positions(get_tiny("tiny-qwen2_5_vl")) == "last"
+    result = edit_study(organism_p2a, "2.1", [1.0], n_estimate=32, n_eval=4, seed=0, min_count=1)
+    assert result.positions == "answer" and result.summary()["positions"] == "answer"
+

@@ -338,10 +338,23 @@ def _estimated_empty(ids: PositionIDs, example: Any) -> list[Cell]:
     return [c for c in ids.cells if c not in occupied]
 
 
+def default_positions(vlm: Any) -> str:
+    """Where an edit goes unless told: ``answer`` on a model vlmbind trained (its IDs are planted and read at the
+    answer positions too, and ``validate`` edits there), else ``last``, VSM's edit at the prompt's last position."""
+    return "answer" if getattr(vlm, "training", None) is not None else "last"
+
+
+def _positions(vlm: Any, positions: str | None) -> str:
+    positions = default_positions(vlm) if positions is None else positions
+    if positions not in EDIT_POSITIONS:
+        raise InputError(f"positions must be one of {', '.join(EDIT_POSITIONS)}, got {positions!r}")
+    return positions
+
+
 def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_eval: int = 64, seed: int = 0,
                n_objects: int | tuple[int, int] = 3, entropy: str = "high", min_count: int = 3,
                batch_size: int = 32, stimulus: dict[str, Any] | None = None, progress: bool = False,
-               positions: str = "last") -> EditResult:
+               positions: str | None = None) -> EditResult:
     """VSM's position-ID edit: efficacy of ``z_h += alpha * (d_t - d_o)`` per alpha, with two controls.
 
     The controls ask whether the edit's direction matters or any push of its size would do: the empty-cell control
@@ -370,7 +383,8 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
         progress: show progress bars.
         positions: ``last`` (the prompt's last position, VSM's edit) or ``answer`` (also every answer position:
             with a two-word answer the shape is predicted at the colour word, so an ID read there too must be edited
-            there too; an organism planted with ``last_positions="answer"`` reads it at both).
+            there too; an organism planted with ``last_positions="answer"`` reads it at both); None:
+            :func:`default_positions` (``answer`` on a model vlmbind trained, ``last`` on others).
 
     Returns:
         :class:`EditResult`.
@@ -386,7 +400,7 @@ def edit_study(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_ev
 def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate: int = 512, n_eval: int = 64,
                  seed: int = 0, n_objects: int | tuple[int, int] = 3, entropy: str = "high", min_count: int = 3,
                  batch_size: int = 32, stimulus: dict[str, Any] | None = None, progress: bool = False,
-                 positions: str = "last") -> list[EditResult]:
+                 positions: str | None = None) -> list[EditResult]:
     """:func:`edit_study` for several head sets on the same scenes: the position IDs are estimated once for every
     head of every set and the unedited answers decoded once, so each result equals that set's own ``edit_study``
     (a test checks it) at a fraction of the cost. Each result's ``seconds`` is the whole call's.
@@ -401,8 +415,7 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
     if not head_sets:
         raise InputError("head_sets is empty: pass at least one set of heads to edit")
     sets, alphas = [check_heads(vlm, heads) for heads in head_sets], check_alphas(alphas)
-    if positions not in EDIT_POSITIONS:
-        raise InputError(f"positions must be one of {', '.join(EDIT_POSITIONS)}, got {positions!r}")
+    positions = _positions(vlm, positions)
     check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
     data = scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, entropy, stimulus))
     examples = list(data)
@@ -511,7 +524,7 @@ def _unit(rng: np.random.Generator, d: int) -> torch.Tensor:
 def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, n_eval: int = 64, seed: int = 0,
                    n_objects: int | tuple[int, int] = 3, min_count: int = 3, batch_size: int = 32,
                    stimulus: dict[str, Any] | None = None, progress: bool = False,
-                   positions: str = "last") -> RepairResult:
+                   positions: str | None = None) -> RepairResult:
     """VSM's entropy repair: inject the high-entropy position ID of the missing object's cell into low-entropy
     scenes, ``z_h += alpha * (d^high_o - d^low_o)``, and report accuracy per alpha.
 
@@ -533,8 +546,7 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
         InputError: bad heads, alphas or sizes, impossible stimuli, or no evaluation example left.
     """
     start = time.perf_counter()
-    if positions not in EDIT_POSITIONS:
-        raise InputError(f"positions must be one of {', '.join(EDIT_POSITIONS)}, got {positions!r}")
+    positions = _positions(vlm, positions)
     heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
     check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
     high = list(scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, "high", stimulus)))

@@ -35,9 +35,10 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--top-k", type=int, default=3, help="with --scores: edit the k best heads (default 3)")
     p.add_argument("--alpha", default="0,0.5,1,2,4,8", help="comma-separated alphas (0 is always added)")
     p.add_argument("--n-estimate", type=int, default=512, help="estimation examples (default 512)")
-    p.add_argument("--positions", choices=EDIT_POSITIONS, default="last",
-                   help="where the edit is added: the prompt's last position (default, VSM's) or also every answer "
-                        "position (a second answer word is predicted at the first)")
+    p.add_argument("--positions", choices=EDIT_POSITIONS, default=None,
+                   help="where the edit is added: the prompt's last position (VSM's edit; the default on other "
+                        "models) or also every answer position (the default on models vlmbind trained, whose IDs are "
+                        "read there too, as validate edits them)")
     p.add_argument("--n-eval", type=int, default=64, help="evaluation examples (default 64)")
     p.add_argument("--seed", type=int, default=0, help="stimulus seed")
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
@@ -63,7 +64,7 @@ def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, 
 def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
     check_scores_model(args)
-    from ...analysis.edits import alpha_label, edit_study, entropy_repair
+    from ...analysis.edits import alpha_label, default_positions, edit_study, entropy_repair
     from ...analysis.position_ids import check_alphas, check_heads, check_positive
     from ...core.sites import parse_heads
 
@@ -71,11 +72,13 @@ def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_positive(**{"--n-estimate": args.n_estimate, "--n-eval": args.n_eval})
     if args.heads is not None:
         parse_heads(args.heads)  # malformed heads fail before the model loads
-    out = out_dir(args, "edit", args.positions, f"top{args.top_k}" if args.scores else "heads")
+    out = out_dir(args, "edit") if args.out else None  # a bad --out fails before the model loads
     vlm = load_model(args)
+    positions = args.positions or default_positions(vlm)
+    out = out or out_dir(args, "edit", positions, f"top{args.top_k}" if args.scores else "heads")
     heads = _heads_from_scores(args.scores, args.top_k, vlm) if args.scores else check_heads(vlm, args.heads)
     options = dict(n_estimate=args.n_estimate, n_eval=args.n_eval, seed=args.seed, n_objects=args.objects or 3,
-                   progress=not args.json, positions=args.positions)
+                   progress=not args.json, positions=positions)
     result = edit_study(vlm, heads, alphas, **options)
     if args.repair:
         result.repair = entropy_repair(vlm, heads, alphas, **options)
