@@ -503,3 +503,25 @@ def test_default_output_folders_tell_runs_apart(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in (tmp_path / "runs" / "ablate").iterdir()) == [
         "tiny-qwen2_5_vl-scene-mean-top1", "tiny-qwen2_5_vl-scene-zero-heads", "tiny-qwen2_5_vl-scene-zero-top1",
         "tiny-qwen2_5_vl-scene-zero-top2"]
+
+
+@pytest.mark.parametrize("condition, mode", [("id_selection", "zero"), ("id_retrieval", "zero"),
+                                             ("feature_retrieval", "image_attention"), (None, "image_attention")])
+def test_ablate_chooses_a_mode_that_can_remove_the_located_heads(tmp_path, monkeypatch, capsys, condition, mode):
+    """Heads located on a condition where they act at text positions are ablated with zero by default (removing
+    their attention to the image would leave them working); otherwise, and for a table without a summary, the
+    default is image_attention. Asking for image_attention on such heads says in one line why it cannot work."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "scores.csv").write_text(
+        "layer,head,score\n" + "".join(f"{l},{h},{4 * l + h}\n" for l in range(4) for h in range(4)))
+    if condition:
+        (tmp_path / "summary.json").write_text(json.dumps({"model": "tiny-qwen2_5_vl", "condition": condition}))
+    base = ["ablate", "--model", "tiny-qwen2_5_vl", "--task", "scene", "--scores", "scores.csv", "--n", "2",
+            "--top-k", "1", "--seeds", "1"]
+    assert cli.main([*base, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["mode"] == mode and summary.get("scores_condition") == condition
+    assert (tmp_path / "runs" / "ablate" / f"tiny-qwen2_5_vl-scene-{mode}-top1").is_dir()
+    assert cli.main([*base, "--mode", "image_attention", "--out", "explicit"]) == 0
+    noted = "cannot remove them" in capsys.readouterr().out
+    assert noted == (condition in ("id_selection", "id_retrieval"))

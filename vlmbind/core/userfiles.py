@@ -21,7 +21,7 @@ from .errors import InputError
 from .images import read_image
 
 __all__ = ["SCORE_COLUMNS", "UserFileError", "read_csv_columns", "read_image", "read_json_object", "read_scores",
-           "require_keys", "same_model", "scores_model"]
+           "require_keys", "same_model", "scores_context", "scores_model"]
 
 SCORE_COLUMNS = ("layer", "head", "score")
 _INTEGER = re.compile(r"[+]?\d+(?:\.0*)?")
@@ -83,16 +83,22 @@ def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: st
     return frame
 
 
-def scores_model(path: str | os.PathLike) -> str | None:
-    """The model a scores table was located on: the ``model`` of the ``summary.json`` vlmbind locate writes beside
-    its ``scores.csv``; None for a table without one (made by hand or elsewhere)."""
+def scores_context(path: str | os.PathLike, key: str) -> str | None:
+    """What a scores table was located with (``key``: ``model``, ``condition``, ``method``): read from the
+    ``summary.json`` vlmbind locate writes beside its ``scores.csv``; None for a table without one (made by hand or
+    elsewhere) or a summary without that key."""
     summary = Path(path).with_name("summary.json")
     try:
         data = json.loads(summary.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    model = data.get("model") if isinstance(data, dict) else None
-    return model if isinstance(model, str) and model else None
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def scores_model(path: str | os.PathLike) -> str | None:
+    """The model a scores table was located on (:func:`scores_context`)."""
+    return scores_context(path, "model")
 
 
 def same_model(a: str, b: str) -> bool:

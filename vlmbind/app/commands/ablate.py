@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.choices import ABLATION_MODES as MODES
+from ...core.choices import TEXT_POSITION_CONDITIONS
 from ...core.errors import InputError
 from .arguments import (
     add_placement,
@@ -35,9 +36,11 @@ def add_parser(sub: Any, common: Any) -> None:
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
     add_scores_options(p, heads)
     p.add_argument("--top-k", type=int_at_least(1, "--top-k 5"), default=5, help="heads per arm (default 5)")
-    p.add_argument("--mode", choices=MODES, default="image_attention",
-                   help="image_attention (zero attention to image tokens), zero, mean (the head's output replaced by its mean "
-                        "over every token) or role_mean (by its mean over the tokens of the same role: image, text)")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="image_attention (zero attention to image tokens), zero, mean (the head's output replaced by "
+                        "its mean over every token) or role_mean (by its mean over the tokens of the same role: image, "
+                        "text); default: zero for scores located on id_selection / id_retrieval (heads that act at "
+                        "text positions), image_attention otherwise")
     p.add_argument("--renormalize", action="store_true", help="image_attention: renormalise the remaining attention")
     p.add_argument("--seeds", type=int_at_least(1, "--seeds 5"), default=5,
                    help="random-k draws, each from the heads outside the top-k (default 5)")
@@ -60,17 +63,19 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     from ...analysis.ablation import ablation_study
     from ...analysis.evaluation import training_defaults
     from ...core.sites import parse_heads
-    from ...core.userfiles import read_scores
+    from ...core.userfiles import read_scores, scores_context
     from ...stimuli.tasks import generate
 
+    condition = scores_context(args.scores, "condition") if args.scores else None
+    mode = args.mode or ("zero" if condition in TEXT_POSITION_CONDITIONS else "image_attention")
     # what tells runs apart names the default folder, so that a run in another mode never replaces one
-    out = out_dir(args, "ablate", args.task, args.mode, f"top{args.top_k}" if args.scores else "heads")
+    out = out_dir(args, "ablate", args.task, mode, f"top{args.top_k}" if args.scores else "heads")
     vlm = load_model(args)
     kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
     dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
     if args.scores:
         scores = read_scores(args.scores, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
-        result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=args.mode,
+        result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=mode,
                                 renormalize=args.renormalize, seeds=tuple(range(args.seeds)),
                                 bottom_by=args.bottom_by)
     else:
@@ -84,11 +89,17 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         ranked = heads + [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads) if (l, h) not in heads]
         frame = pd.DataFrame([{"layer": l, "head": h, "score": float(len(ranked) - i)} for i, (l, h) in
                               enumerate(ranked)])
-        result = ablation_study(vlm, dataset, frame, k=len(heads), mode=args.mode, renormalize=args.renormalize,
+        result = ablation_study(vlm, dataset, frame, k=len(heads), mode=mode, renormalize=args.renormalize,
                                 seeds=tuple(range(args.seeds)), bottom_by=args.bottom_by)
     result.save(out)
     summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
                "out": str(out), "command": " ".join(command)}
-    text = (f"{vlm.name} on {args.task} (n={args.n}), {args.mode} ablation of {result.k} heads\n  "
+    if condition is not None:
+        summary["scores_condition"] = condition
+    note = ""
+    if mode == "image_attention" and condition in TEXT_POSITION_CONDITIONS:
+        note = (f"  note: these heads were located on {condition}, where they act at text positions; removing their "
+                f"attention to the image cannot remove them (--mode zero, mean or role_mean can)\n")
+    text = (f"{vlm.name} on {args.task} (n={args.n}), {mode} ablation of {result.k} heads\n{note}  "
             + result.text().replace("\n", "\n  ") + f"\n  wrote {out}/results.json")
     return summary, text, 0
