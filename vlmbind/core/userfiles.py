@@ -21,7 +21,7 @@ from .errors import InputError
 from .images import read_image
 
 __all__ = ["SCORE_COLUMNS", "UserFileError", "read_csv_columns", "read_image", "read_json_object", "read_scores",
-           "require_keys", "same_model", "scores_context", "scores_model"]
+           "located_summary", "require_keys", "same_model", "scores_context", "scores_model"]
 
 SCORE_COLUMNS = ("layer", "head", "score")
 _INTEGER = re.compile(r"[+]?\d+(?:\.0*)?")
@@ -83,16 +83,20 @@ def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: st
     return frame
 
 
-def scores_context(path: str | os.PathLike, key: str) -> str | None:
-    """What a scores table was located with (``key``: ``model``, ``condition``, ``method``): read from the
-    ``summary.json`` vlmbind locate writes beside its ``scores.csv``; None for a table without one (made by hand or
-    elsewhere) or a summary without that key."""
-    summary = Path(path).with_name("summary.json")
+def located_summary(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``summary.json`` vlmbind locate writes beside its ``scores.csv`` (``path``), as a dict; empty for a table
+    without a readable one (made by hand or elsewhere)."""
     try:
-        data = json.loads(summary.read_text())
+        data = json.loads(Path(path).with_name("summary.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    value = data.get(key) if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def scores_context(path: str | os.PathLike, key: str) -> str | None:
+    """What a scores table was located with (``key``: ``model``, ``condition``, ``method``), from
+    :func:`located_summary`; None where it does not say."""
+    value = located_summary(path).get(key)
     return value if isinstance(value, str) and value else None
 
 

@@ -56,18 +56,12 @@ def add_parser(sub: Any, common: Any) -> None:
 def refuse_other_finished_run(out: Any, args: Any) -> None:
     """``--resume`` on a folder whose run finished (no checkpoint or parts left) with other arguments has nothing to
     resume and would replace that run: refuse it, naming what differs (from the finished run's summary.json)."""
-    import json
+    from ...core.userfiles import located_summary, same_model
 
-    from ...core.userfiles import same_model
-
-    summary = out / "summary.json"
-    if (out / CHECKPOINT).is_file() or (out / ".parts").is_dir() or not summary.is_file():
+    if (out / CHECKPOINT).is_file() or (out / ".parts").is_dir():
         return
-    try:
-        done = json.loads(summary.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return
-    if not isinstance(done, dict) or done.get("kind", "head_scores") != "head_scores":
+    done = located_summary(out / "scores.csv")
+    if not done or done.get("kind", "head_scores") != "head_scores":
         return
     pairs = {"--model": (done.get("model"), str(args.model)), "--condition": (done.get("condition"), args.condition),
              "--method": (done.get("method"), args.method), "--n-pairs": (done.get("n"), args.n_pairs)}
