@@ -6,6 +6,7 @@ scene read back from ``scene.png``, with image positions found from the config's
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import html
 import io
@@ -68,9 +69,52 @@ def test_models_json_lists_every_registered_name_with_its_shape(capsys):
     assert rows["tiny-qwen2_5_vl"]["image_tokens"] == 64
 
 
+def test_the_declared_models_are_what_the_built_models_give():
+    """The declarations file `vlmbind models` reads equals what building every registered model gives now (and the
+    shipped organisms' fingerprints are those of their files), so it cannot fall behind the builders or the
+    weights."""
+    from vlmbind.app.commands.models import declarations
+    from vlmbind.core.declared import DECLARED_FILE
+
+    assert json.loads(DECLARED_FILE.read_text()) == declarations(), \
+        "the declared models are out of date: run python scripts/declare_models.py"
+
+
+def test_a_name_without_a_current_declaration_is_described_by_building_it(monkeypatch):
+    """A shipped organism whose files changed since the declarations were written, and a name the file lacks, are
+    described by building them; the other rows come from the file."""
+    from vlmbind.core import declared
+
+    real_fingerprint = declared.fingerprint
+    monkeypatch.setattr(declared, "fingerprint",
+                        lambda name: "changed" if name == "organism-p2a" else real_fingerprint(name))
+    names = [*vb.registered_names(), "tiny-undeclared"]
+    monkeypatch.setattr("vlmbind.app.commands.models.registered_names", lambda: names)
+    from vlmbind.app.commands.models import PROBE_SIZE, cmd_models
+
+    template = declared.declared_rows(PROBE_SIZE)["tiny-llava"]
+    built = []
+
+    def fake_describe(name):
+        built.append(name)
+        return {**template, "name": name, "source": "built"}
+
+    monkeypatch.setattr("vlmbind.app.commands.models.describe_model", fake_describe)
+    summary, text, code = cmd_models(argparse.Namespace(families=None), ["vlmbind", "models"])
+    assert code == 0 and built == ["organism-p2a", "tiny-undeclared"]
+    rows = {r["name"]: r for r in summary["models"]}
+    assert list(rows) == names and rows["organism-p2a"]["source"] == "built"
+    assert rows["tiny-llava"] == template and rows["organism-direct"]["source"].startswith("shipped organism")
+    assert text.count("built") == 2
+    # a file for another probe size, or none, declares nothing
+    assert declared.declared_rows(PROBE_SIZE + 1) == {}
+    assert declared.declared_rows(PROBE_SIZE, Path("no/such/file.json")) == {}
+
+
 def test_models_failing_row_is_reported_and_exits_1(monkeypatch, capsys):
     names = vb.registered_names()[:2]
-    monkeypatch.setattr("vlmbind.engine.loading.registered_names", lambda: names)
+    monkeypatch.setattr("vlmbind.app.commands.models.registered_names", lambda: names)
+    monkeypatch.setattr("vlmbind.core.declared.declared_rows", lambda probe_size: {})  # every row built
 
     def fake_describe(name):
         if name == names[1]:

@@ -179,6 +179,9 @@ SMALL_RUNS = {
     "probe_size": (["--n-train", "32", "--n-val", "8", "--n-test", "8", "--families", "linear", "--threads", "1",
                     "--out", "{tmp}/probe"], "probe/probe_size.json",
                    lambda s: [x["stage"] for x in s["stages"]] == ["generate", "capture", "fit linear"]),
+    "startup": (["--repeats", "1", "--json"], None,
+                lambda rows: [(r["command"].split()[1], r["exit_codes"]) for r in rows[-1]["rows"]]
+                == [("-c", [0]), ("--help", [0]), ("models", [0]), ("export", [2])]),
     "training": (["--stages", "1", "--steps", "2", "--json"], None, lambda rows: len(rows[-1]["stages"]) == 1),
     # two timed steps: a per-step time is a difference of two runs, too noisy at this size to have a sign
     "two_processes": (["--stages", "1", "--steps", "2", "--json"], None,

@@ -28,7 +28,9 @@ import pandas as pd
 
 from .. import analysis  # noqa: F401  (importing analysis registers every result kind)
 from ..core import results
-from ..core.choices import EXPORT_FORMATS as FORMATS
+from ..core.choices import EXPORT_FORMATS as FORMATS  # noqa: F401  (the formats, named here for callers)
+from ..core.choices import EXPORT_MANIFEST as MANIFEST
+from ..core.choices import check_export_arguments, check_result_dir
 from ..core.errors import InputError
 from ..core.io import write_bytes_atomic
 from ..core.results import RESULTS
@@ -36,8 +38,6 @@ from ..viz.figures import PLOTLYJS_FILE, plotlyjs_bundle
 
 # how deep export looks for result folders below RESULT_DIR (a demo nests them three levels down)
 MAX_DEPTH = 6
-# written into every output folder; scan() never reads a folder holding it (an export of tables looks like results)
-MANIFEST = ".vlmbind-export.json"
 
 
 @dataclass
@@ -93,9 +93,7 @@ def scan(root: Path, skip: Path | None = None) -> list[ResultSet]:
     Raises:
         InputError: ``root`` is not a directory.
     """
-    if not root.is_dir():
-        raise InputError(f"{str(root)!r} is not a directory; pass a folder written by vlmbind (locate, ablate, "
-                         f"edit, rsa, track, probe or demo)")
+    check_result_dir(root)
     skip_resolved = skip.resolve() if skip is not None else None
     found: list[ResultSet] = []
 
@@ -263,24 +261,9 @@ def export_results(result_dir: str | os.PathLike, fmt: str = "html", out: str | 
             outside ``out``, or an unwritable ``out`` (nothing is left written then).
     """
     start = time.perf_counter()
-    if fmt not in FORMATS:
-        raise InputError(f"unknown export format {fmt!r}; pass one of {', '.join(FORMATS)}")
-    root = Path(result_dir)
-    if not root.exists():
-        raise InputError(f"result directory {str(root)!r} does not exist; pass a folder written by vlmbind")
-    for label, value in (("width", width), ("height", height)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 10):
-            raise InputError(f"{label} must be a whole number of pixels >= 10, got {value!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 20):
-        raise InputError(f"scale must be a number in (0, 20], got {scale!r} (2 doubles the pixels of a png)")
-    if fmt in ("html", "csv") and (width, height, scale) != (None, None, None):
-        raise InputError(f"width, height and scale apply to png, svg and pdf, not {fmt}; drop them or pick an image "
-                         f"format")
+    root = check_export_arguments(result_dir, fmt, width=width, height=height, scale=scale)
     out_dir = Path(out) if out is not None else default_export_dir(root)
     sets = scan(root, skip=out_dir)
-    if (root / MANIFEST).is_file():
-        raise InputError(f"{str(root)!r} is the output of vlmbind export, not a result folder; pass the folder "
-                         f"that was exported")
     if not sets:
         raise InputError(f"{str(root)!r} holds no vlmbind results (looked for scores.csv, results.json, rsa.csv, "
                          f"rmse.csv, probe.csv, attention_mass.csv up to {MAX_DEPTH} folders deep)")

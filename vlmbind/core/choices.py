@@ -1,20 +1,21 @@
 """The choices of the command line, in one light module: every constant an argument parser of
 :mod:`vlmbind.app.commands` needs (choices, defaults, checkpoint file names), the registered model names, and the checks
-of a model name that need no model.
+of a model name and of export's arguments that need no model and no result.
 
-It imports only the standard library and base modules, so ``vlmbind --help`` and a misspelt model name answer
-without importing torch. The analysis, stimuli and engine modules that use these constants import them from here
-(one source of truth); where a heavy module keeps a registry of its own (a dict of builders or of dtypes), its keys
-are checked against the tuple here by ``tests/app/test_cli_startup.py``.
+It imports only the standard library and base modules, so ``vlmbind --help``, a misspelt model name and a refused
+export answer without importing torch. The analysis, stimuli and engine modules that use these constants import them
+from here (one source of truth); where a heavy module keeps a registry of its own (a dict of builders or of dtypes),
+its keys are checked against the tuple here by ``tests/app/test_cli_startup.py``.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from pathlib import Path
 
-from .errors import UnsupportedModelError, close_matches
+from .errors import InputError, UnsupportedModelError, close_matches
 from .shipped import ORGANISM_NAMES, shipped_organisms
 
 TINY_REGISTRATION = re.compile(r'^@register_tiny\("([^"]+)", rank=(\d+)\)$', re.M)
@@ -95,6 +96,51 @@ SIMILARITIES = ("pearson", "cosine")
 # --- export (vlmbind.app.export) --------------------------------------------------------------------------------------
 # 
 EXPORT_FORMATS = ("png", "svg", "pdf", "html", "csv")
+# written into every export's output folder; export never reads a folder holding it as results
+EXPORT_MANIFEST = ".vlmbind-export.json"
+
+
+def check_result_dir(root: Path) -> None:
+    """Refuse a result directory that is not a directory.
+
+    Raises:
+        InputError: ``root`` is missing or not a directory.
+    """
+    if not root.is_dir():
+        raise InputError(f"{str(root)!r} is not a directory; pass a folder written by vlmbind (locate, ablate, "
+                         f"edit, rsa, track, probe or demo)")
+
+
+def check_export_arguments(result_dir: str | os.PathLike, fmt: str, *, width: int | None = None,
+                           height: int | None = None, scale: float | None = None) -> Path:
+    """Refuse what :func:`vlmbind.app.export.export_results` refuses by its arguments alone (no result read), here
+    so that ``vlmbind export`` refuses them before it imports the renderers.
+
+    Returns:
+        ``result_dir`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        InputError: an unknown format, a result directory that is missing, not a directory or the output of an
+            export, or a page size that is not one or does not apply to the format.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise InputError(f"unknown export format {fmt!r}; pass one of {', '.join(EXPORT_FORMATS)}")
+    root = Path(result_dir)
+    if not root.exists():
+        raise InputError(f"result directory {str(root)!r} does not exist; pass a folder written by vlmbind")
+    for label, value in (("width", width), ("height", height)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 10):
+            raise InputError(f"{label} must be a whole number of pixels >= 10, got {value!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 20):
+        raise InputError(f"scale must be a number in (0, 20], got {scale!r} (2 doubles the pixels of a png)")
+    if fmt in ("html", "csv") and (width, height, scale) != (None, None, None):
+        raise InputError(f"width, height and scale apply to png, svg and pdf, not {fmt}; drop them or pick an image "
+                         f"format")
+    check_result_dir(root)
+    if (root / EXPORT_MANIFEST).is_file():
+        raise InputError(f"{str(root)!r} is the output of vlmbind export, not a result folder; pass the folder "
+                         f"that was exported")
+    return root
 
 
 def registered_names() -> list[str]:

@@ -8,6 +8,7 @@ JSON and CSV are parsed as text.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -19,9 +20,10 @@ import pandas as pd
 
 from .errors import InputError
 from .images import read_image
+from .text import read_utf8_text
 
 __all__ = ["SCORE_COLUMNS", "UserFileError", "read_csv_columns", "read_image", "read_json_object", "read_scores",
-           "located_summary", "require_keys", "same_model", "scores_context", "scores_model"]
+           "read_utf8_text", "located_summary", "require_keys", "same_model", "scores_context", "scores_model"]
 
 SCORE_COLUMNS = ("layer", "head", "score")
 _INTEGER = re.compile(r"[+]?\d+(?:\.0*)?")
@@ -43,10 +45,10 @@ def read_json_object(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
     """
     name = f"{what} {str(path)!r}".strip()
     try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
+        value = json.loads(read_utf8_text(path, name, UserFileError))
     except FileNotFoundError:
         raise UserFileError(f"{name} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError) as exc:
         raise UserFileError(f"cannot read {name} as JSON ({_first_line(exc)}); re-run the command that wrote it"
                             ) from None
     if not isinstance(value, dict):
@@ -70,10 +72,10 @@ def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: st
     name = f"{what} {str(path)!r}".strip()
     try:
         # round_trip: the parsed floats are exactly the written ones (hover texts show repr())
-        frame = pd.read_csv(path, float_precision="round_trip")
+        frame = pd.read_csv(io.StringIO(read_utf8_text(path, name, UserFileError)), float_precision="round_trip")
     except FileNotFoundError:
         raise UserFileError(f"{name} does not exist") from None
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise UserFileError(f"cannot read {name} as CSV ({_first_line(exc)}); re-run the command that wrote it"
                             ) from None
     missing = [c for c in columns if c not in frame.columns]
@@ -87,7 +89,7 @@ def located_summary(path: str | os.PathLike) -> dict[str, Any]:
     """The ``summary.json`` vlmbind locate writes beside its ``scores.csv`` (``path``), as a dict; empty for a table
     without a readable one (made by hand or elsewhere)."""
     try:
-        data = json.loads(Path(path).with_name("summary.json").read_text())
+        data = json.loads(Path(path).with_name("summary.json").read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -135,8 +137,9 @@ def read_scores(path: str | os.PathLike, *, n_layers: int | None = None, n_heads
         raise UserFileError(f"{name} {'is not a file' if p.exists() else 'does not exist'}; pass the scores.csv "
                             "that vlmbind locate wrote")
     try:
-        frame = pd.read_csv(p, dtype=str, keep_default_na=False, skipinitialspace=True)
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        text = read_utf8_text(p, name, UserFileError)
+        frame = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False, skipinitialspace=True)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise UserFileError(f"{name} is not a readable CSV ({_first_line(exc)}); pass the scores.csv that vlmbind "
                             "locate wrote") from None
     missing = [c for c in SCORE_COLUMNS if c not in frame.columns]

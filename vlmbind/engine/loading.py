@@ -9,6 +9,7 @@ model and processor; the family is detected from the config's ``model_type`` (vi
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import torch
 import transformers
 from safetensors import SafetensorError
 from transformers import CONFIG_MAPPING, AutoConfig, AutoProcessor
+from transformers.utils import is_flash_attn_2_available, is_kernels_available
 from transformers.utils import logging as hf_logging
 
 from .. import tiny
@@ -39,6 +41,52 @@ def registered_names() -> list[str]:
 
 # its keys are vlmbind.core.choices.DTYPE_NAMES (the --dtype choices; tests/app/test_cli_startup.py checks they agree)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+# the --attn-implementation choices that need a package besides torch: (its pip name, its module, transformers' check
+# that it can run here)
+ATTN_PACKAGES = {"flash_attention_2": ("flash-attn", "flash_attn", is_flash_attn_2_available)}
+
+
+def _attn_alternatives(impl: str) -> str:
+    """The implementations that need nothing besides torch, as flags (``--attn-implementation eager or ... sdpa``)."""
+    others = [a for a in ATTN_IMPLEMENTATIONS if a != impl and a not in ATTN_PACKAGES]
+    return " or ".join(f"--attn-implementation {a}" for a in others)
+
+
+def check_attn_implementation(impl: str | None) -> None:
+    """Refuse, before any weights load, an attention implementation whose package is missing here (transformers
+    raises an ImportError only once the model is being built).
+
+    Raises:
+        InputError: naming the implementation, what is missing and the implementations that need nothing more.
+    """
+    if impl not in ATTN_PACKAGES:
+        return
+    package, module, available = ATTN_PACKAGES[impl]
+    if available():
+        return
+    if importlib.util.find_spec(module) is None:
+        if is_kernels_available():  # transformers then tries the hub's build of the kernel: its error is converted
+            return
+        missing = f"the {package} package, which is not installed here (pip install {package}, on a CUDA machine)"
+    elif not torch.cuda.is_available():
+        missing = f"a CUDA GPU, and none is usable here ({package} is installed)"
+    else:
+        return  # installed on a GPU machine: transformers names the problem (an old version), converted at load
+    raise InputError(f"--attn-implementation {impl} needs {missing}; pass {_attn_alternatives(impl)} instead")
+
+
+@contextlib.contextmanager
+def _attn_import_errors(impl: str | None) -> Iterator[None]:
+    """transformers' ImportError for an attention implementation that cannot run here, as an InputError."""
+    try:
+        yield
+    except ImportError as exc:
+        if impl not in ATTN_PACKAGES:
+            raise
+        raise InputError(f"--attn-implementation {impl} cannot run here ({str(exc).splitlines()[0]}); pass "
+                         f"{_attn_alternatives(impl)} instead") from exc
 
 
 def resolve_device(device: str | None) -> str | None:
@@ -71,7 +119,8 @@ def placement_kwargs(*, device: str | None = None, dtype: str | None = None, dev
     None: float32 on the CPU, the checkpoint's own on an accelerator) and the attention implementation.
 
     Raises:
-        InputError: both ``device`` and ``device_map``, or an unknown dtype or attention implementation.
+        InputError: both ``device`` and ``device_map``, an unknown dtype, or an attention implementation that is
+            unknown or cannot run here (:func:`check_attn_implementation`).
     """
     if device is not None and device_map is not None:
         raise InputError("pass --device or --device-map, not both (--device-map auto shards over every GPU)")
@@ -89,6 +138,7 @@ def placement_kwargs(*, device: str | None = None, dtype: str | None = None, dev
         if attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(f"unknown attention implementation {attn_implementation!r}; choose from "
                              f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+        check_attn_implementation(attn_implementation)
         out["attn_implementation"] = attn_implementation
     return out
 
@@ -123,7 +173,8 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
         **hf_kwargs: passed to ``from_pretrained``.
 
     Raises:
-        InputError: a device this machine lacks, both device and device_map, an unknown dtype.
+        InputError: a device this machine lacks, both device and device_map, an unknown dtype, an attention
+            implementation whose package is not installed here.
         UnsupportedModelError: the config's family is not supported (the message lists the supported ones).
         ModelLoadError: the directory or hub id has no loadable config, weights or processor.
     """
@@ -139,7 +190,9 @@ def load(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: s
         device_map = hf_kwargs.pop("device_map", None) or placement.get("device_map")
         impl = hf_kwargs.pop("attn_implementation", None) or placement.get("attn_implementation")
         hf_kwargs.pop("dtype", None)
-        model, processor = tiny.build(name, seed=seed, **({"attn_implementation": impl} if impl else {}), **hf_kwargs)
+        with _attn_import_errors(impl):
+            model, processor = tiny.build(name, seed=seed, **({"attn_implementation": impl} if impl else {}),
+                                          **hf_kwargs)
         model = _place_built(model, placement["dtype"], device_map)
         return VLM(model, processor, name=name, source=f"tiny (random weights, seed {seed})")
     hf_kwargs = {**placement, **hf_kwargs}
@@ -208,8 +261,11 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
     model_cls = getattr(transformers, adapter_cls.model_class_name)
     hf_kwargs.setdefault("attn_implementation", adapter_cls.default_attn_implementation(config))
     try:
-        model = model_cls.from_pretrained(name, **hf_kwargs)
+        with _attn_import_errors(hf_kwargs.get("attn_implementation")):
+            model = model_cls.from_pretrained(name, **hf_kwargs)
         processor = AutoProcessor.from_pretrained(name, **config_kwargs)
+    except InputError:  # an attention implementation that cannot run here (an InputError is also a ValueError)
+        raise
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise ModelLoadError(f"could not load {adapter_cls.display_name} weights or processor from {name!r}: "
                              f"{str(exc).splitlines()[0]}") from exc

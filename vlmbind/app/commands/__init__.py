@@ -5,7 +5,8 @@ to ``(summary, text, exit code)``: a JSON-serialisable summary (printed with ``-
 (printed otherwise), so scripts and people read the same facts. :func:`main` owns the exit codes: 0 on success; 2 on
 bad usage or bad input, with exactly one line ``vlmbind: error: <reason>`` on stderr (argparse's own errors are
 routed through the same line, and every :class:`~vlmbind.core.errors.VlmbindError` message already names the bad value
-and the fix); 1 for any other failure, also as one line (set ``VLMBIND_DEBUG=1`` to see the traceback).
+and the fix); 130 on Ctrl-C, with one line saying what the run kept and the command that resumes it; 1 for any other
+failure, also as one line (set ``VLMBIND_DEBUG=1`` to see the traceback).
 
 A new subcommand is one module here with those two functions and its ``HELP_ORDER`` (its place in ``vlmbind
 --help``): :data:`COMMANDS` finds it.
@@ -18,6 +19,7 @@ import importlib
 import json
 import os
 import pkgutil
+import shlex
 import sys
 import traceback
 from collections.abc import Sequence
@@ -55,6 +57,23 @@ def fail(reason: str) -> None:
     print(f"vlmbind: error: {one_line(reason)}", file=sys.stderr)
 
 
+def interrupted(args: argparse.Namespace, args_list: list[str]) -> str:
+    """The reason printed on Ctrl-C: what the run kept and the command that resumes it (the same command line with
+    ``--resume``), for the commands that keep finished work (``args.kept_in``, set by ``model_session``)."""
+    from ...core.kept import kept_work
+
+    kept_in = getattr(args, "kept_in", None)
+    if kept_in is None:
+        return "interrupted"
+    kept = kept_work(*kept_in)
+    if not kept:
+        return "interrupted before anything was kept"
+    if not hasattr(args, "resume"):
+        return f"interrupted; {'; '.join(kept)}"
+    resume = args_list if "--resume" in args_list else [*args_list, "--resume"]
+    return f"interrupted; {'; '.join(kept)}; resume with: {shlex.join(['vlmbind', *resume])}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``vlmbind`` command.
 
@@ -82,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(str(exc))
         return 2
     except KeyboardInterrupt:
-        fail("interrupted")
+        fail(interrupted(args, args_list))
         return 130
     except BrokenPipeError:  # e.g. `vlmbind models | head -1`
         return 0

@@ -151,13 +151,15 @@ def _png_bytes(image: Image.Image) -> bytes:
 def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
     """``vlmbind demo``: run a model on a drawn scene and write the CSV, figures, scene, summary and report."""
     check_model(args)
+    from ...core.io import check_out_dir
+
+    out = check_out_dir(args.out)  # a bad --out fails now, before the imports below (torch) and the whole run
     import numpy as np
     import torch
 
     from ...analysis.attention import AttentionMass, last_token_attention
     from ...analysis.overview import ABLATION_SEEDS, causal_overview, representation_overview
     from ...analysis.validate import recorded_planted, validate
-    from ...core.io import check_out_dir
     from ...engine import loading
     from ...viz import (
         PLOTLYJS_FILE,
@@ -177,7 +179,6 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     )
 
     start = time.perf_counter()
-    out = check_out_dir(args.out)  # a bad --out fails now, not after the whole run
     if not args.no_validate:  # so does a validation model with nothing planted (read from its record, no weights)
         try:
             recorded_planted(args.validate_model)

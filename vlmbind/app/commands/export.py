@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ...core.choices import EXPORT_FORMATS as FORMATS
+from ...core.choices import check_export_arguments
 
 # its place in `vlmbind --help`
 HELP_ORDER = 120
@@ -35,6 +36,8 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def cmd_export(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
     """``vlmbind export``: see :func:`export_results`."""
+    # a bad argument is refused before the renderers' imports (torch, plotly, pandas), which take seconds
+    check_export_arguments(args.result_dir, args.format, width=args.width, height=args.height, scale=args.scale)
     from ..export import export_results
 
     report = export_results(args.result_dir, args.format, args.out, width=args.width, height=args.height,

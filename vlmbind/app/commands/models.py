@@ -1,10 +1,17 @@
-"""``vlmbind models``: every registered model with its family, shape, image-token grid(s) and weights."""
+"""``vlmbind models``: every registered model with its family, shape, image-token grid(s) and weights.
+
+The rows come from the declarations file (:mod:`vlmbind.core.declared`), so the table prints without building a
+model or importing torch; :func:`declarations` builds every model to write that file again.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
+from ...core.choices import registered_names
 from .arguments import format_table, one_line
 
 # the image size `vlmbind models` probes each model's image-token grid(s) with
@@ -83,21 +90,47 @@ def describe_model(name: str) -> dict[str, Any]:
     }
 
 
-def cmd_models(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
-    """``vlmbind models``: one row per registered name.
+def declarations() -> dict[str, Any]:
+    """What the declarations file holds: every registered model described by building it (:func:`describe_model`),
+    and the fingerprints of the shipped organisms' files its rows were computed from."""
+    from ...core.declared import fingerprint
 
+    names = registered_names()
+    return {"written_by": "python scripts/declare_models.py", "probe_size": PROBE_SIZE,
+            "fingerprints": {n: f for n in names if (f := fingerprint(n)) is not None},
+            "models": [describe_model(name) for name in names]}
+
+
+def write_declarations(path: Path | None = None) -> Path:
+    """Build every registered model and write the declarations file (default: the one ``vlmbind models`` reads)."""
+    from ...core.declared import DECLARED_FILE
+    from ...core.io import write_text_atomic
+
+    path = path or DECLARED_FILE
+    write_text_atomic(json.dumps(declarations(), indent=1) + "\n", path)
+    return path
+
+
+def cmd_models(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    """``vlmbind models``: one row per registered name, from the declarations file.
+
+    A name the file does not declare (or a shipped organism whose files changed since) is described by building it.
     A registered model that fails to build is listed with its ``error`` (the other rows are still useful) and makes
     the exit code 1: a registered name that cannot load is a bug in vlmbind, not bad input.
     """
-    from ...engine import loading
-
     if getattr(args, "families", None):
         from ...adapters.capabilities import CAPABILITIES
 
         families, table = families_table(args.families)
         return {"command": "models", "families": families, "capabilities": CAPABILITIES}, table.rstrip("\n"), 0
+    from ...core.declared import declared_rows
+
+    declared = declared_rows(PROBE_SIZE)
     rows, failed = [], []
-    for name in loading.registered_names():
+    for name in registered_names():
+        if name in declared:
+            rows.append(declared[name])
+            continue
         try:
             rows.append(describe_model(name))
         except Exception as exc:  # noqa: BLE001 - reported per row, and through the exit code

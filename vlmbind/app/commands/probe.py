@@ -59,12 +59,6 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
-    from ...analysis import sweeps
-    from ...analysis.binding import check_pairwise_world, colorshape_splits, default_sites, default_world, probe_sites
-    from ...engine import parallel
-    from ...probes import ProbeConfig
-    from ...stimuli.colorshape import WORLDS
-
     families = tuple(f.strip() for f in args.family.split(",") if f.strip())
     bad = [f for f in families if f not in PROBE_FAMILIES]
     if bad or not families:
@@ -76,9 +70,16 @@ def cmd_probe(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     if checkpoint.is_file() and not args.resume:
         raise InputError(f"{out} holds an interrupted run ({CHECKPOINT}); pass --resume to continue it, or choose "
                          "another --out")
+    # after the checks of the arguments alone: these import torch
+    from ...analysis import sweeps
+    from ...analysis.binding import check_pairwise_world, colorshape_splits, default_sites, default_world, probe_sites
+    from ...engine import parallel
+    from ...probes import ProbeConfig
+    from ...stimuli.colorshape import WORLDS
+
     sweeps.check_shards(args.n_train + args.n_val + args.n_test, args.shard_size,
                         parallel.world_size(args.processes))
-    with model_session(args, command, out) as (group, vlm):
+    with model_session(args, command, out, checkpoint=checkpoint) as (group, vlm):
         world = default_world(vlm) if args.world == "auto" else WORLDS[args.world]
         examples, split = colorshape_splits(args.n_train, args.n_val, args.n_test, args.seed, world, lazy=True)
         if "pairwise" in families:  # before the capture, which takes minutes at the default size

@@ -44,12 +44,12 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def cmd_rsa(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    out = out_dir(args, "rsa")  # a bad --out is refused before the imports below, which import torch
     from ...analysis import sweeps
     from ...analysis.rsa import pca, rsa, rsa_stimuli
     from ...viz import write_html_atomic
     from ...viz.rsa import pca_figure
 
-    out = out_dir(args, "rsa")
     with model_session(args, command, out) as (group, vlm):
         sites = [s.strip() for s in args.sites.split(",") if s.strip()]
         vlm.sites(sites)  # a misspelt site fails here, before anything is written

@@ -46,11 +46,11 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def cmd_track(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
-    from ...analysis.tracking import track, tracking_dataset
-
     if not 0.0 <= args.threshold < 1.0:
         raise InputError(f"--threshold must be in [0, 1), got {args.threshold}")
     out = out_dir(args, "track", args.task)
+    from ...analysis.tracking import track, tracking_dataset  # after the checks: it imports torch
+
     vlm = load_model(args)
     dataset = tracking_dataset(vlm, args.task, args.n, args.seed, objects=args.objects)
     result = track(vlm, dataset, threshold=args.threshold, query=args.query, batch_size=args.batch_size,
