@@ -47,6 +47,50 @@ def majority_colour(img: Image.Image, box) -> tuple[int, int, int]:
     return tuple(int(v) for v in values[counts.argmax()])
 
 
+def write_hand_pairs(folder, n: int = 4, patch=None, size: tuple[int, int] = (224, 224)):
+    """A researcher's own colour-swap experiment, written with PIL and json only (nothing from vlmbind): pair i shows
+    a red square beside a blue circle; its counterfactual swaps the shapes, so "the red object is a" moves from
+    ``square`` to ``circle``. Returns the ``pairs.jsonl`` path (images in ``img/``)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    w, h = size
+    lines = []
+    for i in range(n):
+        y = 40 + 20 * (i % 5)
+        for side, red_is_square in (("a", True), ("b", False)):
+            img = Image.new("RGB", size, "white")
+            d = ImageDraw.Draw(img)
+            for x, colour in ((30, "red"), (w // 2 + 20, "blue")):
+                square = red_is_square == (colour == "red")
+                (d.rectangle if square else d.ellipse)([x, y, x + 60, y + 60], fill=colour)
+            img.save(folder / "img" / f"p{i}{side}.png")
+        row = {"id": f"p{i}", "condition": "colour_swap", "clean_image": f"img/p{i}a.png",
+               "counterfactual_image": f"img/p{i}b.png", "prompt": "the red object is a", "answer": "square",
+               "answer_counterfactual": "circle"}
+        if patch is not None:
+            row["patch"] = patch
+        lines.append(json.dumps(row))
+    (folder / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "pairs.jsonl"
+
+
+def write_hand_task(folder, n: int = 4, **fields):
+    """The clean images of :func:`write_hand_pairs` as a task file (``task.jsonl``: image, prompt, answer, and
+    ``fields`` on every row, e.g. ``accept`` or ``scorer``). Returns its path."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    write_hand_pairs(folder, n)
+    rows = [{"id": f"q{i}", "image": f"img/p{i}a.png", "prompt": "the red object is a", "answer": "square", **fields}
+            for i in range(n)]
+    (folder / "task.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder / "task.jsonl"
+
+
 # ---- models loaded once per test process --------------------------------------------------------------------------
 
 _LOADED: dict[str, vb.VLM] = {}

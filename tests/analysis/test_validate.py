@@ -87,7 +87,7 @@ def test_validate_on_a_tiny_model_with_given_heads(tmp_path, capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--heads", "id_selection=9.0"], "do not exist"),
     (["--heads", "id_selection"], "CONDITION=L.H"),
-    (["--heads", "counting=1.0"], "not scene conditions"),
+    (["--heads", "counting=1.0"], "not the conditions validated here"),
     (["--reference", "organism-p2a"], "lists no planted heads"),
     (["--reference", "/nonexistent/model"], "no training record"),
     (["--methods", "exact,magic"], "not among"),

@@ -175,7 +175,7 @@ def env(tmp_path_factory) -> Env:
     next((fx / "ds_image" / "images").glob("*.png")).write_bytes(good[:50])
     (fx / "ds_meta" / "meta.jsonl").write_text("{oops\n")
     (fx / "ds_info" / "dataset.json").write_text("[1,")
-    (fx / "pairs_meta" / "meta.jsonl").write_text('{"id": "x"\n')
+    (fx / "pairs_meta" / "pairs.jsonl").write_text('{"id": "x"\n')
     (fx / "acts").mkdir()
     (fx / "acts" / "manifest.json").write_text("{not json")
     # an activation set whose first example is NaN at its one site
@@ -551,7 +551,7 @@ API_CASES = [
       "meta.jsonl' line 1 is not JSON"),
     A("dataset-malformed-info", lambda e: vbs.Dataset.load(e.fx / "ds_info"), StimulusError,
       "dataset.json' is not readable JSON"),
-    A("pairs-malformed-meta", lambda e: vbs.PairSet.load(e.fx / "pairs_meta"), StimulusError, "line 1 is not JSON"),
+    A("pairs-malformed-meta", lambda e: vbs.PairSet.load(e.fx / "pairs_meta"), StimulusError, "line 1: not JSON"),
     A("dataset-not-a-dataset", lambda e: vbs.Dataset.load(e.fx / "empty_dir"), StimulusError,
       "not a vlmbind stimuli directory"),
     A("activations-malformed-manifest", lambda e: vb.ActivationSet.load(e.fx / "acts"), InputError,

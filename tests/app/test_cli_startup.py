@@ -130,6 +130,80 @@ def test_the_console_script_help_is_fast(tmp_path):
         assert seconds < HELP_LIMIT_S, f"{script.name} {' '.join(argv)} took {seconds:.2f} s"
 
 
+def test_models_reads_its_rows_without_importing_anything_heavy(tmp_path):
+    """``vlmbind models`` prints the declared rows (the same facts as building every model: tests/app/test_cli.py)
+    of every registered name, in order, as text and as JSON, without building a model."""
+    from vlmbind.app.commands.models import PROBE_SIZE
+    from vlmbind.core.declared import declared_rows
+
+    names = choices.registered_names()
+    proc, seconds, imported = _run(["models", "--json"], tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert imported == [], f"vlmbind models imported {imported}"
+    summary = json.loads(proc.stdout)
+    assert summary["failed"] == [] and summary["probe_image"] == [PROBE_SIZE, PROBE_SIZE]
+    assert summary["models"] == [declared_rows(PROBE_SIZE)[name] for name in names]
+    assert seconds < HELP_LIMIT_S, f"vlmbind models --json took {seconds:.2f} s"
+    proc, seconds, imported = _run(["models"], tmp_path)
+    assert proc.returncode == 0 and imported == [], imported
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:2] == ["name", "family"] and [line.split()[0] for line in lines[1:]] == names
+    assert seconds < HELP_LIMIT_S, f"vlmbind models took {seconds:.2f} s"
+
+
+def _export_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """``label -> (arguments, what the one error line says)`` of export arguments refused without reading a result."""
+    results, exported = tmp_path / "results", tmp_path / "exported"
+    results.mkdir()
+    exported.mkdir()
+    (exported / choices.EXPORT_MANIFEST).write_text("{}")
+    (tmp_path / "file").write_text("x")
+    return {
+        "format": ([str(results), "--format", "jpg"], "unknown export format 'jpg'; pass one of png, svg"),
+        "format first": (["/nonexistent", "--format", "jpg"], "unknown export format 'jpg'"),
+        "missing": ([str(tmp_path / "missing")], "does not exist"),
+        "a file": ([str(tmp_path / "file")], "is not a directory"),
+        "size of html": ([str(results), "--width", "800"], "apply to png, svg and pdf, not html"),
+        "scale": ([str(results), "--format", "png", "--scale", "0"], "scale must be a number in (0, 20]"),
+        "an export": ([str(exported)], "is the output of vlmbind export"),
+    }
+
+
+@pytest.mark.parametrize("case", ["format", "format first", "missing", "a file", "size of html", "scale",
+                                  "an export"])
+def test_export_refuses_its_arguments_before_importing_anything_heavy(case, tmp_path):
+    argv, needle = _export_cases(tmp_path)[case]
+    proc, seconds, imported = _run(["export", *argv], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert needle in _one_error_line(proc.stderr)
+    assert imported == [], f"vlmbind export {' '.join(argv)} imported {imported}"
+    assert seconds < ERROR_LIMIT_S, f"took {seconds:.2f} s"
+    assert not list(tmp_path.rglob("export")) and not (tmp_path / "runs").exists()  # nothing written
+
+
+# arguments refused by the commands' own checks (no model needed), with what the one error line says
+ARGUMENT_ERRORS = {
+    "track --threshold": (["track", "--model", "organism-p2a", "--task", "count", "--threshold", "1.5"],
+                          "--threshold must be in [0, 1), got 1.5"),
+    "probe --family": (["probe", "--model", "organism-p2a", "--family", "cubic"], "--family 'cubic': unknown"),
+    "probe --lr": (["probe", "--model", "organism-p2a", "--lr", "0"], "--lr must be positive"),
+    "rsa --out": (["rsa", "--model", "organism-p2a", "--out", "{file}"], "is an existing file"),
+    "demo --out": (["demo", "--out", "{file}"], "is an existing file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARGUMENT_ERRORS))
+def test_argument_errors_are_refused_before_torch_is_imported(case, tmp_path):
+    argv, needle = ARGUMENT_ERRORS[case]
+    (tmp_path / "file").write_text("x")
+    proc, seconds, imported = _run([a.replace("{file}", str(tmp_path / "file")) for a in argv], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert needle in _one_error_line(proc.stderr)
+    assert "torch" not in imported, imported
+    assert seconds < ERROR_LIMIT_S, f"took {seconds:.2f} s"
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_misspelt_registered_name_gets_close_matches_at_once(tmp_path):
     proc, seconds, imported = _run(["locate", "--model", "orgnism-p2a", "--condition", "id_selection"], tmp_path)
     assert proc.returncode == 2
@@ -226,8 +300,9 @@ def test_the_choices_are_the_heavy_modules_constants():
         "TRACK_QUERIES": tracking.QUERIES, "TRACK_TASKS": tracking.TASKS, "PAIR_CONDITIONS": tasks.PAIR_CONDITIONS,
         "PROBE_FAMILIES": binding.PROBE_FAMILIES, "PROBE_CHECKPOINT": binding.CHECKPOINT,
         "DEFAULT_SITE_CHOICE": binding.DEFAULT_SITE_CHOICE, "RSA_DEFAULT_SITES": rsa.DEFAULT_SITES,
-        "SIMILARITIES": rsa.SIMILARITIES, "EXPORT_FORMATS": export.FORMATS, "ENCODER_NAMES": encoders.ENCODER_NAMES,
-        "ATTN_IMPLEMENTATIONS": loading.ATTN_IMPLEMENTATIONS, "ORGANISM_NAMES": shipped.ORGANISM_NAMES,
+        "SIMILARITIES": rsa.SIMILARITIES, "EXPORT_FORMATS": export.FORMATS, "EXPORT_MANIFEST": export.MANIFEST,
+        "ENCODER_NAMES": encoders.ENCODER_NAMES, "ATTN_IMPLEMENTATIONS": loading.ATTN_IMPLEMENTATIONS,
+        "ORGANISM_NAMES": shipped.ORGANISM_NAMES,
     }
     for name, value in same.items():
         assert getattr(choices, name) is value, name
@@ -249,7 +324,8 @@ def test_the_parsers_offer_the_choices():
     def action(command: str, flag: str) -> argparse.Action:
         return next(a for a in subs[command]._actions if flag in a.option_strings or a.dest == flag)
 
-    assert tuple(action("locate", "--condition").choices) == choices.CONDITIONS
+    # built-in conditions are checked by name (a pairs file brings conditions of its own)
+    assert all(c in action("locate", "--condition").help for c in choices.CONDITIONS)
     assert tuple(action("locate", "--method").choices) == choices.METHODS
     assert action("locate", "--ig-steps").default == choices.IG_STEPS
     assert tuple(action("locate", "--dtype").choices) == choices.DTYPE_NAMES
@@ -320,7 +396,7 @@ def _bounded_int_options() -> list[tuple[str, str, int]]:
 def test_the_bounded_counts_are_typed_where_the_commands_take_them():
     flags = {(c, f) for c, f, _ in _bounded_int_options()}
     assert {("ablate", "--top-k"), ("eval", "--n"), ("locate", "--n-pairs"), ("track", "--batch-size"),
-            ("probe", "--n-train"), ("rsa", "--permutations"), ("ui", "--pairs")} <= flags
+            ("probe", "--n-train"), ("rsa", "--permutations"), ("ui", "--n-pairs")} <= flags
 
 
 @pytest.mark.parametrize("command, flag, low", _bounded_int_options(), ids=lambda v: str(v))

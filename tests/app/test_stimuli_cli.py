@@ -26,7 +26,8 @@ def test_every_task_writes_the_contract_files(argv, tmp_path, capsys):
     out = tmp_path / "a"
     assert main(["stimuli", *argv, "--seed", "3", "--out", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    records = [json.loads(line) for line in (out / "meta.jsonl").read_text().splitlines()]
+    records_file = out / ("pairs.jsonl" if "--pairs" in argv else "meta.jsonl")
+    records = [json.loads(line) for line in records_file.read_text().splitlines()]
     assert len(records) == summary["n"] > 0
     images = sorted(p.name for p in (out / "images").iterdir())
     assert len(images) in (len(records), 2 * len(records))  # pairs write a clean and a counterfactual image

@@ -379,3 +379,75 @@ def test_conditions_are_named_matched_and_switchable(vlm, tmp_path) -> None:
     assert "not one of" in message and own.condition == "feature_retrieval"
     app = build_app(vlm, scores=str(tmp_path / "loc" / "scores.csv"), controller=UIController(vlm))
     assert app.vlmbind.condition == "feature_retrieval"  # the counterfactual follows the loaded scores
+
+
+def _serve(app):
+    from werkzeug.serving import make_server
+
+    with socket.socket() as s:  # a free port on the loopback interface
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = make_server("127.0.0.1", port, app.server, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    return server, thread, port
+
+
+def test_a_pairs_file_gives_the_pages_inputs_patched_where_each_pair_says(tmp_path) -> None:
+    """``ui --pairs``: the page's input is the file's pair (the seed picks it), a patch writes the counterfactual's
+    z at the pair's box tokens (PatchHeads computed here), and locate runs on the file's pairs; in a browser, the
+    page shows the pair and the patched answer."""
+    from helpers import get_tiny, write_hand_pairs
+
+    vlm = get_tiny("tiny-qwen2_vl")
+    write_hand_pairs(tmp_path / "mine", 3, patch={"box": [30, 40, 90, 100]})
+    pairs = vb.stimuli.load_pairs(tmp_path / "mine")
+    own = UIController(vlm, pairs=pairs)
+    state, message = own.generate_stimulus(4)
+    pair = pairs[1]  # 4 % 3
+    assert "pair p1 (2 of 3)" in message and state["cf_condition"] == "colour_swap"
+    assert Image.open(io.BytesIO(base64.b64decode(state["image"]))).tobytes() == pair.clean.image.tobytes()
+    result = own.answer(state, ["1.2", "2.0"], "patch", scores_condition="colour_swap")
+    batch = vlm.prepare(pair.clean.image, pair.clean.prompt)
+    cf = vlm.prepare(pair.counterfactual.image, pair.counterfactual.prompt)
+    grid = batch.index[0].grid()  # 8 x 8 cells of 28 px: the box covers rows 1-3, columns 1-3
+    where = sorted(int(grid.positions[r, c]) for r in range(1, 4) for c in range(1, 4))
+    patches = [vb.PatchHeads(layer=l, heads=[h], positions=where,
+                             values=vlm.capture(cf, f"blocks.{l}.attn.hook_z")[f"blocks.{l}.attn.hook_z"][:, where][
+                                 :, :, [h]]) for l, h in ((1, 2), (2, 0))]
+    last = batch.index[0].last_position
+    expected = vlm.logits(batch, patches)[0, last].float()
+    torch.testing.assert_close(torch.tensor(result["logits"]), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, vlm.logits(batch)[0, last].float())
+    records, message = own.locate(0)
+    assert "on 3 pairs of your pairs file" in message and len(records) == vlm.n_layers * vlm.n_heads
+    assert own.set_condition("id_selection", state)[1].startswith("condition 'id_selection' is not one of colour_swap")
+
+    from playwright.sync_api import sync_playwright
+
+    app = build_app(vlm, seed=4, pairs=pairs, controller=own)  # one controller: one lock around the model
+    server, thread, port = _serve(app)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                        args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_selector("#answer-text", timeout=30000)
+            page.wait_for_selector("#heatmap .nsewdrag", timeout=30000)
+            assert page.get_attribute("#clean-image", "src").endswith(state["image"])
+            assert page.get_attribute("#cf-image", "src").endswith(state["cf_image"])
+            assert "colour_swap" in page.inner_text("#cf-caption") and "circle" in page.inner_text("#cf-caption")
+            page.locator("#action label", has_text="patch").click()
+            box = page.locator("#heatmap .nsewdrag").first.bounding_box()
+            x = box["x"] + box["width"] * (2 + 0.5) / vlm.n_heads
+            y = box["y"] + box["height"] * (1 - (1 + 0.5) / vlm.n_layers)
+            page.mouse.click(x, y)
+            page.wait_for_function("document.querySelector('#heads-list').innerText.includes('1.2')", timeout=30000)
+            patched = own.answer(state, ["1.2"], "patch")["answer"]
+            page.wait_for_function(f"document.querySelector('#answer-text') && "
+                                   f"document.querySelector('#answer-text').innerText === {patched!r}", timeout=30000)
+            browser.close()
+    finally:
+        server.shutdown()
+        thread.join(5)

@@ -10,6 +10,8 @@ not required to be right):
 * query: the first word of the expected word's kind (colour, shape, letter) equals it;
 * search: the first yes / no outside the points equals the expected one;
 * count: the total (a number marked as the total, else the first number) equals the expected count;
+* a task file's examples (``vlmbind eval --data``): the example's ``scorer`` against its answer and ``accept`` list
+  (:func:`vlmbind.stimuli.answers.score_text`);
 * other tasks (rsa, colorshape, user data with answers): the answer's words start with the expected words.
 
 Each record keeps the points as written (``points_raw``, ``point_formats``) and in canvas cells (``points``) when the
@@ -48,6 +50,7 @@ from ..stimuli.answers import (
     read_query,
     read_scene,
     read_yes_no,
+    score_text,
     to_canvas,
 )
 from ..stimuli.core import Dataset, Example
@@ -72,6 +75,8 @@ def score(example: Example, output: str) -> tuple[bool, Any]:
     if task == "count":
         parsed = read_count(output)
         return parsed is not None and parsed == read_count(expected), parsed
+    if "scorer" in example.fields:
+        return score_text(example.fields["scorer"], output, [expected, *example.fields.get("accept", [])])
     want = answer_words(expected)
     got = answer_words(output)
     return bool(want) and got[: len(want)] == want, " ".join(got)
@@ -96,8 +101,10 @@ def read_points(vlm: Any, output: str, canvas: Any, image: Any, resized: tuple[i
 
 
 def max_new_tokens_for(example: Example, tokenizer: Any) -> int:
-    """Enough new tokens for the expected answer plus a margin (P2A answers grow with the number of points)."""
-    return len(tokenizer(example.answer, add_special_tokens=False)["input_ids"]) + 4
+    """Enough new tokens for the longest expected answer plus a margin (P2A answers grow with the number of
+    points)."""
+    answers = [example.answer, *example.fields.get("accept", [])]
+    return max(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers) + 4
 
 
 @register_result
@@ -181,10 +188,12 @@ class EvalResult(Result):
 
 def run_key(vlm: Any, examples: list[Example], batch_size: int, chat: bool) -> dict[str, Any]:
     """What identifies an evaluation run for its checkpoint: the model, the options that shape the batches, the
-    example ids and a digest of every example's image, prompt and answer (so other data with the same ids differs)."""
+    example ids and a digest of every example's image, prompt, answer and, for a task file's examples, accepted
+    answers and scorer (so other data with the same ids differs)."""
     digest = hashlib.sha256()
     for e in examples:
-        digest.update(json.dumps([e.id, e.prompt, e.answer]).encode())
+        scoring = [e.fields[k] for k in ("accept", "scorer") if k in e.fields]
+        digest.update(json.dumps([e.id, e.prompt, e.answer, *scoring]).encode())
         image = e.image.convert("RGB")
         digest.update(f"{image.size}".encode() + image.tobytes())
     return {"model": vlm.name, "batch_size": batch_size, "chat": chat, "ids": [e.id for e in examples],

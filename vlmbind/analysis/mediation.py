@@ -18,6 +18,7 @@ its numbers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -117,6 +118,9 @@ class HeadScores(Result):
         verified: ``attribution`` only: ``N L H`` exact scores of the top candidates (NaN elsewhere).
         skipped: examples that gave no pair (attention_swap traces without two usable points).
         prompt_format: how the scene pairs were prompted (``raw`` or ``chat``).
+        predictions: :func:`prediction_check` of the pairs, where it was measured (how often the model's own
+            predictions are the answers the scores compare).
+        pairs_file: the pairs file the pairs were read from (``vlmbind locate --pairs``), or None.
         answer_casing: :func:`answer_casing` of the pairs, where it was measured (the scores use the answers'
             lower-case tokens; this says how often the model would rather start with a capital).
         table: a result loaded from its files (:meth:`load`): the saved per-head table; ``per_pair`` is then None
@@ -139,6 +143,8 @@ class HeadScores(Result):
     skipped: list[str] = field(default_factory=list)
     prompt_format: str = "raw"
     answer_casing: dict[str, Any] | None = None
+    predictions: dict[str, Any] | None = None
+    pairs_file: str | None = None
     table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -152,7 +158,8 @@ class HeadScores(Result):
         return cls(condition=summary["condition"], method=summary["method"], model=summary["model"], per_pair=None,
                    seconds=summary.get("seconds", 0.0), pair_ids=summary.get("pair_ids", []),
                    skipped=summary.get("skipped_examples", []), prompt_format=summary.get("prompt_format", "raw"),
-                   answer_casing=summary.get("answer_casing"), table=frame)
+                   answer_casing=summary.get("answer_casing"), predictions=summary.get("predictions"),
+                   pairs_file=summary.get("pairs_file"), table=frame)
 
     def _saved(self, column: str) -> np.ndarray:
         """``L H`` of one column of the loaded table (NaN where a head has no row)."""
@@ -289,6 +296,10 @@ class HeadScores(Result):
             out["skipped_examples"] = self.skipped
         if self.answer_casing is not None:
             out["answer_casing"] = self.answer_casing
+        if self.predictions is not None:
+            out["predictions"] = self.predictions
+        if self.pairs_file is not None:
+            out["pairs_file"] = self.pairs_file
         if self.verified is not None:
             exact = self.verified_scores
             heads = [tuple(int(v) for v in idx) for idx in np.argwhere(~np.isnan(exact))]
@@ -307,7 +318,8 @@ class HeadScores(Result):
         return cls(condition=first.condition, method=first.method, model=first.model,
                    per_pair=np.concatenate([p.per_pair for p in parts]), seconds=seconds,
                    pair_ids=[i for p in parts for i in p.pair_ids], verified=verified, skipped=list(skipped),
-                   prompt_format=first.prompt_format, answer_casing=first.answer_casing)
+                   prompt_format=first.prompt_format, answer_casing=first.answer_casing,
+                   predictions=first.predictions, pairs_file=first.pairs_file)
 
     def recall(self, reference: HeadScores, k: int = 10) -> float:
         """Share of ``reference``'s top-``k`` heads that are also in this result's top-``k``."""
@@ -354,6 +366,71 @@ def answer_casing(vlm: Any, pairs: Sequence[Any], prompt_format: str | None = No
             "mean_logit_gap": float(np.mean(gaps)),
             "rule": "clean prompt, first answer token: logit of the capitalised answer's token minus the lower-case "
                     "one's (the scores use the lower-case tokens)"}
+
+
+def pairs_digest(pairs: Sequence[Any]) -> str:
+    """A SHA-256 of what the pairs hold (prompts, images, answers, patch; a trace pair's tokens), so that a checkpoint
+    is never resumed on other pairs that share its ids (another seed, an edited pairs file)."""
+    digest = hashlib.sha256()
+    for p in pairs:
+        digest.update(str(p.id).encode())
+        if hasattr(p, "clean"):
+            for e in (p.clean, p.counterfactual):
+                digest.update(e.prompt.encode())
+                digest.update(e.image.tobytes())
+            digest.update(json.dumps([p.answer, p.answer_counterfactual, p.counterfactual.answer, p.patch],
+                                     sort_keys=True).encode())
+        else:
+            digest.update(json.dumps([getattr(p, "trace", None), getattr(p, "step_a", None),
+                                      getattr(p, "step_b", None)]).encode())
+    return digest.hexdigest()
+
+
+PREDICTION_RULE = ("greedy top token at the scored position (after any shared answer prefix): on the clean input is "
+                   "it a's first differing token, on the counterfactual input the token of its own answer "
+                   "(answer_on_counterfactual; for the swap conditions the target, for a user's pair a* unless given)")
+
+
+def prediction_check(vlm: Any, pairs: Sequence[Any], prompt_format: str | None = None,
+                     examples: int = 5) -> dict[str, Any] | None:
+    """How often the model's own predictions are the answers the scores compare: on each pair's clean input, is the
+    top token at the scored position a's (a misspelt or unlikely answer shows here), and on the counterfactual
+    input, its own answer's.
+
+    Returns:
+        ``{"n", "clean_is_a", "clean_rate", "counterfactual_checked", "counterfactual_is_own", "counterfactual_rate",
+        "failing": [{"id", "expected", "predicted"}, ...] (the first ``examples`` clean failures), "per_pair": [{"id",
+        "clean_predicted", "clean_is_a", "counterfactual_predicted", "counterfactual_is_own"}], "rule"}``; None for
+        pairs that are not scene-like (trace pairs).
+    """
+    pairs = [p for p in pairs if hasattr(p, "clean") and isinstance(getattr(p, "answer", None), str)]
+    if not pairs:
+        return None
+    chat = vlm.prompt_format(prompt_format) == "chat"
+    tokenizer = vlm.adapter.tokenizer
+    rows, failing = [], []
+    separator = vlm.answer_separator(chat)
+    for p in pairs:
+        clean, counterfactual, _, a, _ = aligned_scene_pair(vlm, p, prompt_format)
+        prefix = answer_token_ids(tokenizer, p.answer, p.answer_counterfactual, separator)[0]
+        own = tokenizer(separator + p.counterfactual.answer, add_special_tokens=False)["input_ids"]
+        own_token = int(own[len(prefix)]) if own[:len(prefix)] == prefix and len(own) > len(prefix) else None
+        with torch.no_grad():
+            top_clean = int(vlm.logits(clean, at=[clean.seq_len - 1])[0, 0].argmax())
+            top_cf = int(vlm.logits(counterfactual, at=[counterfactual.seq_len - 1])[0, 0].argmax())
+        row = {"id": p.id, "clean_predicted": tokenizer.decode([top_clean]), "clean_is_a": top_clean == a,
+               "counterfactual_predicted": tokenizer.decode([top_cf]),
+               "counterfactual_is_own": None if own_token is None else top_cf == own_token}
+        rows.append(row)
+        if top_clean != a and len(failing) < examples:
+            failing.append({"id": p.id, "expected": tokenizer.decode([a]), "predicted": row["clean_predicted"]})
+    checked = [r for r in rows if r["counterfactual_is_own"] is not None]
+    clean_ok = sum(r["clean_is_a"] for r in rows)
+    cf_ok = sum(bool(r["counterfactual_is_own"]) for r in checked)
+    return {"n": len(rows), "clean_is_a": clean_ok, "clean_rate": clean_ok / len(rows),
+            "counterfactual_checked": len(checked), "counterfactual_is_own": cf_ok,
+            "counterfactual_rate": cf_ok / len(checked) if checked else None, "failing": failing,
+            "per_pair": rows, "rule": PREDICTION_RULE}
 
 
 def aligned_scene_pair(vlm: Any, pair: Any, prompt_format: str | None = None) -> tuple[Any, Any, np.ndarray, int, int]:
@@ -433,7 +510,7 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     per_pair = np.zeros((len(pairs), n_layers, n_heads))
     start = time.perf_counter()
     run_key = {"model": vlm.name, "method": method, "condition": str(next(iter(conditions))), "layers": layers,
-               "pairs": [p.id for p in pairs], "prompt_format": fmt}
+               "pairs": [p.id for p in pairs], "content": pairs_digest(pairs), "prompt_format": fmt}
     done = _resume(checkpoint, run_key, per_pair)
     tasks: dict[int, Any] = {}
     for i, pair in enumerate(tqdm(pairs, desc=f"locate ({method})", disable=not progress)):

@@ -34,7 +34,7 @@ from ..engine.decoding import GREEDY
 from ..engine.parallel import Group, block, part_path, remove_parts
 from .evaluation import EvalResult, record_from_json, run_key
 from .evaluation import evaluate as evaluate_one
-from .mediation import ESTIMATES, HeadScores
+from .mediation import ESTIMATES, HeadScores, pairs_digest
 from .mediation import locate as locate_one
 
 
@@ -70,7 +70,8 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
     mine = blocks[group.rank]
     layer_list = list(range(vlm.n_layers)) if layers is None else [int(l) for l in layers]
     key = {"model": vlm.name, "method": method, "layers": layer_list, "verify_top": verify_top,
-           "pairs": [p.id for p in mine], "prompt_format": method_kwargs.get("prompt_format")}
+           "pairs": [p.id for p in mine], "content": pairs_digest(mine),
+           "prompt_format": method_kwargs.get("prompt_format")}
     verify = method in ESTIMATES and verify_top > 0
     rounds = ("scores", "verified") if verify else ("scores",)
 

@@ -349,13 +349,14 @@ def probe_heads(vlm: Any, examples: Sequence[Any], heads: Sequence[tuple[int, in
     return probes, points
 
 
-def _reference(vlm: Any, reference: Mapping[str, Any] | None, source: str | None
-               ) -> tuple[dict[str, list[tuple[int, int]]], str | None]:
+def _reference(vlm: Any, reference: Mapping[str, Any] | None, source: str | None,
+               conditions: Sequence[str] = SCENE_CONDITIONS) -> tuple[dict[str, list[tuple[int, int]]], str | None]:
     if reference is not None:
         heads = {c: parse_heads(h) for c, h in reference.items()}
-        unknown = sorted(set(heads) - set(SCENE_CONDITIONS))
+        unknown = sorted(set(heads) - set(conditions))
         if unknown:
-            raise InputError(f"reference conditions {unknown} are not scene conditions {SCENE_CONDITIONS}")
+            raise InputError(f"reference conditions {unknown} are not the conditions validated here: "
+                             f"{', '.join(conditions)}")
         return heads, source or "given"
     own = planted_heads(vlm)
     return own, ("planted" if own else None)
@@ -366,8 +367,9 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
              methods: Sequence[str] = VALIDATION_METHODS, naive_heads: int = 6, ig_steps: int = 8,
              modes: Sequence[str] = MODES, n_eval: int = 64, ablation_seeds: int = 5,
              alphas: Sequence[float] = DEFAULT_ALPHAS, n_estimate: int = 2048, n_probe: int = 512,
-             edit_positions: str = "answer", progress: bool = False) -> ValidationResult:
-    """Run every method against the model's planted heads (or ``reference`` heads) on fresh stimuli.
+             edit_positions: str = "answer", progress: bool = False, pairs: Any = None) -> ValidationResult:
+    """Run every method against the model's planted heads (or ``reference`` heads) on fresh stimuli, or on a
+    researcher's own ``pairs``.
 
     Args:
         vlm: a loaded VLM (an organism with a ``planted`` training record, or any model with ``reference``).
@@ -392,9 +394,14 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
             predicted at the colour word).
         n_probe: scenes the probes and PCA use.
         progress: show progress bars.
+        pairs: a :class:`~vlmbind.stimuli.PairSet` of one condition (e.g. a user's pairs file) to run the mediation
+            methods on instead of fresh scene pairs; the ablation is then scored on its clean inputs (their
+            answers), and the position-ID edit and the probes, which need vlmbind's scenes, are not run
+            (``skipped`` says so). ``reference`` must name heads of its condition.
 
     Raises:
-        InputError: unknown methods or modes, reference heads outside the model, or bad counts.
+        InputError: unknown methods or modes, reference heads outside the model, bad counts, or pairs whose
+            condition the reference does not name.
     """
     bad = [m for m in methods if m not in VALIDATION_METHODS]
     if bad or not methods:
@@ -412,7 +419,13 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
         raise InputError(f"n_probe must be at least 16 (a quarter is held out), got {n_probe}")
     if edit_positions not in EDIT_POSITIONS:
         raise InputError(f"edit_positions must be one of {', '.join(EDIT_POSITIONS)}, got {edit_positions!r}")
-    heads, source = _reference(vlm, reference, reference_source)
+    heads, source = _reference(vlm, reference, reference_source,
+                               SCENE_CONDITIONS if pairs is None else (pairs.condition,))
+    if pairs is not None:
+        if pairs.condition not in heads:
+            raise InputError(f"the reference heads name {', '.join(sorted(heads)) or 'no condition'}, not the pairs' "
+                             f"condition {pairs.condition!r}: give its heads, e.g. --heads {pairs.condition}=1.2")
+        heads = {pairs.condition: heads[pairs.condition]}
     for condition, hs in heads.items():
         outside = [f"{l}.{h}" for l, h in hs if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
         if outside:
@@ -428,16 +441,22 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
                                       "n_eval": n_eval, "ablation_seeds": ablation_seeds, "alphas": list(alphas),
                                       "n_estimate": n_estimate, "n_probe": n_probe,
                                       "edit_positions": edit_positions})
+    if pairs is not None:
+        result.params = {"pairs": pairs.params.get("source", "generated"), "condition": pairs.condition,
+                         "n_pairs": len(pairs), "methods": list(methods), "ig_steps": ig_steps, "modes": list(modes),
+                         "ablation_seeds": ablation_seeds, "n_objects": None, "seed": None}
+        pair_sets = {pairs.condition: list(pairs)}
+    else:
+        pair_sets = {c: list(scene_pairs(n_pairs, c, seed, **kwargs)) for c in SCENE_CONDITIONS}
     exact_scores: dict[str, HeadScores] = {}
-    for condition in SCENE_CONDITIONS:
-        pairs = scene_pairs(n_pairs, condition, seed, **kwargs)
+    for condition, pair_list in pair_sets.items():
         planted = heads.get(condition, [])
         for method in methods:
             if method == "naive":
                 continue
             start = time.perf_counter()
             extra = {"steps": ig_steps} if method == "integrated_gradients" else {}
-            scores = locate(vlm, pairs, method=method, verify_top=0, progress=progress, **extra)
+            scores = locate(vlm, pair_list, method=method, verify_top=0, progress=progress, **extra)
             seconds = time.perf_counter() - start
             if method == "exact":
                 exact_scores[condition] = scores
@@ -449,13 +468,18 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
                                    "seconds": seconds})
         if "naive" in methods and condition in exact_scores:
             start = time.perf_counter()
-            sampled, worst = _naive_sample(vlm, list(pairs), exact_scores[condition], planted, naive_heads, seed)
+            sampled, worst = _naive_sample(vlm, pair_list, exact_scores[condition], planted, naive_heads, seed)
             result.naive_check[condition] = {"heads": [f"{l}.{h}" for l, h in sampled],
                                              "max_abs_difference": float(worst), "seconds": time.perf_counter() - start}
     result.seconds["mediation"] = float(sum(r["seconds"] for r in result.methods))
     start = time.perf_counter()
-    _ablate(vlm, result, heads, exact_scores, kwargs, seed, n_eval, modes, ablation_seeds)
+    dataset = scene_description(n_eval, seed + 2, **kwargs) if pairs is None else pairs.clean
+    _ablate(vlm, result, heads, exact_scores, dataset, modes, ablation_seeds)
     result.seconds["ablation"] = time.perf_counter() - start
+    if pairs is not None:
+        result.skipped.update(edit="the position-ID edit needs vlmbind's scenes (a position ID per grid cell)",
+                              probes="the probes read object cells from vlmbind's scenes")
+        return result
     selection = heads.get("id_selection")
     if selection:
         start = time.perf_counter()
@@ -483,8 +507,7 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
 
 
 def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int, int]]],
-            exact: dict[str, HeadScores], kwargs: dict[str, Any], seed: int, n_eval: int, modes: Sequence[str],
-            seeds: int) -> None:
+            exact: dict[str, HeadScores], dataset: Any, modes: Sequence[str], seeds: int) -> None:
     """Top-k of the reference conditions together (each condition's k best exact heads; k = its reference count, or
     1 with no reference) against random-k from the other heads, random-k from the top-k's own layers (where each of
     those layers has a head to spare) and the bottom-k by |score|."""
@@ -500,7 +523,6 @@ def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int,
     magnitude = np.max([np.abs(s.scores) / max(np.abs(s.scores).max(), 1e-12) for s in exact.values()], axis=0)
     frame = pd.DataFrame([{"layer": l, "head": h, "score": (2.0 + magnitude[l, h]) if (l, h) in top else
                            float(magnitude[l, h])} for l in range(vlm.n_layers) for h in range(vlm.n_heads)])
-    dataset = scene_description(n_eval, seed + 2, **kwargs)
     k = min(len(top), n // 2)
     # random heads from the rest, and on the same seeds from the top-k's own layers where each has one to spare
     top_layers = [l for l, _ in top[:k]]

@@ -18,6 +18,7 @@ import io
 import threading
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..analysis.evaluation import training_defaults
 from ..core.choices import ABLATION_MODES, UI_CONDITIONS
 from ..core.errors import InputError
 from ..core.userfiles import SCORE_COLUMNS, read_json_object, read_scores
+from ..engine.alignment import patch_positions
 from ..engine.hooks import PatchHeads
 from ..stimuli import scene_pairs
 from ..viz import attention_overlay, head_heatmap
@@ -181,20 +183,30 @@ class UIController:
     Attributes:
         vlm: the loaded model.
         lock: held around every forward pass.
-        condition: scene_pairs condition of generated counterfactuals.
+        condition: scene_pairs condition of generated counterfactuals (a pairs file's condition with ``pairs``).
         n_pairs: pairs for on-demand ``locate``.
+        pairs: a researcher's own pairs (:class:`~vlmbind.stimuli.PairSet`): the page's inputs are its pairs (the
+            seed picks one), patched where each pair says, and on-demand ``locate`` runs on all of them.
     """
 
     def __init__(self, vlm: Any, *, condition: str = "id_selection", n_pairs: int = 8,
-                 lock: threading.Lock | None = None):
-        if condition not in CONDITIONS:
+                 lock: threading.Lock | None = None, pairs: Any = None):
+        if pairs is not None:
+            condition = pairs.condition
+        elif condition not in CONDITIONS:
             raise InputError(f"condition {condition!r} is not one of {CONDITIONS}")
         self.vlm = vlm
         self.lock = lock or threading.Lock()
         self.condition = condition
         self.n_pairs = n_pairs
+        self.pairs = pairs
         # input hash -> (V clean logits at the last position, clean greedy answer)
         self._clean: dict[str, tuple[torch.Tensor, str]] = {}
+
+    @property
+    def conditions(self) -> tuple[str, ...]:
+        """The counterfactual conditions the page offers: the pairs file's, or the generated scenes'."""
+        return (self.pairs.condition,) if self.pairs is not None else CONDITIONS
 
     # ---- inputs ----------------------------------------------------------------------------------------------
     def _scene_kwargs(self) -> dict[str, Any]:
@@ -209,21 +221,28 @@ class UIController:
         seed = int(seed or 0)
         if seed < 0:
             raise InputError(f"seed {seed} is negative; pass a seed >= 0")
-        # scene_pairs' clean scenes are exactly scene_description(n, seed, ...)'s with the same parameters
-        pair = scene_pairs(1, self.condition, seed, **self._scene_kwargs())[0]
+        if self.pairs is not None:
+            pair = self.pairs[seed % len(self.pairs)]
+            source = f"pair {pair.id} ({seed % len(self.pairs) + 1} of {len(self.pairs)})"
+        else:
+            # scene_pairs' clean scenes are exactly scene_description(n, seed, ...)'s with the same parameters
+            pair = scene_pairs(1, self.condition, seed, **self._scene_kwargs())[0]
+            source = f"scene seed {seed}"
         state = {"image": _png_b64(pair.clean.image), "cf_image": _png_b64(pair.counterfactual.image),
-                 "prompt": pair.clean.prompt, "expected": pair.clean.answer, "source": f"scene seed {seed}",
+                 "prompt": pair.clean.prompt, "expected": pair.clean.answer, "source": source,
                  "seed": seed, "cf_condition": self.condition, "cf_expected": pair.answer_counterfactual}
-        return state, (f"generated scene (seed {seed}); expected answer {pair.clean.answer!r}; {self.condition} "
-                       f"counterfactual answer {pair.answer_counterfactual!r}")
+        if self.pairs is not None:
+            state.update(pair_id=pair.id, patch=pair.patch, cf_prompt=pair.counterfactual.prompt)
+        return state, (f"{'generated scene' if self.pairs is None else 'your'} {source}; expected answer "
+                       f"{pair.clean.answer!r}; {self.condition} counterfactual answer {pair.answer_counterfactual!r}")
 
     def set_condition(self, condition: str, state: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str]:
         """Switch the counterfactual condition; a generated scene gets its counterfactual for the new condition
         (same seed), an uploaded counterfactual stays as it is."""
-        if condition not in CONDITIONS:
-            return state, f"condition {condition!r} is not one of {', '.join(CONDITIONS)}"
+        if condition not in self.conditions:
+            return state, f"condition {condition!r} is not one of {', '.join(self.conditions)}"
         self.condition = condition
-        if state and state.get("seed") is not None and state.get("source", "").startswith("scene seed"):
+        if state and state.get("seed") is not None and state.get("cf_condition") in self.conditions:
             return self.generate_stimulus(state["seed"])
         new = dict(state or {})
         new["cf_condition"] = condition
@@ -247,10 +266,10 @@ class UIController:
             # same size as the input so both give the same number of image tokens
             size = _from_b64(new["image"]).size
             new["cf_image"] = _png_b64(image.resize(size, Image.BILINEAR) if image.size != size else image)
-            new.update(cf_condition=f"uploaded ({filename or 'image'})", cf_expected=None)
+            new.update(cf_condition=f"uploaded ({filename or 'image'})", cf_expected=None, patch=None, cf_prompt=None)
             return new, f"counterfactual {filename or 'image'} loaded ({image.size[0]}x{image.size[1]})"
         new.update(image=_png_b64(image), cf_image=None, expected=None, source=filename or "upload", seed=None,
-                   cf_condition=None, cf_expected=None)
+                   cf_condition=None, cf_expected=None, patch=None, cf_prompt=None, pair_id=None)
         new["prompt"] = prompt if prompt else new.get("prompt", "")
         return new, f"loaded {filename or 'image'} ({image.size[0]}x{image.size[1]}, RGB)"
 
@@ -275,7 +294,9 @@ class UIController:
 
     # ---- forwards --------------------------------------------------------------------------------------------
     def _batch(self, state: dict[str, Any], image_key: str = "image") -> Any:
-        prompt = (state.get("prompt") or "").strip()
+        # a pair's counterfactual keeps its own prompt (same token count) unless the page's prompt was edited
+        own = state.get("cf_prompt") if image_key == "cf_image" and state.get("patch") else None
+        prompt = (own or state.get("prompt") or "").strip()
         if not prompt:
             raise InputError("the prompt is empty; type the text that follows the image")
         return self.vlm.prepare(_from_b64(state[image_key]), prompt)
@@ -287,14 +308,22 @@ class UIController:
             if not state.get("cf_image"):
                 raise InputError("patching needs a counterfactual image: generate a scene or upload one")
             cf = self._batch(state, "cf_image")
-            last, cf_last = batch.index[0].last_position, cf.index[0].last_position
+            if state.get("patch"):  # a pairs file's pair: where it says, on sides that line up token for token
+                if len(cf.index[0]) != len(batch.index[0]):
+                    raise InputError("the counterfactual's tokens do not line up with the input's (the prompt was "
+                                     "edited?): reload the pair")
+                pair = SimpleNamespace(id=state.get("pair_id"), patch=state["patch"])
+                where = patch_positions(batch.index[0], pair).tolist()
+                cf_where = where
+            else:
+                where, cf_where = [batch.index[0].last_position], [cf.index[0].last_position]
             layers = sorted({l for l, _ in heads})
             cache = self.vlm.capture(cf, [self.vlm.adapter.z_site(l) for l in layers])
             items = []
             for layer in layers:
                 hs = [h for l, h in heads if l == layer]
                 z = cache[self.vlm.adapter.z_site(layer)]  # B P H D
-                items.append(PatchHeads(layer=layer, heads=hs, positions=[last], values=z[:, [cf_last]][:, :, hs]))
+                items.append(PatchHeads(layer=layer, heads=hs, positions=where, values=z[:, cf_where][:, :, hs]))
             return items, None
         if action != "ablate":
             raise InputError(f"action {action!r} is not one of {ACTIONS}")
@@ -323,7 +352,7 @@ class UIController:
         keys = list(heads or [])
         pairs = [_parse_key(k) for k in keys]
         cf_condition = state.get("cf_condition")
-        if action == "patch" and pairs and scores_condition and cf_condition in CONDITIONS \
+        if action == "patch" and pairs and scores_condition and cf_condition in self.conditions \
                 and cf_condition != scores_condition:
             return {"error": f"patching refused: the heatmap shows {scores_condition} scores but the "
                              f"counterfactual is a {cf_condition} scene; pick {scores_condition} as the "
@@ -392,12 +421,15 @@ class UIController:
         Returns:
             ``(records of layer, head, score, message)``.
         """
-        pairs = scene_pairs(self.n_pairs, self.condition, int(seed or 0), **self._scene_kwargs())
+        if self.pairs is not None:
+            pairs, where = self.pairs, " of your pairs file"
+        else:
+            pairs, where = scene_pairs(self.n_pairs, self.condition, int(seed or 0), **self._scene_kwargs()), ""
         with self.lock:
             scores = locate(self.vlm, pairs, method="exact")
         frame = scores_frame(scores, self.vlm.n_layers, self.vlm.n_heads)
-        return frame.to_dict("records"), (f"located {self.condition} on {scores.n} pairs in {scores.seconds:.2f} s; "
-                                          f"the heatmap now shows these scores")
+        return frame.to_dict("records"), (f"located {self.condition} on {scores.n} pairs{where} in "
+                                          f"{scores.seconds:.2f} s; the heatmap now shows these scores")
 
     def heatmap(self, records: list[dict[str, Any]], heads: list[str] | None, title: str) -> go.Figure:
         """The scores heatmap with an ``x`` on every active head."""
@@ -455,7 +487,7 @@ def _image_src(data: str | None) -> str:
 
 
 def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str | None = None, n_pairs: int = 8,
-              controller: UIController | None = None) -> Any:
+              controller: UIController | None = None, pairs: Any = None) -> Any:
     """The Dash app for ``vlm``.
 
     Args:
@@ -466,6 +498,8 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str | N
             the loaded scores' condition when it is one of those, else ``id_selection``.
         n_pairs: pairs for on-demand locate.
         controller: reuse a controller (tests); default a new one.
+        pairs: a researcher's own pairs (:class:`~vlmbind.stimuli.PairSet`): the inputs, counterfactuals, patch
+            positions and on-demand locate come from them (see :class:`UIController`).
 
     Returns:
         The ``dash.Dash`` app; ``app.vlmbind`` is its :class:`UIController`.
@@ -474,9 +508,11 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str | N
     from dash import Input, Output, State, dcc, html
 
     loaded_condition = scores_condition(scores)
-    if condition is None:
+    if pairs is not None:
+        condition = pairs.condition
+    elif condition is None:
         condition = loaded_condition if loaded_condition in CONDITIONS else "id_selection"
-    ctl = controller or UIController(vlm, condition=condition, n_pairs=n_pairs)
+    ctl = controller or UIController(vlm, condition=condition, n_pairs=n_pairs, pairs=pairs)
     ctl.condition = condition
     initial_scores = scores_frame(scores, vlm.n_layers, vlm.n_heads).to_dict("records")
     initial_title = (f"{loaded_condition or 'loaded'} scores" if scores is not None
@@ -498,13 +534,13 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str | N
         dcc.ConfirmDialog(id="confirm-locate"),
         html.Div(className="vb-panel", children=[
             html.Div(className="vb-bar", children=[
-                html.Label("seed"), dcc.Input(id="seed", type="number", value=seed, min=0, step=1,
-                                              style={"width": "5em"}),
-                html.Button("generate scene", id="generate"),
+                html.Label("seed" if pairs is None else f"pair (0-{len(pairs) - 1})"),
+                dcc.Input(id="seed", type="number", value=seed, min=0, step=1, style={"width": "5em"}),
+                html.Button("generate scene" if pairs is None else "show pair", id="generate"),
                 dcc.Upload(html.Button("upload image"), id="upload", multiple=False),
                 dcc.Upload(html.Button("upload counterfactual"), id="upload-cf", multiple=False),
                 html.Label("counterfactual"),
-                dcc.Dropdown(list(CONDITIONS), condition, id="cf-condition", clearable=False,
+                dcc.Dropdown(list(ctl.conditions), condition, id="cf-condition", clearable=False,
                              style={"width": "200px"}),
             ]),
             html.Div(className="vb-bar", children=[
@@ -575,7 +611,7 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str | N
         caption = f"counterfactual ({cf_condition})" + (f": {expected!r}" if expected else "")
         if not current.get("cf_image"):
             caption = "no counterfactual: generate a scene or upload one"
-        text, ok = condition_status(store.get("condition"), cf_condition if cf_condition in CONDITIONS
+        text, ok = condition_status(store.get("condition"), cf_condition if cf_condition in ctl.conditions
                                     else ctl.condition)
         if store.get("source") is None:
             text = text.replace("unknown condition scores", "no scores yet (press locate)")

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..stimuli.core import PairAlignmentError, StimulusError
-from ..stimuli.scenes import CounterfactualPair, PairSet
+from ..stimuli.pairs import CounterfactualPair, PairSet
 
-__all__ = ["AlignedPairs", "check_alignment"]
+__all__ = ["AlignedPairs", "check_alignment", "patch_positions"]
 
 
 @dataclass
@@ -40,9 +40,10 @@ class AlignedPairs:
         return len(self.pairs)
 
 
-def _differences(a: Any, b: Any, tokenizer: Any) -> list[str]:
+def _differences(a: Any, b: Any, tokenizer: Any, same_text: bool = True) -> list[str]:
     """What differs between two TokenIndex rows that must line up (padding ignored: if every row of the batch lines
-    up, both batches pad each row alike)."""
+    up, both batches pad each row alike). ``same_text`` False: the pair has its own counterfactual prompt, whose text
+    tokens may differ (their count and places may not)."""
     out = []
     ra, rb = a.roles[a.roles != "pad"], b.roles[b.roles != "pad"]
     la, lb = len(ra), len(rb)
@@ -57,6 +58,8 @@ def _differences(a: Any, b: Any, tokenizer: Any) -> list[str]:
     if not out and not np.array_equal(ra, rb):
         k = int(np.flatnonzero(ra != rb)[0])
         out.append(f"token roles differ at real position {k}: {ra[k]!r} (clean) vs {rb[k]!r} (counterfactual)")
+    if not same_text:
+        return out
     ta = a.input_ids[(a.roles != "pad") & (a.roles != "image")]
     tb = b.input_ids[(b.roles != "pad") & (b.roles != "image")]
     if not np.array_equal(ta, tb):
@@ -68,13 +71,32 @@ def _differences(a: Any, b: Any, tokenizer: Any) -> list[str]:
     return out
 
 
-def _patch_positions(index: Any, pair: CounterfactualPair) -> np.ndarray:
-    patch = pair.patch
-    if patch.get("kind") == "last":
+def patch_positions(index: Any, pair: CounterfactualPair) -> np.ndarray:
+    """The sorted positions of ``pair``'s patch in one prepared row (``index``, the clean side's TokenIndex).
+
+    Raises:
+        StimulusError: a box that covers no image token, a position outside the pair's sequence, or an unknown
+            patch kind; the message names the pair.
+    """
+    patch, kind = pair.patch, pair.patch.get("kind")
+    if kind == "last":
         return np.array([index.last_position])
-    if patch.get("kind") == "span":
+    if kind == "span":
         return index.span(patch["text"], occurrence=int(patch.get("occurrence", -1)))
-    raise StimulusError(f"pair {pair.id!r} has patch {patch!r}; kind must be 'span' or 'last'")
+    if kind == "box":
+        found = index.positions_covering(tuple(patch["box"]))
+        if not len(found):
+            raise StimulusError(f"pair {pair.id!r}: patch box {patch['box']} covers no image token of the clean "
+                                f"image on this model; draw a larger box")
+        return found
+    if kind == "positions":
+        real = np.flatnonzero(index.roles != "pad")  # the pair's own sequence inside the padded row
+        bad = [p for p in patch["positions"] if not -len(real) <= p < len(real)]
+        if bad:
+            raise StimulusError(f"pair {pair.id!r}: patch positions {bad} are outside its {len(real)}-token "
+                                f"sequence on this model")
+        return np.unique(real[np.array(patch["positions"])])
+    raise StimulusError(f"pair {pair.id!r} has patch {patch!r}; kind must be 'last', 'span', 'box' or 'positions'")
 
 
 def check_alignment(vlm: Any, pairs: PairSet | Sequence[CounterfactualPair], *, chat: bool = False) -> AlignedPairs:
@@ -106,18 +128,22 @@ def check_alignment(vlm: Any, pairs: PairSet | Sequence[CounterfactualPair], *, 
     tokenizer = vlm.adapter.tokenizer
     # every row first: one misaligned row changes the other rows' left padding, so their positions differ too
     for r, p in enumerate(pairs):
-        problems = _differences(clean.index[r], cf.index[r], tokenizer)
+        problems = _differences(clean.index[r], cf.index[r], tokenizer, not p.counterfactual_prompt_differs)
         if problems:
             raise PairAlignmentError(
                 f"pair {p.id!r} ({p.condition}) does not line up on {getattr(vlm, 'name', 'this model')}: "
-                f"{'; '.join(problems)}. Use the same prompt and images of the same size on both sides."
+                f"{'; '.join(problems)}. Use prompts of the same token count and images of the same size on both "
+                f"sides."
             )
     if clean.seq_len != cf.seq_len:  # unreachable when every row lines up; kept as the guard positions rely on
         raise PairAlignmentError(f"batches padded to {clean.seq_len} (clean) vs {cf.seq_len} (counterfactual)")
     positions = []
     for r, p in enumerate(pairs):
-        pos_clean = _patch_positions(clean.index[r], p)
-        pos_cf = _patch_positions(cf.index[r], p)
+        # the sides line up token for token, so the clean side's positions are the counterfactual's; a text patch
+        # of identical prompts is checked on both as a guard
+        pos_clean = patch_positions(clean.index[r], p)
+        same_span = p.patch.get("kind") in ("span", "last") and not p.counterfactual_prompt_differs
+        pos_cf = patch_positions(cf.index[r], p) if same_span else pos_clean
         if not np.array_equal(pos_clean, pos_cf):
             raise PairAlignmentError(f"pair {p.id!r}: patch positions {pos_clean.tolist()} (clean) vs "
                                      f"{pos_cf.tolist()} (counterfactual)")

@@ -21,6 +21,7 @@ from .core import (
     object_tokens,
     render,
 )
+from .pairs import PairsFileError, load_pairs
 from .points import format_points, p2a_text, parse_count, parse_points, parse_yes_no
 from .rsa_set import rsa_set
 from .scenes import (
@@ -32,14 +33,15 @@ from .scenes import (
 )
 from .query import binding_query
 from .search import COUNT_SPLITS, SEARCH_SPLITS, counting, visual_search
-from .user import user_images
+from .user import TaskFileError, load_task, user_images
 
 __all__ = [
     "COLOURS", "LETTERS", "SHAPES", "CONDITIONS", "COUNT_SPLITS", "SEARCH_SPLITS",
     "Canvas", "Dataset", "Example", "SceneObject", "CounterfactualPair", "PairSet",
-    "StimulusError", "PairAlignmentError",
+    "StimulusError", "PairAlignmentError", "PairsFileError", "load_pairs",
     "scene_description", "scene_pairs", "binding_query", "visual_search", "counting", "rsa_set",
     "balanced_color_shape", "code_arrays", "covering_count", "entropies", "split_codes", "user_images",
+    "load_task", "TaskFileError",
     "answers", "format_points", "p2a_text", "parse_points", "parse_count", "parse_yes_no",
     "object_token_positions", "object_tokens", "render",
 ]

@@ -38,7 +38,8 @@ from .points import POINT_FORMATS, PointSpan, pointing_spans
 __all__ = [
     "ARTICLES", "FRAMES", "NUMBER_WORDS", "SELF_DESCRIBING", "UnknownFrameError", "answer_words", "canvas_geometry",
     "frames_for", "pixels_to_cells",
-    "read_count", "read_query", "read_scene", "read_yes_no", "strip_points", "to_canvas",
+    "read_count", "read_query", "read_scene", "read_yes_no", "strip_points", "to_canvas", "SCORERS", "SCORER_RULES",
+    "score_text",
 ]
 
 ARTICLES = frozenset({"a", "an", "the"})
@@ -225,3 +226,35 @@ def to_canvas(spans: Sequence[PointSpan], frames: Mapping[str, str | None], canv
             cx, cy = pixels_to_cells(px * size / width, py * size / height, canvas)
             out.append((float(cx), float(cy)))
     return out
+
+
+# how a user's task file scores an answer against its expected answer and accepted alternatives
+SCORERS = ("starts_with", "exact", "first_word", "contains", "number")
+SCORER_RULES = {
+    "starts_with": "the answer's words begin with an expected answer's words (the default)",
+    "exact": "the answer's words are an expected answer's words",
+    "first_word": "the answer's first word is an expected answer's first word",
+    "contains": "an expected answer's words occur together anywhere in the answer",
+    "number": "the count the answer gives (read_count) is an expected number",
+}
+
+
+def score_text(scorer: str, output: str, expected: list[str]) -> tuple[bool, Any]:
+    """Whether ``output`` matches one of the ``expected`` answers under ``scorer`` (:data:`SCORER_RULES`; words as
+    :func:`answer_words` reads them: case, punctuation, markdown and articles ignored), and what was read."""
+    if scorer == "number":
+        got = read_count(output)
+        return got is not None and got in {read_count(e) for e in expected}, got
+    words = answer_words(output)
+    wanted = [answer_words(e) for e in expected]
+    if scorer == "starts_with":
+        ok = any(w and words[: len(w)] == w for w in wanted)
+    elif scorer == "exact":
+        ok = any(w and words == w for w in wanted)
+    elif scorer == "first_word":
+        ok = any(w and words[:1] == w[:1] for w in wanted)
+    elif scorer == "contains":
+        ok = any(w and any(words[i : i + len(w)] == w for i in range(len(words) - len(w) + 1)) for w in wanted)
+    else:
+        raise ValueError(f"unknown scorer {scorer!r}; scorers: {', '.join(SCORERS)}")
+    return ok, " ".join(words)

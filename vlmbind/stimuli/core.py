@@ -419,8 +419,9 @@ def dumps(value: Any) -> str:
 
 
 def save_records(out: str | os.PathLike, images: Sequence[tuple[str, Image.Image]], records: Sequence[dict],
-                 info: dict[str, Any]) -> Path:
-    """Write images, ``meta.jsonl`` and ``dataset.json`` into ``out`` through a temporary directory.
+                 info: dict[str, Any], *, records_name: str = "meta.jsonl") -> Path:
+    """Write images, the records (``meta.jsonl``, one JSON object per line) and ``dataset.json`` into ``out``
+    through a temporary directory.
 
     Raises:
         StimulusError: ``out`` exists and is not a directory, or cannot be written.
@@ -437,12 +438,12 @@ def save_records(out: str | os.PathLike, images: Sequence[tuple[str, Image.Image
         (tmp / "images").mkdir()
         for name, image in images:
             image.save(tmp / "images" / f"{name}.png", format="PNG")
-        (tmp / "meta.jsonl").write_text("".join(dumps(r) + "\n" for r in records))
+        (tmp / records_name).write_text("".join(dumps(r) + "\n" for r in records), encoding="utf-8")
         (tmp / "dataset.json").write_text(json.dumps(info, default=json_default, indent=2) + "\n")
         out.mkdir(exist_ok=True)
         if (out / "images").exists():
             shutil.rmtree(out / "images")
-        for name in ("images", "meta.jsonl", "dataset.json"):
+        for name in ("images", records_name, "dataset.json"):
             os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -17,17 +17,15 @@ answer would leak the answer's first letter).
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..core.errors import close_matches
-from ..core.images import read_image
+from .pairs import CounterfactualPair, PairSet
 from .core import (
     Canvas,
     Dataset,
@@ -44,9 +42,7 @@ from .core import (
     place,
     random_cells,
     raster,
-    read_records,
     render,
-    save_records,
 )
 
 ENTROPIES = ("high", "low")
@@ -193,127 +189,6 @@ def scene_description(
 # ------------------------------------------------------------------------------------------------------------------
 # Counterfactual pairs
 # ------------------------------------------------------------------------------------------------------------------
-def _example_record(e: Example, image: str) -> dict[str, Any]:
-    r = e.to_record()
-    r["image"] = image
-    return r
-
-
-def _example_from_record(root: Path, r: dict[str, Any]) -> Example:
-    image = read_image(root / r["image"], StimulusError)
-    extra = {k: v for k, v in r.items() if k not in ("id", "image", "task", "prompt", "answer", "objects")}
-    return Example(r["id"], image, [SceneObject.from_dict(o) for o in r.get("objects", [])], r["prompt"],
-                   r["answer"], r.get("task", ""), extra)
-
-
-@dataclass
-class CounterfactualPair:
-    """A clean scene and its counterfactual for one CMA condition.
-
-    Attributes:
-        id: pair id (the examples are ``{id}-clean`` and ``{id}-cf``).
-        condition: ``id_retrieval``, ``id_selection`` or ``feature_retrieval``.
-        clean: the clean example (``answer`` = a).
-        counterfactual: the counterfactual example; same prompt, objects in the same list order. Its own ``answer``
-            is what a model should say on the counterfactual image itself (the target for the swap conditions,
-            the recoloured target for feature retrieval).
-        patch: where to patch: ``{"kind": "span", "text": "blue circle", "occurrence": -1, "object": j}``
-            (``occurrence`` counts matches of ``text`` in the prompt from its end, for :meth:`TokenIndex.span`) or
-            ``{"kind": "last"}``.
-        answer: a, the clean answer (the target's ``colour shape``).
-        answer_counterfactual: a*, the answer patching the counterfactual into the clean run implies.
-        first_difference: the first word where ``answer`` and ``answer_counterfactual`` differ: 0 colour, 1 shape.
-    """
-
-    id: str
-    condition: str
-    clean: Example
-    counterfactual: Example
-    patch: dict[str, Any]
-    answer: str
-    answer_counterfactual: str
-    first_difference: int
-
-    def to_record(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "condition": self.condition,
-            "clean": _example_record(self.clean, f"images/{self.id}-clean.png"),
-            "counterfactual": _example_record(self.counterfactual, f"images/{self.id}-cf.png"),
-            "patch": self.patch, "answer": self.answer, "answer_counterfactual": self.answer_counterfactual,
-            "first_difference": self.first_difference,
-        }
-
-    @classmethod
-    def from_record(cls, root: Path, r: dict[str, Any]) -> CounterfactualPair:
-        return cls(r["id"], r["condition"], _example_from_record(root, r["clean"]),
-                   _example_from_record(root, r["counterfactual"]), r["patch"], r["answer"],
-                   r["answer_counterfactual"], int(r["first_difference"]))
-
-
-@dataclass
-class PairSet:
-    """Counterfactual pairs of one condition plus the parameters that made them.
-
-    Attributes:
-        condition: the CMA condition.
-        pairs: the pairs.
-        params: generator parameters (JSON-serialisable; canvas via ``Canvas.to_dict``).
-        seed: the seed.
-        summary: data-set level facts (object counts, how many pairs first differ at the colour / shape word).
-    """
-
-    condition: str
-    pairs: list[CounterfactualPair]
-    params: dict[str, Any]
-    seed: int
-    summary: dict[str, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __iter__(self) -> Iterator[CounterfactualPair]:
-        return iter(self.pairs)
-
-    def __getitem__(self, i: int) -> CounterfactualPair:
-        return self.pairs[i]
-
-    @property
-    def clean(self) -> Dataset:
-        """The clean examples as a scene-description Dataset."""
-        return Dataset("scene", [p.clean for p in self.pairs], self.params, self.seed, dict(self.summary))
-
-    @property
-    def counterfactual(self) -> Dataset:
-        """The counterfactual examples as a Dataset (task ``scene``, fields name what changed)."""
-        return Dataset("scene", [p.counterfactual for p in self.pairs], self.params, self.seed, dict(self.summary))
-
-    def describe(self) -> dict[str, Any]:
-        return {"task": "scene_pairs", "condition": self.condition, "n": len(self), "seed": self.seed,
-                "params": self.params, **self.summary}
-
-    def save(self, out: str | os.PathLike) -> Path:
-        """Write ``images/{id}-clean.png``, ``images/{id}-cf.png``, ``meta.jsonl`` (one record per pair) and
-        ``dataset.json`` into ``out`` atomically (through ``core.save_records``)."""
-        images = [(f"{p.id}-{side}", img) for p in self.pairs
-                  for side, img in (("clean", p.clean.image), ("cf", p.counterfactual.image))]
-        return save_records(out, images, [p.to_record() for p in self.pairs], self.describe())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> PairSet:
-        """Read a pair set written by :meth:`save` (images are loaded into memory).
-
-        Raises:
-            StimulusError: ``path`` is not a saved pair set.
-        """
-        path = Path(path)
-        info, records = read_records(path)
-        if info.get("task") != "scene_pairs":
-            raise StimulusError(f"{str(path)!r} holds task {info.get('task')!r}, not scene_pairs; use Dataset.load")
-        pairs = [CounterfactualPair.from_record(path, r) for r in records]
-        summary = {k: v for k, v in info.items() if k not in ("task", "condition", "n", "seed", "params")}
-        return cls(info["condition"], pairs, info.get("params", {}), int(info.get("seed", 0)), summary)
-
-
 def _check_condition(condition: Any) -> str:
     if condition not in CONDITIONS:
         raise StimulusError(

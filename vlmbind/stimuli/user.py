@@ -1,4 +1,5 @@
-"""User images as a data set: a folder of PNG/JPEG files plus an optional JSONL of prompts.
+"""User images as a data set: a folder of PNG/JPEG files plus an optional JSONL of prompts; and a task file, the
+images, prompts and answers a model is scored on (``vlmbind eval --data``, ``ablate --data``, :func:`load_task`).
 
 The JSONL holds one object per line, ``{"image": "cat.png", "prompt": "...", "answer": "..."}`` (answer optional; other
 keys are kept as metadata); without it every image gets ``default_prompt``. No object metadata is needed for capture,
@@ -14,7 +15,11 @@ from pathlib import Path
 from PIL import Image
 
 from ..core.images import read_image
+from ..core.text import read_utf8_text
+from .answers import SCORERS
 from .core import Dataset, Example, StimulusError
+from .pairs import PAIRS_FILE, load_pairs
+from .rows import Row, RowsFileError, read_rows, rows_file, unique_ids
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 DEFAULT_PROMPT = "describe the objects in this image :"
@@ -31,7 +36,7 @@ def user_images(folder: str | os.PathLike, prompts: str | os.PathLike | None = N
 
     Raises:
         StimulusError: the folder does not exist or has no images, a file is not a readable image, the JSONL is
-            malformed or names an image that is not in the folder.
+            not UTF-8, is malformed or names an image that is not in the folder.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -57,8 +62,9 @@ def user_images(folder: str | os.PathLike, prompts: str | os.PathLike | None = N
 def _read_prompts(path: Path, names: set[str]) -> list[dict]:
     if not path.is_file():
         raise StimulusError(f"prompts file {str(path)!r} does not exist")
+    text = read_utf8_text(path, f"prompts file {str(path)!r}", StimulusError)
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -75,3 +81,50 @@ def _read_prompts(path: Path, names: set[str]) -> list[dict]:
     if not rows:
         raise StimulusError(f"prompts file {str(path)!r} has no records")
     return rows
+
+
+TASK_FILE = "task.jsonl"
+TASK_REQUIRED = ("image", "prompt", "answer")
+TASK_OPTIONAL = ("id", "accept", "scorer", "meta")
+
+
+class TaskFileError(RowsFileError):
+    """A task file (``task.jsonl``) that cannot be read: the message names the file, the line and the field."""
+
+
+def load_task(path: str | os.PathLike) -> Dataset:
+    """Read a task file: a folder holding ``task.jsonl``, or the file. One JSON object per line::
+
+        {"id": "q0", "image": "img/q0.png", "prompt": "the red object is a", "answer": "square",
+         "accept": ["box"], "scorer": "first_word"}
+
+    ``image`` (relative to the file), ``prompt`` and ``answer`` are required; ``accept`` lists other answers that
+    count as right; ``scorer`` is one of :data:`vlmbind.stimuli.answers.SCORERS` (default ``starts_with``: the
+    reply's words begin with the answer's); ``meta`` holds anything else. Examples keep ``accept``, ``scorer`` and
+    ``meta`` in their fields, which :func:`vlmbind.analysis.evaluation.score` reads. A pairs folder or file
+    (:mod:`vlmbind.stimuli.pairs`) reads as the task of its clean inputs (image, prompt, answer).
+
+    Returns:
+        A :class:`Dataset` of task ``"user"``, params ``{"source": <the file>}``.
+
+    Raises:
+        TaskFileError: a row that does not validate (file, line and field named) or ids that repeat.
+        StimulusError: no such file or folder.
+    """
+    path = Path(path)
+    if path.name == PAIRS_FILE or (path.is_dir() and not (path / TASK_FILE).is_file()
+                                   and (path / PAIRS_FILE).is_file()):
+        pairs = load_pairs(path)
+        return Dataset(pairs.clean.task, [p.clean for p in pairs], pairs.params, pairs.seed)
+    file = rows_file(path, TASK_FILE, StimulusError)
+    examples, ids = [], []
+    for lineno, raw in read_rows(file, TASK_REQUIRED, TaskFileError):
+        row = Row(file, lineno, raw, TASK_REQUIRED, TASK_OPTIONAL, TaskFileError)
+        eid = row.text("id", f"line{lineno}")
+        fields = {"accept": row.texts("accept"), "scorer": row.choice("scorer", SCORERS, "starts_with"),
+                  "source": row.row["image"], **({"meta": row.mapping("meta")} if "meta" in raw else {})}
+        examples.append(Example(eid, row.image("image"), [], row.text("prompt"), row.text("answer"), "user",
+                                fields))
+        ids.append((lineno, eid))
+    unique_ids(file, ids, TaskFileError)
+    return Dataset("user", examples, {"source": str(file.resolve())}, seed=0)

@@ -17,6 +17,8 @@ from .arguments import (
     load_model,
     out_dir,
     parse_range,
+    task_data,
+    task_label,
 )
 
 # its place in `vlmbind --help`
@@ -30,8 +32,11 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
     add_placement(p)
     add_prompt_format(p)
-    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"),
-                   help="the task whose accuracy is measured")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--task", choices=("scene", "query", "search", "count"),
+                      help="the built-in task whose accuracy is measured")
+    data.add_argument("--data", metavar="PATH", help="your own task: a folder holding task.jsonl, or the file (image, "
+                                                     "prompt, answer; optional accept and scorer)")
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
     add_scores_options(p, heads)
@@ -47,8 +52,8 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--bottom-by", choices=("abs", "score"), default="abs",
                    help="the bottom arm: the k smallest |score| (default; the heads least involved either way) or "
                         "the k lowest scores (the most negative heads)")
-    p.add_argument("--n", type=int_at_least(1, "--n 200"), default=200, help="evaluation examples (default 200)")
-    p.add_argument("--seed", type=int, default=1, help="stimulus seed")
+    p.add_argument("--n", type=int_at_least(1, "--n 200"), default=None, help="evaluation examples (default 200)")
+    p.add_argument("--seed", type=int, default=None, help="stimulus seed (default 1)")
     p.add_argument("--objects", type=parse_range, help="objects per display: N or LOW-HIGH (default: the task's)")
     p.add_argument("--out", default=None,
                    help="output directory (default runs/ablate/<model>-<task>-<mode>-top<k>, or -heads with --heads)")
@@ -58,6 +63,7 @@ def add_parser(sub: Any, common: Any) -> None:
 def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
     check_scores_model(args)
+    user_data = task_data(args, ("n", "seed", "objects"))
     import pandas as pd
 
     from ...analysis.ablation import ablation_study
@@ -69,10 +75,13 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     condition = scores_context(args.scores, "condition") if args.scores else None
     mode = args.mode or ("zero" if condition in TEXT_POSITION_CONDITIONS else "image_attention")
     # what tells runs apart names the default folder, so that a run in another mode never replaces one
-    out = out_dir(args, "ablate", args.task, mode, f"top{args.top_k}" if args.scores else "heads")
+    out = out_dir(args, "ablate", task_label(args), mode, f"top{args.top_k}" if args.scores else "heads")
     vlm = load_model(args)
-    kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
-    dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
+    if user_data is None:
+        kwargs = {} if args.objects is None else {"objects" if args.task == "count" else "n_objects": args.objects}
+        dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
+    else:
+        dataset = user_data
     if args.scores:
         scores = read_scores(args.scores, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
         result = ablation_study(vlm, dataset, scores, k=args.top_k, mode=mode,
@@ -100,6 +109,7 @@ def cmd_ablate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     if mode == "image_attention" and condition in TEXT_POSITION_CONDITIONS:
         note = (f"  note: these heads were located on {condition}, where they act at text positions; removing their "
                 f"attention to the image cannot remove them (--mode zero, mean or role_mean can)\n")
-    text = (f"{vlm.name} on {args.task} (n={args.n}), {mode} ablation of {result.k} heads\n{note}  "
+    text = (f"{vlm.name} on {args.task or args.data} (n={len(dataset)}), {mode} ablation of {result.k} heads\n"
+            f"{note}  "
             + result.text().replace("\n", "\n  ") + f"\n  wrote {out}/results.json")
     return summary, text, 0

@@ -32,7 +32,7 @@ from ...core.choices import (
     registered_names,
     unknown_name_error,
 )
-from ...core.errors import ModelLoadError
+from ...core.errors import InputError, ModelLoadError
 
 if TYPE_CHECKING:
     from ...engine.parallel import Group
@@ -229,12 +229,20 @@ def model_session(args: argparse.Namespace, command: list[str], out: Path | None
     if sweep is not None:
         world = parallel.world_size(args.processes)
         parallel.check_leftovers(out, sweep, checkpoint, world, args.resume)
+    note_kept_work(args, out, checkpoint)
     with parallel.session(args.processes, command[1:], entry=args.rank_entry, quiet=True) as group:
         options = placement(args)
         if "device" not in options and "device_map" not in options:
             options.update(group.load_kwargs())
         vlm = _formatted(loading.load(args.model, **options), args)
         yield group, (_warned(vlm) if group.is_main else vlm)
+
+
+def note_kept_work(args: argparse.Namespace, out: Path | None, checkpoint: Path | None) -> None:
+    """Record where the run keeps finished work (``out``, and its checkpoint file), so that a Ctrl-C can say what is
+    kept and how to resume (``args.kept_in``, read by :func:`vlmbind.app.commands.main`)."""
+    if out is not None:
+        args.kept_in = (out, checkpoint)
 
 
 def rank_done(group: Group, out: str | Path) -> tuple[dict[str, Any], str, int]:
@@ -251,3 +259,32 @@ def add_point_frame(p: Any) -> None:
                    help="coordinate frame of points the model writes in a format without its own frame (plain "
                         "(x, y) from a checkpoint vlmbind did not train, JSON from a family that declares none); "
                         "default: refuse such points rather than compare numbers in an unknown frame")
+
+
+def task_data(args: argparse.Namespace, generator_options: tuple[str, ...]) -> Any:
+    """``--data``'s examples, read and checked before any model loads (None for a built-in ``--task``, whose
+    ``--n`` and ``--seed`` defaults are filled in).
+
+    Raises:
+        InputError: a generator option given with --data; a task file that does not validate.
+    """
+    if args.data is None:
+        args.n = 200 if args.n is None else args.n
+        args.seed = 1 if args.seed is None else args.seed
+        return None
+    given = [name for name in generator_options if getattr(args, name, None) is not None]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise InputError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply with --data (the task file holds "
+                         f"the examples); drop {'it' if len(given) == 1 else 'them'}")
+    from ...stimuli.user import load_task
+
+    return load_task(args.data)
+
+
+def task_label(args: argparse.Namespace) -> str:
+    """What names the run's default folder: the task, or the task file's folder (its stem for a bare file)."""
+    if args.data is None:
+        return args.task
+    path = Path(args.data)
+    return path.name if path.is_dir() else (path.parent.name if path.stem == "task" else path.stem)

@@ -16,10 +16,15 @@ from .arguments import (
     out_dir,
     parse_range,
     rank_done,
+    task_data,
+    task_label,
 )
 
 # its place in `vlmbind --help`
 HELP_ORDER = 40
+TASKS = ("scene", "query", "search", "count")
+# the options that generate a built-in task's stimuli (a task file brings its own)
+GENERATOR_OPTIONS = ("n", "seed", "objects", "regime", "entropy", "kind", "diversity", "image_size", "grid")
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -29,10 +34,12 @@ def add_parser(sub: Any, common: Any) -> None:
     add_placement(p)
     add_prompt_format(p)
     add_point_frame(p)
-    p.add_argument("--task", required=True, choices=("scene", "query", "search", "count"),
-                   help="the task to answer")
-    p.add_argument("--n", type=int_at_least(1, "--n 200"), default=200, help="number of examples (default 200)")
-    p.add_argument("--seed", type=int, default=1, help="stimulus seed (default 1; training uses others)")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--task", choices=TASKS, help="the built-in task to answer")
+    data.add_argument("--data", metavar="PATH", help="your own task: a folder holding task.jsonl, or the file (image, "
+                                                     "prompt, answer; optional accept and scorer)")
+    p.add_argument("--n", type=int_at_least(1, "--n 200"), default=None, help="number of examples (default 200)")
+    p.add_argument("--seed", type=int, default=None, help="stimulus seed (default 1; training uses others)")
     p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH")
     p.add_argument("--regime", choices=("direct", "p2a"), help="search / count: the answer format")
     p.add_argument("--entropy", choices=("high", "low"), help="scene: distinct or shared features")
@@ -53,25 +60,31 @@ def add_parser(sub: Any, common: Any) -> None:
 
 def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    user_data = task_data(args, GENERATOR_OPTIONS)
     from ...analysis import sweeps
+    from ...analysis.ablation import wilson_interval
     from ...analysis.evaluation import evaluate, training_defaults
     from ...engine import parallel
     from ...stimuli.tasks import generate, task_kwargs
 
     world = parallel.world_size(args.processes)
-    n_batches = -(-args.n // args.batch_size)
+    n = len(user_data) if user_data is not None else args.n
+    n_batches = -(-n // args.batch_size)
     if n_batches < world:
-        raise InputError(f"--n {args.n} in batches of {args.batch_size} makes {n_batches} batches, fewer than "
+        what = f"the {n} examples of {args.data}" if user_data is not None else f"--n {n}"
+        raise InputError(f"{what} in batches of {args.batch_size} make {n_batches} batches, fewer than "
                          f"--processes {world}; lower --batch-size or --processes")
-    out = out_dir(args, "eval", args.task)
+    out = out_dir(args, "eval", task_label(args))
     checkpoint = out / CHECKPOINT
     # options eval does not take stay None (not given) for the task's check
     options = {k: getattr(args, k) for k in ("objects", "entropy", "kind", "regime", "diversity", "image_size",
                                              "grid")}
-    kwargs = task_kwargs(args.task, options)
+    kwargs = task_kwargs(args.task, options) if user_data is None else {}
     with model_session(args, command, out, sweep="eval", checkpoint=checkpoint) as (group, vlm):
-        kwargs = training_defaults(vlm, args.task, kwargs)
-        dataset = generate(args.task, args.n, args.seed, kwargs)
+        if user_data is None:
+            dataset = generate(args.task, args.n, args.seed, training_defaults(vlm, args.task, kwargs))
+        else:
+            dataset = user_data
         chat = vlm.prompt_format(args.prompt_format) == "chat"
         if group.world == 1:
             result = evaluate(vlm, dataset, batch_size=args.batch_size, progress=not args.json,
@@ -87,8 +100,11 @@ def cmd_eval(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     summary = {**result.summary(), "out": str(out), "command": " ".join(command)}
     if group.world > 1:
         summary["processes"] = group.world
-    lines = [f"{vlm.name} on {args.task} (n={result.n}, seed {args.seed}, {result.prompt_format} prompts, greedy): "
-             f"accuracy {result.accuracy:.3f}"]
-    lines += [f"  {k} objects: {v['accuracy']:.3f} (n={v['n']})" for k, v in result.per_count.items()]
+    source = f"seed {args.seed}" if user_data is None else str(args.data)
+    low, high = wilson_interval(result.accuracy, result.n)
+    lines = [f"{vlm.name} on {args.task or 'your task'} (n={result.n}, {source}, {result.prompt_format} prompts, "
+             f"greedy): accuracy {result.accuracy:.3f} [{low:.3f}, {high:.3f}] (95% Wilson interval)"]
+    if user_data is None:
+        lines += [f"  {k} objects: {v['accuracy']:.3f} (n={v['n']})" for k, v in result.per_count.items()]
     lines.append(f"  wrote {out}/results.json and answers.jsonl")
     return summary, "\n".join(lines), 0

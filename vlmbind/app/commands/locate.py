@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ...core.choices import CONDITIONS, IG_STEPS, METHODS
@@ -20,6 +21,48 @@ from .arguments import (
 
 # its place in `vlmbind --help`
 HELP_ORDER = 50
+DEFAULT_N_PAIRS = 16
+# the options that build vlmbind's own pairs, and which conditions take each; a pairs file brings its own
+GENERATOR_OPTIONS = {"n_pairs": CONDITIONS, "seed": CONDITIONS, "objects": CONDITIONS,
+                     "entropy": CONDITIONS[:-1], "trace_task": CONDITIONS[-1:]}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_pairs_arguments(args: Any) -> Any:
+    """The condition and the pairs file (read and validated before any model loads), or the built-in condition with
+    only the options it takes; None for built-in pairs.
+
+    Raises:
+        InputError: no --condition and no --pairs; a condition that is not built in (without --pairs); an option
+            that does not apply (a generator option with --pairs, --entropy on attention_swap, ...).
+    """
+    from ...core.errors import close_matches
+
+    given = [name for name in GENERATOR_OPTIONS if getattr(args, name) is not None]
+    if args.pairs is not None:
+        if given:
+            raise InputError(f"{', '.join(map(flag, given))} {'does' if len(given) == 1 else 'do'} not apply with "
+                             f"--pairs (the file holds the pairs); drop {'it' if len(given) == 1 else 'them'}")
+        from ...stimuli.pairs import load_pairs
+
+        pairs = load_pairs(args.pairs, args.condition)
+        args.condition = pairs.condition
+        return pairs
+    if args.condition is None:
+        raise InputError("pass --condition (one of " + ", ".join(CONDITIONS) + ") or --pairs PATH (your own pairs)")
+    if args.condition not in CONDITIONS:
+        raise InputError(f"--condition {args.condition!r} is not built in.{close_matches(args.condition, CONDITIONS)} "
+                         f"Built in: {', '.join(CONDITIONS)}; a condition of your own comes with --pairs PATH")
+    stray = [name for name in given if args.condition not in GENERATOR_OPTIONS[name]]
+    if stray:
+        raise InputError(f"{', '.join(map(flag, stray))} {'does' if len(stray) == 1 else 'do'} not apply to "
+                         f"--condition {args.condition}")
+    args.n_pairs = DEFAULT_N_PAIRS if args.n_pairs is None else args.n_pairs
+    args.seed = 0 if args.seed is None else args.seed
+    return None
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -27,14 +70,20 @@ def add_parser(sub: Any, common: Any) -> None:
                        description="Score every attention head by patching its output from counterfactual scenes.")
     p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
     add_placement(p)
-    p.add_argument("--condition", required=True, choices=CONDITIONS,
-                   help="scene pairs (VSM's three) or attention_swap (PbP: the model's own pointing traces)")
-    p.add_argument("--n-pairs", type=int_at_least(1, "--n-pairs 16"), default=16,
-                   help="counterfactual pairs (default 16); too few to separate any head from zero is said")
-    p.add_argument("--seed", type=int, default=0, help="pair seed")
+    p.add_argument("--condition", default=None, metavar="CONDITION",
+                   help=f"{', '.join(CONDITIONS[:-1])} (scene pairs, VSM's three) or {CONDITIONS[-1]} (PbP: the "
+                        "model's own pointing traces); with --pairs, which of the file's conditions (default: its "
+                        "only one)")
+    p.add_argument("--pairs", default=None, metavar="PATH",
+                   help="your own counterfactual pairs: a folder holding pairs.jsonl, or the file (format: "
+                        "docs/your_experiment.md; `vlmbind stimuli scene --pairs` writes one)")
+    p.add_argument("--n-pairs", type=int_at_least(1, "--n-pairs 16"), default=None,
+                   help=f"counterfactual pairs (default {DEFAULT_N_PAIRS}); too few to separate any head from zero "
+                        "is said")
+    p.add_argument("--seed", type=int, default=None, help="pair seed (default 0)")
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
-    p.add_argument("--entropy", choices=("high", "low"), default="high",
-                   help="scenes of distinct features (high) or shared ones (low)")
+    p.add_argument("--entropy", choices=("high", "low"), default=None,
+                   help="scenes of distinct features (high, the default) or shared ones (low)")
     add_prompt_format(p)
     p.add_argument("--method", choices=METHODS, default="exact",
                    help="exact (fast, equal to naive), naive (one forward per head), attribution (first-order "
@@ -43,8 +92,8 @@ def add_parser(sub: Any, common: Any) -> None:
                    help="attribution, integrated_gradients: run exact on this many top candidates")
     p.add_argument("--ig-steps", type=int_at_least(1, "--ig-steps 1"), default=IG_STEPS,
                    help=f"integrated_gradients: points on the path from clean to counterfactual (default {IG_STEPS})")
-    p.add_argument("--trace-task", choices=("count", "search"), default="count",
-                   help="attention_swap: displays the traces are generated on")
+    p.add_argument("--trace-task", choices=("count", "search"), default=None,
+                   help="attention_swap: displays the traces are generated on (default count)")
     p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run from OUT/locate.partial.safetensors (same arguments)")
@@ -65,6 +114,9 @@ def refuse_other_finished_run(out: Any, args: Any) -> None:
         return
     pairs = {"--model": (done.get("model"), str(args.model)), "--condition": (done.get("condition"), args.condition),
              "--method": (done.get("method"), args.method), "--n-pairs": (done.get("n"), args.n_pairs)}
+    if args.pairs is not None:
+        pairs["--pairs"] = (done.get("pairs_file"), pairs_source(args.pairs))
+        del pairs["--n-pairs"]
     if args.prompt_format:
         pairs["--prompt-format"] = (done.get("prompt_format"), args.prompt_format)
     changed = [f"{flag} {then} (this command: {now})" for flag, (then, now) in pairs.items()
@@ -75,32 +127,67 @@ def refuse_other_finished_run(out: Any, args: Any) -> None:
                          f"finished run's arguments")
 
 
+def prediction_lines(check: dict[str, Any] | None) -> str:
+    """The clean-prediction rate, and a warning naming the pairs whose clean prediction is not a."""
+    if not check:
+        return ""
+    line = f"  the model's clean prediction is a on {check['clean_is_a']}/{check['n']} pairs"
+    if check["counterfactual_checked"]:
+        line += (f"; on the counterfactual input its own answer on {check['counterfactual_is_own']}/"
+                 f"{check['counterfactual_checked']}")
+    line += "\n"
+    failing = check["failing"]
+    if failing:
+        named = ", ".join(f"{f['id']} ({f['expected']!r} expected, {f['predicted']!r} predicted)" for f in failing)
+        more = check["n"] - check["clean_is_a"] - len(failing)
+        line += (f"  warning: not a on {named}{f' and {more} more' if more > 0 else ''}: check those answers' "
+                 f"spelling and the prompt")
+        if check["clean_rate"] < 0.5:
+            line += "; on most pairs the scores compare answers the model does not give"
+        line += "\n"
+    return line
+
+
+def pairs_source(path: Any) -> str:
+    """The pairs file a --pairs argument names, resolved (what the summary records)."""
+    from ...stimuli.pairs import PAIRS_FILE
+
+    path = Path(path)
+    return str((path / PAIRS_FILE if path.is_dir() else path).resolve())
+
+
 def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    user_pairs = check_pairs_arguments(args)
     from ...analysis import sweeps
     from ...analysis.evaluation import training_defaults
-    from ...analysis.mediation import answer_casing, locate
+    from ...analysis.mediation import answer_casing, locate, prediction_check
     from ...analysis.traces import point_swap_pairs
     from ...engine import parallel
     from ...stimuli import scene_pairs
 
     method_kwargs: dict[str, Any] = {"steps": args.ig_steps} if args.method == "integrated_gradients" else {}
-    out = out_dir(args, "locate", args.condition)
+    out = (out_dir(args, "locate", args.condition) if user_pairs is None
+           else out_dir(args, "locate", Path(pairs_source(args.pairs)).parent.name, args.condition))
     checkpoint = out / CHECKPOINT
     if args.resume:
         refuse_other_finished_run(out, args)
     world = parallel.world_size(args.processes)
-    if args.n_pairs < world:
-        raise InputError(f"--n-pairs {args.n_pairs} cannot be shared by {world} processes; pass --processes "
-                         f"{args.n_pairs} or more pairs")
+    n_pairs = len(user_pairs) if user_pairs is not None else args.n_pairs
+    if n_pairs < world:
+        what = f"the {n_pairs} pairs of {args.pairs}" if user_pairs is not None else f"--n-pairs {n_pairs}"
+        raise InputError(f"{what} cannot be shared by {world} processes; pass --processes {n_pairs} or fewer")
     with model_session(args, command, out, sweep="locate", checkpoint=checkpoint) as (group, vlm):
         if args.condition != "attention_swap":
             method_kwargs["prompt_format"] = vlm.prompt_format(args.prompt_format)
-        if args.condition == "attention_swap":
+        if user_pairs is not None:
+            pairs = user_pairs
+        elif args.condition == "attention_swap":
             extra = {"objects": args.objects} if args.objects else {}
-            pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task, **extra)
+            pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task or "count", **extra)
         else:
-            kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3, "entropy": args.entropy})
+            kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3,
+                                                      "entropy": args.entropy or "high"})
             pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
         if group.world == 1:
             scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
@@ -112,6 +199,9 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
                 return rank_done(group, out)
         if args.condition != "attention_swap":
             scores.answer_casing = answer_casing(vlm, pairs, method_kwargs["prompt_format"])
+            scores.predictions = prediction_check(vlm, pairs, method_kwargs["prompt_format"])
+        if user_pairs is not None:
+            scores.pairs_file = pairs_source(args.pairs)
     scores.save(out)
     parallel.remove_parts(out, "locate")
     summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
@@ -126,6 +216,7 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
         note = (f"  note: on {casing['capitalised_preferred']}/{casing['n']} clean prompts the model prefers the "
                 f"capitalised answer token (mean gap {casing['mean_logit_gap']:+.2f}); the scores use the lower-case "
                 f"tokens\n")
+    note += prediction_lines(scores.predictions)
     text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}, {scores.prompt_format} prompts: "
             f"{scores.seconds:.1f} s\n"
             f"  top heads (mean [95% interval], * significant): {top}\n  {significance}\n{note}  wrote {out}/scores.csv, heatmap.html, summary.json")

@@ -17,7 +17,8 @@ HELP_ORDER = 30
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
-        "stimuli", parents=[common], help="generate a synthetic data set (images, meta.jsonl, dataset.json)",
+        "stimuli", parents=[common],
+        help="generate a synthetic data set (images, meta.jsonl or pairs.jsonl, dataset.json)",
         description="Generate one of the papers' synthetic data sets, deterministic from the seed.",
     )
     p.add_argument("task", choices=sorted(TASKS), help="which data set")
@@ -25,7 +26,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int_at_least(0, "--seed 0"), default=0,
                    help="stimulus seed (same seed, byte-identical files)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--pairs", choices=PAIR_CONDITIONS, help="scene only: counterfactual pairs for this condition")
+    p.add_argument("--pairs", choices=PAIR_CONDITIONS,
+                   help="scene only: counterfactual pairs for this condition, written as pairs.jsonl (the folder "
+                        "`vlmbind locate --pairs` reads)")
     p.add_argument("--objects", type=parse_range, help="objects per image: N or LOW-HIGH")
     p.add_argument("--entropy", choices=("high", "low"), help="scene: distinct features or shared features")
     p.add_argument("--kind", choices=("disjunctive", "conjunctive"), help="search: the display type")

@@ -28,12 +28,18 @@ def add_parser(sub: Any, common: Any) -> None:
                                          "(e.g. organism-vsm, to validate organism-vsm-natural against them)")
     ref.add_argument("--heads", action="append", metavar="CONDITION=L.H,...",
                      help="reference heads of one condition, e.g. id_selection=3.1 (repeatable)")
-    p.add_argument("--n-pairs", type=int_at_least(1, "16"), default=16, help="pairs per condition (default 16)")
-    p.add_argument("--seed", type=int, default=1000, help="stimulus seed (default 1000, away from training's)")
+    p.add_argument("--pairs", metavar="PATH",
+                   help="your own counterfactual pairs (a folder holding pairs.jsonl, or the file) instead of fresh "
+                        "scene pairs; --heads names the heads of their condition; the ablation is scored on their "
+                        "clean inputs, and the position-ID edit and probes (vlmbind's scenes only) are skipped")
+    p.add_argument("--condition", default=None, help="with --pairs: which of the file's conditions (default: its only "
+                                                     "one)")
+    p.add_argument("--n-pairs", type=int_at_least(1, "16"), default=None, help="pairs per condition (default 16)")
+    p.add_argument("--seed", type=int, default=None, help="stimulus seed (default 1000, away from training's)")
     p.add_argument("--objects", type=int_at_least(2, "3"),
                    help="objects per scene (default: the count the planting held out, else 3)")
-    p.add_argument("--entropy", choices=("high", "low"), default="high",
-                   help="scenes of distinct features (high) or shared ones (low)")
+    p.add_argument("--entropy", choices=("high", "low"), default=None,
+                   help="scenes of distinct features (high, the default) or shared ones (low)")
     p.add_argument("--methods", default=",".join(VALIDATION_METHODS),
                    help=f"mediation methods, comma-separated (default {','.join(VALIDATION_METHODS)})")
     p.add_argument("--naive-heads", type=int_at_least(1, "6"), default=6,
@@ -41,18 +47,18 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--ig-steps", type=int_at_least(1, "8"), default=IG_STEPS,
                    help=f"integrated-gradients path points (default {IG_STEPS})")
     p.add_argument("--modes", default=",".join(MODES), help=f"ablation modes (default {','.join(MODES)})")
-    p.add_argument("--n-eval", type=int_at_least(1, "64"), default=64,
+    p.add_argument("--n-eval", type=int_at_least(1, "64"), default=None,
                    help="scenes the ablation and the edit are scored on (default 64)")
     p.add_argument("--ablation-seeds", type=int_at_least(1, "5"), default=5,
                    help="random-k draws from the heads outside the top-k (default 5)")
-    p.add_argument("--alpha", default=",".join(str(a) for a in DEFAULT_ALPHAS),
+    p.add_argument("--alpha", default=None,
                    help="position-ID edit scales (default " + ",".join(str(a) for a in DEFAULT_ALPHAS) + ")")
-    p.add_argument("--n-estimate", type=int_at_least(1, "2048"), default=2048,
+    p.add_argument("--n-estimate", type=int_at_least(1, "2048"), default=None,
                    help="scenes the position IDs are estimated from (default 2048)")
-    p.add_argument("--edit-positions", choices=EDIT_POSITIONS, default="answer",
+    p.add_argument("--edit-positions", choices=EDIT_POSITIONS, default=None,
                    help="where the position-ID edit is added: the prompt's last position, or also every answer "
                         "position (default: answer; the planted ID is read at both)")
-    p.add_argument("--n-probe", type=int_at_least(16, "512"), default=512,
+    p.add_argument("--n-probe", type=int_at_least(16, "512"), default=None,
                    help="scenes for the probes and PCA, a quarter held out (default 512)")
     p.add_argument("--out", default=None, help="output directory (default runs/validate/<model>)")
     p.set_defaults(func=cmd_validate)
@@ -77,8 +83,43 @@ def _floats(text: str, what: str) -> list[float]:
         raise InputError(f"{what} {text!r} must be comma-separated numbers, e.g. 1,2,4") from None
 
 
+# the options of fresh scene stimuli and their defaults (a pairs file brings its own pairs)
+SCENE_OPTIONS = {"n_pairs": 16, "seed": 1000, "objects": None, "entropy": "high", "n_eval": 64,
+                 "alpha": ",".join(str(a) for a in DEFAULT_ALPHAS), "n_estimate": 2048, "edit_positions": "answer",
+                 "n_probe": 512}
+
+
+def user_pairs(args: Any) -> Any:
+    """``--pairs``, read and checked before the model loads (None without it; the scene options' defaults are then
+    filled in).
+
+    Raises:
+        InputError: a scene option or no --heads with --pairs; --condition without --pairs; a pairs file that does
+            not validate.
+    """
+    given = [name for name in SCENE_OPTIONS if getattr(args, name) is not None]
+    for name, default in SCENE_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.pairs is None:
+        if args.condition is not None:
+            raise InputError("--condition chooses among the conditions of a --pairs file; without --pairs, validate "
+                             "runs every scene condition")
+        return None
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise InputError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply with --pairs (they shape "
+                         "vlmbind's scenes); drop them")
+    if not args.heads:
+        raise InputError("--pairs needs --heads CONDITION=L.H,... : the heads to score the methods against")
+    from ...stimuli.pairs import load_pairs
+
+    return load_pairs(args.pairs, args.condition)
+
+
 def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    pairs = user_pairs(args)
     from ...analysis.validate import recorded_planted, validate
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -89,13 +130,13 @@ def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, in
         reference, source = recorded_planted(args.reference), args.reference
     elif args.heads:
         reference, source = _given_heads(args.heads), "--heads"
-    out = out_dir(args, "validate")
+    out = out_dir(args, "validate") if pairs is None else out_dir(args, "validate", pairs.condition)
     vlm = load_model(args)
     result = validate(vlm, reference=reference, reference_source=source, n_pairs=args.n_pairs, seed=args.seed,
                       n_objects=args.objects, entropy=args.entropy, methods=methods, naive_heads=args.naive_heads,
                       ig_steps=args.ig_steps, modes=modes, n_eval=args.n_eval, ablation_seeds=args.ablation_seeds,
                       alphas=alphas, n_estimate=args.n_estimate, n_probe=args.n_probe,
-                      edit_positions=args.edit_positions, progress=not args.json)
+                      edit_positions=args.edit_positions, progress=not args.json, pairs=pairs)
     result.save(out)
     summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
                "out": str(out), "command": " ".join(command)}
@@ -107,9 +148,13 @@ def _number(value: Any, fmt: str = ".3f") -> str:
 
 
 def render_text(result: Any, out: Any) -> str:
-    lines = [f"{result.model}: methods against {'reference heads (' + result.reference + ')' if result.reference else 'no reference heads'}"
-             f", {result.params['n_pairs']} pairs per condition, {result.params['n_objects']} objects, seed "
-             f"{result.params['seed']}"]
+    against = f"reference heads ({result.reference})" if result.reference else "no reference heads"
+    if "pairs" in result.params:
+        stimuli = f"{result.params['n_pairs']} pairs of {result.params['pairs']}"
+    else:
+        stimuli = (f"{result.params['n_pairs']} pairs per condition, {result.params['n_objects']} objects, seed "
+                   f"{result.params['seed']}")
+    lines = [f"{result.model}: methods against {against}, {stimuli}"]
     lines.append(f"  {'condition':<18}{'method':<22}{'heads':<10}{'ranks':<10}{'recall@k':>9}{'AUROC':>8}"
                  f"{'ratio':>8}{'seconds':>9}  top heads")
     for r in result.methods:
@@ -133,5 +178,7 @@ def render_text(result: Any, out: Any) -> str:
     for r in result.probes:
         lines.append(f"  probe {r['head']} -> {r['target']}: {r['accuracy']:.3f} held out (chance {r['chance']:.3f}, "
                      f"n={r['n_test']})")
+    for what, why in result.skipped.items():
+        lines.append(f"  {what} not run: {why}")
     lines.append(f"  wrote {out}/validation.json, methods.csv, validation.html")
     return "\n".join(lines)
