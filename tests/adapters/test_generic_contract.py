@@ -132,3 +132,16 @@ def test_roles_cover_every_position(tiny, scene):
             if expected is not None:
                 assert set(cells.tolist()) == set(expected.tolist())
         assert ti.roles[ti.last_position] != "pad"
+
+
+def test_every_family_declares_the_image_size_its_checkpoints_are_fed(tiny):
+    """``typical_image_size`` (the size vlmbind draws a checkpoint's stimuli at) is declared by every family, on the
+    class, and its tiny model's processor turns an image of that size into the image tokens of a batch."""
+    from vlmbind.adapters import ADAPTERS
+
+    # the base class only annotates it: a family without the declaration raises AttributeError here
+    assert all(isinstance(cls.typical_image_size, int) for cls in ADAPTERS.values())
+    size = tiny.adapter.typical_image_size
+    assert 112 <= size <= 1024
+    batch = tiny.prepare(draw_scene(0, (size, size)), PROMPT)
+    assert batch.index[0].image_positions.size > 0 or not tiny.adapter.image_tokens_in_sequence

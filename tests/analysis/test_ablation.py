@@ -110,7 +110,8 @@ def test_ablate_command(tmp_path, capsys):
     assert main(["ablate", "--model", "tiny-qwen2_5_vl", "--task", "query", "--scores", str(loc / "scores.csv"),
                  "--top-k", "2", "--seeds", "2", "--n", "4", "--out", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert [a["arm"] for a in summary["arms"]] == ["clean", "top", "random", "random", "bottom"]
+    assert [a["arm"] for a in summary["arms"]] == ["clean", "top", "random", "random", "random_same_layers",
+                                                   "random_same_layers", "bottom"]
     assert json.loads((out / "results.json").read_text())["k"] == 2
     assert main(["ablate", "--model", "tiny-qwen2_5_vl", "--task", "query", "--heads", "1.2,9.9", "--n", "2",
                  "--out", str(out)]) == 2
@@ -230,6 +231,48 @@ def test_more_random_pools_share_one_study():
     assert both.random_seeds() == rest.random_seeds()  # the main random arm is untouched
     with pytest.raises(vb.InputError, match="random_from must be one of"):
         ablation_study(vlm, ds, scores, k=2, mode="zero", also_random_from=("layers",))
+
+
+def test_every_random_arm_is_reported_with_its_interval(tmp_path):
+    """A ``random_<pool>`` arm gets what the ``random`` arm gets: its mean and t-interval over seeds (equal to the
+    main arm of a study of that pool alone), its accuracy in the summary, a line of seeds in the text, its mean
+    across its bars in the figure, and a results.json that loads and saves back byte for byte."""
+    ds = S.binding_query(6, 0)
+    vlm = HeadSensitiveVLM()
+    vlm.answers = {id(e.image): e.answer for e in ds}
+    others = [(l, h) for l in range(4) for h in range(4) if (l, h) not in CRITICAL]
+    scores = _scores([(1, 2), (3, 0), *others])
+    both = ablation_study(vlm, ds, scores, k=2, mode="zero", seeds=(0, 1, 2), also_random_from=("same_layers",))
+    alone = ablation_study(vlm, ds, scores, k=2, mode="zero", seeds=(0, 1, 2), random_from="same_layers")
+    assert both.random_arms() == ["random", "random_same_layers"]
+    assert both.intervals()["random_same_layers"] == alone.intervals()["random"]
+    assert both.summary()["accuracy"]["random_same_layers"] == alone.accuracy("random")
+    line = next(x for x in both.text().splitlines() if x.startswith("random_same_layers"))
+    seeds = ", ".join(f"seed {a['seed']} {a['accuracy']:.3f}" for a in alone.random_seeds())
+    assert line == f"random_same_layers (from the top-k's layers): {seeds}"
+    iv = both.intervals()["random_same_layers"]
+    assert f"random_same_layers {iv['accuracy']:.3f} [{iv['low']:.2f}, {iv['high']:.2f}] over 3 seeds" in both.text()
+    assert [t.name.split(" mean")[0] for t in both.figure().data[1:]] == ["random", "random_same_layers"]
+    both.save(tmp_path)
+    before = (tmp_path / "results.json").read_bytes()
+    vb.analysis.ablation.AblationResult.load(tmp_path).save(tmp_path)
+    assert (tmp_path / "results.json").read_bytes() == before
+
+
+def test_same_layers_short_of_heads_is_refused_before_any_arm_runs(monkeypatch):
+    """Three top heads in a four-head layer leave one to match them: ``same_layers`` (as the main pool or an extra
+    one) is refused before anything is evaluated; two top heads there can be matched."""
+    from vlmbind.analysis import ablation
+
+    assert ablation.layers_short_of_heads([(2, 0), (2, 1), (2, 2), (3, 0)], 4) == [2]
+    assert ablation.layers_short_of_heads([(2, 0), (2, 1), (3, 0)], 4) == []
+    monkeypatch.setattr(ablation, "evaluate", lambda *a, **k: pytest.fail("an arm was evaluated"))
+    ds = S.binding_query(2, 0)
+    others = [(l, h) for l in range(4) for h in range(4) if l != 2]
+    scores = _scores([(2, 0), (2, 1), (2, 2), (2, 3), *others])
+    for pools in ({"random_from": "same_layers"}, {"also_random_from": ("same_layers",)}):
+        with pytest.raises(vb.InputError, match="layer 2 has no head outside the top-k left"):
+            ablation_study(HeadSensitiveVLM(), ds, scores, k=3, mode="zero", **pools)
 
 
 def _heads(arm):

@@ -16,6 +16,7 @@ from vlmbind.analysis import edits
 from vlmbind.analysis.edits import edit_study, entropy_repair
 from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.analysis.position_ids import check_alphas, estimate_position_ids
+from vlmbind.core.errors import TooFewEstimatesError
 from vlmbind.engine.decoding import greedy_decode
 from vlmbind.engine.interventions import AddToHeadRows
 
@@ -413,3 +414,46 @@ def test_edits_go_where_validate_puts_them_unless_told(organism_p2a):
     result = edit_study(organism_p2a, "2.1", [1.0], n_estimate=32, n_eval=4, seed=0, min_count=1)
     assert result.positions == "answer" and result.summary()["positions"] == "answer"
 
+
+
+def test_the_scene_check_finds_the_cells_the_estimate_finds(organism_p2a):
+    """``estimated_cells`` reads from the scenes alone the cells ``estimate_position_ids`` estimates from the model's
+    outputs, which is what lets ``check_estimates`` refuse a too-small n_estimate before any forward pass."""
+    from vlmbind.analysis.position_ids import estimated_cells
+
+    examples = _scenes(organism_p2a, 40, 5)
+    for min_count in (1, 2, 3):
+        try:
+            ids = estimate_position_ids(organism_p2a, examples, [(3, 1)], min_count=min_count)
+        except TooFewEstimatesError:
+            assert estimated_cells(examples, min_count) == set()
+        else:
+            assert estimated_cells(examples, min_count) == set(ids.cells) != set()
+
+
+@pytest.mark.parametrize("repair", [False, True])
+def test_edit_with_too_few_estimation_scenes_names_n_estimate_and_a_number_that_works(tmp_path, capsys, repair):
+    """`vlmbind edit --n-estimate 4` on organism-vsm: exit 2 before any forward pass, one line naming --n-estimate
+    and the number to rerun with; the scenes of that number leave examples to edit (and, with --repair, to
+    repair), and those of the number before it in the doubling do not."""
+    import re
+
+    from helpers import shared_organism
+
+    from vlmbind.analysis.edits import check_estimates
+    from vlmbind.cli import main
+
+    out = tmp_path / "edit"
+    extra = ["--repair"] if repair else []
+    assert main(["edit", "--model", "organism-vsm", "--heads", "2.3,3.1", "--alpha", "0,2", "--n-estimate", "4",
+                 "--n-eval", "4", *extra, "--out", str(out)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("vlmbind: error: --n-estimate 4 is too few: ") and not out.exists()
+    enough = int(re.search(r"rerun with --n-estimate (\d+) ", line).group(1))
+    assert enough > 4
+    studies = ("edit", "repair") if repair else ("edit",)
+    vlm = shared_organism("organism-vsm")
+    check_estimates(vlm, n_estimate=enough, n_eval=4, studies=studies)  # the fix works
+    with pytest.raises(TooFewEstimatesError) as before:
+        check_estimates(vlm, n_estimate=enough // 2, n_eval=4, studies=studies)
+    assert before.value.enough == enough

@@ -115,3 +115,45 @@ def test_eval_search_on_an_organism_follows_its_training_object_range(tmp_path, 
     # P2A points of a model vlmbind trained are canvas cells, recorded beside the answer
     pointed = [r for r in records if r["points_raw"]]
     assert pointed and all(r["point_frame"] == "canvas" and r["points"] == r["points_raw"] for r in pointed)
+
+
+def test_a_checkpoint_of_a_family_gets_stimuli_at_its_family_size():
+    """A Qwen2.5-VL whose processor keeps the checkpoints' pixel bounds sees its stimuli at the family's size, with
+    the image tokens its processor gives that size: a 448 px square inside the bounds, in tokens of patch x merge."""
+    from vlmbind.analysis.evaluation import stimulus_defaults
+    from vlmbind.engine.vlm import VLM
+    from vlmbind.stimuli import scene_pairs
+    from vlmbind.tiny.qwen import build_qwen_vl
+
+    model, processor = build_qwen_vl("qwen2_5_vl", 0, processor_defaults=True)
+    vlm = VLM(model, processor, name="qwen2_5_vl-processor-defaults", source="test")
+    pixels = processor.image_processor
+    bounds, token = pixels.size, pixels.patch_size * pixels.merge_size
+
+    def image_tokens(image_size):
+        kwargs, canvas = stimulus_defaults(vlm, "scene", {"n_objects": 3}, image_size)
+        clean = scene_pairs(1, "id_retrieval", 0, **kwargs)[0].clean
+        assert clean.image.size == (canvas["image_size"],) * 2
+        return canvas, len(vlm.prepare(clean.image, clean.prompt).index[0].image_positions)
+
+    canvas, tokens = image_tokens(None)
+    assert canvas == {"image_size": 448, "grid": [3, 3], "image_size_from": "family default"}
+    assert 448 % token == 0 and bounds.shortest_edge <= 448 * 448 <= bounds.longest_edge
+    assert tokens == (448 // token) ** 2
+    # the size vlmbind drew at before: a quarter of the tokens
+    canvas, tokens = image_tokens(224)
+    assert canvas["image_size_from"] == "--image-size" and tokens == (224 // token) ** 2
+
+
+def test_an_organism_keeps_its_training_canvas_unless_told_otherwise():
+    from vlmbind.analysis.evaluation import stimulus_defaults, training_defaults
+
+    vlm = shared_organism("organism-p2a")
+    kwargs, canvas = stimulus_defaults(vlm, "scene", {"n_objects": 3})
+    assert kwargs == training_defaults(vlm, "scene", {"n_objects": 3})
+    assert canvas == {"image_size": 168, "grid": [vlm.training["grid"]] * 2, "image_size_from": "training record"}
+    kwargs, canvas = stimulus_defaults(vlm, "count", {}, 336)
+    assert kwargs["canvas"].image_size == 336 and kwargs["regime"] == vlm.training["regime"]
+    assert canvas["image_size_from"] == "--image-size"
+    # a task drawn on no canvas of vlmbind's has none to size
+    assert stimulus_defaults(get_tiny("tiny-qwen2_5_vl"), "colorshape", {}) == ({}, None)

@@ -195,7 +195,7 @@ def test_head_uncertainty_matches_scipy_and_a_plain_bootstrap():
 
 def test_rankings_say_which_heads_are_significant_and_when_none_is(tmp_path):
     rng = np.random.default_rng(0)
-    half = rng.normal(size=(2, 2, 3)) * 0.01
+    half = rng.normal(size=(4, 2, 3)) * 0.01  # 8 pairs: enough that "not evidence" is the data's verdict
     noise = HeadScores("id_selection", "exact", "m", np.concatenate([half, -half]))  # every mean exactly 0
     assert noise.significant_top() == [] and "not evidence" in noise.significance_note()
     assert "significance_note" in noise.summary() and noise.summary()["significant_heads"] == []
@@ -287,3 +287,154 @@ def test_tied_zero_variance_heads_are_reported_as_ties_and_never_significant():
     per_pair[:, 1, 2] += rng.normal(0, 1e-3, 12)  # no longer tied, no longer constant: ordinary evidence again
     varied = HeadScores("id_selection", "exact", "m", per_pair)
     assert varied.ties(5) == [] and "tied_top_heads" not in varied.summary() and varied.significant_top() == [(1, 2)]
+
+
+def _one_strong_head(n_pairs: int, shift: float = 10.0, seed: int = 0) -> np.ndarray:
+    """``n_pairs`` pairs of small noise on 2 x 3 heads, and head 1.2 moving the logit by about ``shift`` on every
+    pair (a large, consistent effect: the t-test's p is tiny at any n)."""
+    rng = np.random.default_rng(seed)
+    per_pair = rng.normal(0, 0.01, (n_pairs, 2, 3))
+    per_pair[:, 1, 2] += shift + rng.normal(0, 0.1, n_pairs)
+    return per_pair
+
+
+def _exact_sign_flip_p(values: np.ndarray) -> float:
+    """Two-sided exact sign-flip p of the mean of ``values``: the share of the 2**n sign patterns whose |mean| is at
+    least the observed one."""
+    import itertools
+
+    observed = abs(values.mean())
+    flips = [abs((values * np.array(signs)).mean()) >= observed - 1e-12
+             for signs in itertools.product((1, -1), repeat=len(values))]
+    return sum(flips) / len(flips)
+
+
+def test_the_fewest_pairs_for_significance_is_where_an_exact_sign_flip_test_can_reach_p_below_the_level():
+    from vlmbind.analysis.mediation import MIN_PAIRS_FOR_SIGNIFICANCE, SIGNIFICANCE
+
+    expected = min(n for n in range(1, 64) if 2 / 2**n < SIGNIFICANCE)
+    assert MIN_PAIRS_FOR_SIGNIFICANCE == expected == 6
+    # the smallest p the exact test gives (every pair's sign agreeing) is 2 / 2**n: 0.0625 at 5 pairs, 0.03125 at 6
+    assert _exact_sign_flip_p(np.arange(1.0, 6.0)) == 2 / 2**5 >= SIGNIFICANCE
+    assert _exact_sign_flip_p(np.arange(1.0, 7.0)) == 2 / 2**6 < SIGNIFICANCE
+
+
+def test_no_head_is_significant_on_fewer_pairs_than_the_test_can_support(tmp_path):
+    """Five pairs of a large, consistent effect: the t-test's p and the BH q are tiny, but no head is called
+    significant and the note names the six pairs needed; with six such pairs the head is significant."""
+    five = HeadScores("id_selection", "exact", "m", _one_strong_head(5))
+    u = five.uncertainty()
+    assert u["p_value"][1, 2] < 1e-6 and u["q_value"][1, 2] < 0.05  # p and q are what they are ...
+    assert not u["significant"].any() and five.significant_top() == []  # ... but nothing is called significant
+    note = five.significance_note()
+    assert note == ("5 pairs: too few to call any head significant (at least 6 are needed: with n pairs an exact "
+                    "sign-flip test cannot reach p < 0.05 below 6); rerun with --n-pairs 6 or more")
+    assert five.significance_text() == note and five.summary()["significance_note"] == note
+    assert five.summary()["significant_heads"] == []
+    frame = five.to_frame()
+    assert not frame["significant"].any() and frame["q_value"].min() < 0.05
+    assert "*" not in five.ranking_text(3)
+
+    six = HeadScores("id_selection", "exact", "m", _one_strong_head(6))
+    assert six.significant_top() == [(1, 2)] and six.significance_note() is None
+    assert six.significance_text() == "significant (BH q < 0.05, sign of the mean): +1.2"
+
+    # a table saved by a version without the minimum (significant on 5 pairs) is not believed when loaded
+    five.save(tmp_path)
+    table = (tmp_path / "scores.csv").read_text()
+    (tmp_path / "scores.csv").write_text(table.replace(",False", ",True"))
+    loaded = HeadScores.load(tmp_path)
+    assert loaded.n == 5 and loaded.table["significant"].all() and loaded.significant_top() == []
+    assert loaded.significance_note() == note
+
+    from_file = HeadScores("id_selection", "exact", "m", _one_strong_head(3), pairs_file="/data/pairs.jsonl")
+    assert from_file.significance_note().startswith("3 pairs: too few")
+    assert from_file.significance_note().endswith("; add pairs to /data/pairs.jsonl (6 or more)")
+
+
+def test_significant_heads_are_listed_with_the_sign_of_their_mean():
+    per_pair = _one_strong_head(8)
+    per_pair[:, 0, 1] -= 3.0 + np.random.default_rng(1).normal(0, 0.1, 8)  # a head that pushes the other way
+    scores = HeadScores("id_selection", "exact", "m", per_pair)
+    assert scores.significant_top() == [(1, 2), (0, 1)] and scores.scores[0, 1] < 0
+    assert scores.significance_text() == "significant (BH q < 0.05, sign of the mean): +1.2, -0.1"
+    assert scores.significance_text(1) == "significant (BH q < 0.05, sign of the mean): +1.2 and 1 more"
+    estimate = HeadScores("id_selection", "integrated_gradients", "m", per_pair)
+    assert estimate.significance_text().startswith("significant by the ig estimate (BH q < 0.05, sign of the mean)")
+
+
+def test_an_estimates_ranking_shows_each_head_beside_its_exact_score_ranked_by_the_exact_score(tmp_path):
+    """Head 1.2 has the largest estimate but a small exact score, head 0.1 the reverse: the ranking lists 0.1 first,
+    each with its estimate and exact mean and interval as the summary and the saved table hold them, and the
+    unverified heads after, with no exact score."""
+    rng = np.random.default_rng(0)
+    per_pair = rng.normal(0, 0.01, (8, 2, 3))
+    per_pair[:, 1, 2] += 5.0
+    per_pair[:, 0, 1] += 1.0
+    verified = np.full(per_pair.shape, np.nan)
+    verified[:, 1, 2] = 0.5 + rng.normal(0, 0.1, 8)
+    verified[:, 0, 1] = 18.0 + rng.normal(0, 1.0, 8)
+    scores = HeadScores("id_selection", "integrated_gradients", "m", per_pair, verified=verified)
+    text = scores.ranking_text(3)
+    u, summary = scores.uncertainty(), scores.summary()
+    entries = {e["head"]: e for e in summary["verified"]}
+    shown = []
+    for head in ("0.1", "1.2"):
+        l, h = map(int, head.split("."))
+        e = entries[head]
+        low, high = e["exact_ci"]
+        assert low < e["exact"] < high
+        shown.append(f"{head}{'*' if u['significant'][l, h] else ''} (ig {e['integrated_gradients']:+.3f} "
+                     f"[{u['ci_low'][l, h]:+.3f}, {u['ci_high'][l, h]:+.3f}], exact {e['exact']:+.3f} "
+                     f"[{low:+.3f}, {high:+.3f}])")
+    assert text.startswith(", ".join(shown) + ", ")  # by exact score: 0.1 first though 1.2's estimate is larger
+    third = scores.top(3)[2]
+    assert text.endswith(f"{third[0]}.{third[1]} (ig {scores.scores[third]:+.3f} [{u['ci_low'][third]:+.3f}, "
+                         f"{u['ci_high'][third]:+.3f}], exact not verified)")
+    assert "exact mean" in scores.ranking_legend() and "ig estimate" in scores.ranking_legend()
+    # the numbers shown are the saved ones
+    scores.save(tmp_path)
+    loaded = HeadScores.load(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["verified"] == json.loads(json.dumps(
+        summary["verified"]))
+    assert loaded.ranking_text(3) == text
+    # an exact method's ranking is unchanged: mean and interval only
+    plain = HeadScores("id_selection", "exact", "m", per_pair)
+    assert "exact" not in plain.ranking_text(3) and plain.ranking_legend() == "mean [95% interval], * significant"
+
+
+def test_locate_prints_an_estimate_beside_its_exact_score_as_saved(tmp_path, capsys):
+    """`vlmbind locate --method integrated_gradients --verify-top 4` on organism-vsm (planted heads 2.3 and 3.1):
+    the printed text holds, for each planted head, the estimate and the exact score with its interval exactly as
+    summary.json's `verified` entries hold them, and the verified heads in order of their exact scores."""
+    import re
+
+    from vlmbind.cli import main
+
+    out = tmp_path / "ig"
+    assert main(["locate", "--model", "organism-vsm", "--condition", "id_selection", "--method",
+                 "integrated_gradients", "--n-pairs", "8", "--verify-top", "4", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    frame = __import__("pandas").read_csv(out / "scores.csv")
+    entries = {e["head"]: e for e in summary["verified"]}
+    assert {"2.3", "3.1"} <= set(entries)
+    for head in ("2.3", "3.1"):
+        e = entries[head]
+        low, high = e["exact_ci"]
+        pattern = (rf"\b{re.escape(head)}\*? \(ig {re.escape(format(e['integrated_gradients'], '+.3f'))} "
+                   rf"\[[^]]+\], exact {re.escape(format(e['exact'], '+.3f'))} "
+                   rf"\[{re.escape(format(low, '+.3f'))}, {re.escape(format(high, '+.3f'))}\]\)")
+        assert re.search(pattern, text), (head, text)
+    others = [e["exact"] for head, e in entries.items() if head not in ("2.3", "3.1")]
+    assert min(entries["2.3"]["exact"], entries["3.1"]["exact"]) > max(others)  # the planted heads lead
+    by_exact = sorted(entries, key=lambda head: -entries[head]["exact"])
+    positions = [text.index(f" {head}") for head in by_exact]
+    assert positions == sorted(positions), text
+    significance = text.splitlines()[2]
+    for head in summary["significant_heads"]:
+        l, h = map(int, head.split("."))
+        score = frame.loc[(frame["layer"] == l) & (frame["head"] == h), "score"].item()
+        assert f"{'-' if score < 0 else '+'}{head}" in significance
+    if not summary["significant_heads"]:
+        assert significance.strip() == summary["significance_note"]

@@ -569,3 +569,53 @@ def test_ablate_chooses_a_mode_that_can_remove_the_located_heads(tmp_path, monke
     assert cli.main([*base, "--mode", "image_attention", "--out", "explicit"]) == 0
     noted = "cannot remove them" in capsys.readouterr().out
     assert noted == (condition in ("id_selection", "id_retrieval"))
+
+
+def test_ablate_reports_random_arms_from_outside_the_top_k_and_from_its_layers(tmp_path, capsys):
+    """By default ablate draws random-k twice on the same seeds: from the heads outside the top-k (``random``) and,
+    per top-k head, another head of its layer (``random_same_layers``), each printed with its mean and interval;
+    ``--random-from all`` runs the one arm; an unknown pool is refused naming --random-from. Where a layer holds too
+    many top-k heads, the default leaves the same-layer arm out with a note, and asking for it is refused."""
+    base = ["ablate", "--model", "organism-vsm", "--task", "scene", "--n", "32", "--seeds", "2"]
+    assert cli.main([*base, "--heads", "2.3,3.1", "--out", str(tmp_path / "both")]) == 0
+    text = capsys.readouterr().out
+    results = json.loads((tmp_path / "both" / "results.json").read_text())
+    arms = results["arms"]
+    assert [a["arm"] for a in arms] == ["clean", "top", "random", "random", "random_same_layers",
+                                        "random_same_layers", "bottom"]
+    top = {"2.3", "3.1"}
+    assert [a["heads"] for a in arms if a["arm"] == "top"] == [["2.3", "3.1"]]
+    for a in arms:
+        if a["arm"] == "random":
+            assert len(a["heads"]) == 2 and not set(a["heads"]) & top, a
+        if a["arm"] == "random_same_layers":
+            assert [h.split(".")[0] for h in a["heads"]] == ["2", "3"] and not set(a["heads"]) & top, a
+    for arm in ("random", "random_same_layers"):
+        iv = results["intervals"][arm]
+        assert iv["seeds"] == 2 and results["accuracy"][arm] == iv["accuracy"]
+        assert iv["accuracy"] == np.mean([a["accuracy"] for a in arms if a["arm"] == arm])
+        assert f"{arm} {iv['accuracy']:.3f} [{iv['low']:.2f}, {iv['high']:.2f}] over 2 seeds" in text
+    assert "random-k (outside the top-k): seed 0" in text and "random_same_layers (from the top-k's layers)" in text
+
+    assert cli.main([*base, "--heads", "2.3,3.1", "--random-from", "all", "--out", str(tmp_path / "all")]) == 0
+    capsys.readouterr()
+    alone = json.loads((tmp_path / "all" / "results.json").read_text())
+    assert alone["random_from"] == "all"
+    assert [a["arm"] for a in alone["arms"]] == ["clean", "top", "random", "random", "bottom"]
+
+    assert cli.main([*base, "--heads", "2.3,3.1", "--random-from", "rest,layers", "--out", str(tmp_path / "x")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--random-from 'rest,layers': unknown pool 'layers'" in line and "rest, same_layers" in line
+    assert not (tmp_path / "x").exists()
+
+    # three top heads in one four-head layer leave too few of its heads to match them
+    crowded = [*base[:-4], "--n", "4", "--seeds", "1", "--heads", "2.0,2.1,2.2"]
+    assert cli.main([*crowded, "--out", str(tmp_path / "crowded")]) == 0
+    text = capsys.readouterr().out
+    assert "note: no random arm from the top-k's layers: layer 2 has too few heads" in text
+    assert {a["arm"] for a in json.loads((tmp_path / "crowded" / "results.json").read_text())["arms"]} == {
+        "clean", "top", "random", "bottom"}
+    assert cli.main([*crowded, "--random-from", "rest,same_layers", "--out", str(tmp_path / "y")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--random-from same_layers" in line and "layer 2" in line and "drop same_layers" in line
+    assert not (tmp_path / "y").exists()

@@ -189,6 +189,40 @@ ARGUMENT_ERRORS = {
     "probe --lr": (["probe", "--model", "organism-p2a", "--lr", "0"], "--lr must be positive"),
     "rsa --out": (["rsa", "--model", "organism-p2a", "--out", "{file}"], "is an existing file"),
     "demo --out": (["demo", "--out", "{file}"], "is an existing file"),
+    # ablate: the heads, the random pools and the output folder, before the model loads
+    "ablate --heads": (["ablate", "--model", "organism-p2a", "--task", "scene", "--heads", "1-2"],
+                       "head '1-2' is not LAYER.HEAD"),
+    "ablate --heads repeated": (["ablate", "--model", "organism-p2a", "--task", "scene", "--heads", "1.2,1.2"],
+                                "--heads: heads ['1.2'] are given more than once"),
+    "ablate --random-from": (["ablate", "--model", "organism-p2a", "--task", "scene", "--heads", "1.2",
+                              "--random-from", "rest,nearby"], "--random-from 'rest,nearby': unknown pool 'nearby'"),
+    "ablate --out": (["ablate", "--model", "organism-p2a", "--task", "scene", "--heads", "1.2", "--out", "{file}"],
+                     "is an existing file"),
+    # eval: the task's options, the batches against the ranks, the output folder
+    "eval --entropy on count": (["eval", "--model", "organism-p2a", "--task", "count", "--entropy", "low"],
+                                "--entropy does not apply to task 'count'"),
+    "eval --processes": (["eval", "--model", "organism-p2a", "--task", "scene", "--n", "2", "--batch-size", "2",
+                          "--processes", "2"], "make 1 batches, fewer than --processes 2"),
+    "eval --out": (["eval", "--model", "organism-p2a", "--task", "scene", "--out", "{file}"], "is an existing file"),
+    # validate: the methods, modes, alphas and reference heads' conditions, the output folder
+    "validate --methods": (["validate", "--model", "organism-vsm", "--methods", "exact,magic"],
+                           "--methods ['magic'] are not among"),
+    "validate --methods naive alone": (["validate", "--model", "organism-vsm", "--methods", "naive"],
+                                       "add exact to --methods"),
+    "validate --modes": (["validate", "--model", "organism-vsm", "--modes", "zero,half"],
+                         "--modes ['half'] are not among"),
+    "validate --alpha": (["validate", "--model", "organism-vsm", "--alpha", "1,x"], "--alpha '1,x' must be"),
+    "validate --alpha inf": (["validate", "--model", "organism-vsm", "--alpha", "1,inf"], "alpha inf is not finite"),
+    "validate --heads": (["validate", "--model", "organism-vsm", "--heads", "counting=1.0"],
+                         "reference conditions ['counting'] are not the conditions validated here"),
+    "validate --out": (["validate", "--model", "organism-vsm", "--out", "{file}"], "is an existing file"),
+    # edit: the alphas, the counts, the heads, the output folder (default or given)
+    "edit --alpha": (["edit", "--model", "organism-vsm", "--heads", "2.3", "--alpha", "0,nan"],
+                     "alpha 'nan' is not finite"),
+    "edit --n-estimate": (["edit", "--model", "organism-vsm", "--heads", "2.3", "--n-estimate", "0"],
+                          "--n-estimate must be a positive int, got 0"),
+    "edit --heads": (["edit", "--model", "organism-vsm", "--heads", "2.3,2.3"], "are given more than once"),
+    "edit --out": (["edit", "--model", "organism-vsm", "--heads", "2.3", "--out", "{file}/below"], "is a file"),
 }
 
 
@@ -294,6 +328,7 @@ def test_the_choices_are_the_heavy_modules_constants():
 
     same = {
         "PROMPT_FORMATS": models.PROMPT_FORMATS, "FRAMES": answers.FRAMES, "ABLATION_MODES": ablation.MODES,
+        "ABLATION_RANDOM_POOLS": ablation.RANDOM_POOLS,
         "CONDITIONS": mediation.CONDITIONS, "METHODS": mediation.METHODS, "LOCATE_CHECKPOINT": mediation.CHECKPOINT,
         "IG_STEPS": patching.IG_STEPS, "EVAL_CHECKPOINT": evaluation.CHECKPOINT,
         "VALIDATION_METHODS": validate.VALIDATION_METHODS, "DEFAULT_ALPHAS": validate.DEFAULT_ALPHAS,
@@ -314,6 +349,7 @@ def test_the_choices_are_the_heavy_modules_constants():
     assert choices.WORLD_NAMES == tuple(colorshape.WORLDS)
     assert choices.registered_names() == loading.registered_names()
     assert set(choices.PAIR_CONDITIONS) < set(choices.CONDITIONS)
+    assert validate.SCENE_CONDITIONS == choices.PAIR_CONDITIONS  # what validate --heads is checked against
 
 
 def test_the_parsers_offer_the_choices():

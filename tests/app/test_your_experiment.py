@@ -107,7 +107,7 @@ def test_options_that_do_not_apply_to_a_pairs_file_are_refused(tmp_path, capsys,
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--condition", "colour_swap"], "--condition 'colour_swap' is not built in"),
+    (["--condition", "colour_swap"], "--condition 'colour_swap' is not registered"),
     (["--condition", "id_selecton"], "Did you mean 'id_selection'"),
     ([], "pass --condition"),
     (["--condition", "attention_swap", "--entropy", "low"], "--entropy does not apply to --condition attention_swap"),
@@ -190,7 +190,8 @@ def test_eval_and_ablate_read_a_task_file(tmp_path, capsys, monkeypatch):
     summary = json.loads(capsys.readouterr().out)
     assert summary["task"] == "user" and summary["out"] == "runs/ablate/tiny-qwen2_vl-mine-image_attention-heads"
     arms = json.loads((tmp_path / summary["out"] / "results.json").read_text())["arms"]
-    assert [a["arm"] for a in arms] == ["clean", "top", "random", "random", "bottom"]
+    assert [a["arm"] for a in arms] == ["clean", "top", "random", "random", "random_same_layers",
+                                        "random_same_layers", "bottom"]
     assert arms[1]["heads"] == ["0.1", "1.2"] and all(a["n"] == 3 for a in arms)
 
 
@@ -257,3 +258,52 @@ def test_validate_runs_on_hand_written_pairs(tmp_path, capsys):
     assert main(["validate", "--model", "tiny-qwen2_vl", "--pairs", str(tmp_path / "mine"), "--heads",
                  "id_selection=1.2"]) == 2
     assert "are not the conditions validated here: colour_swap" in capsys.readouterr().err
+
+
+def test_stimuli_outside_an_organisms_training_get_a_one_line_warning(capsys):
+    from helpers import get_tiny, shared_organism
+
+    from vlmbind.analysis.evaluation import outside_training, training_defaults
+    from vlmbind.stimuli import Canvas
+
+    p2a = shared_organism("organism-p2a")
+    assert outside_training(p2a, "count", training_defaults(p2a, "count", {"objects": (5, 10)})) is None
+    message = outside_training(p2a, "count", training_defaults(p2a, "count", {"objects": (11, 15)}))
+    assert "11-15 objects per image (trained on 5-10)" in message and "organism-p2a" in message
+    wide = outside_training(p2a, "scene", {"n_objects": 3, "canvas": Canvas(image_size=224, grid=3)})
+    assert "224-pixel canvas of 3 x 3 cells (trained on 168 pixels, 6 x 6)" in wide
+    vsm = shared_organism("organism-vsm")
+    assert "was not trained on count" in outside_training(vsm, "count", {})
+    assert outside_training(get_tiny("tiny-qwen2_vl"), "count", {"objects": (11, 15)}) is None  # no record
+    assert main(["locate", "--model", "organism-vsm", "--condition", "id_selection", "--objects", "5", "--entropy",
+                 "low", "--n-pairs", "2", "--json"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == ["vlmbind: warning: scene stimuli with 5 objects per image (trained on 2-4) lie outside what "
+                        "organism-vsm was trained on: expect accuracy near chance there"]
+
+
+def test_answers_that_tokenise_alike_are_named_with_their_pair(tmp_path, capsys):
+    """'square' and ' square' differ as text but not as tokens after the separator: nothing to score, said with the
+    pair's id."""
+    path = write_hand_pairs(tmp_path / "mine", 2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records[1]["answer_counterfactual"] = "square  "
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(vb.stimuli.PairsFileError, match="equals 'answer'"):
+        vb.stimuli.load_pairs(path)  # the file's check catches the plain case
+    records[1]["answer_counterfactual"] = "Square"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    vlm = get_tiny("tiny-qwen2_vl")
+    pairs = vb.stimuli.load_pairs(path)
+    tokenizer = vlm.adapter.tokenizer
+    if tokenizer(" square", add_special_tokens=False)["input_ids"] == tokenizer(" Square", add_special_tokens=False)[
+            "input_ids"]:
+        pytest.skip("this tokenizer is case-blind")
+    from vlmbind.analysis.mediation import aligned_scene_pair
+
+    aligned_scene_pair(vlm, pairs[1])  # distinct tokens: scored
+    from dataclasses import replace
+
+    same = replace(pairs[1], answer_counterfactual="square")
+    with pytest.raises(vb.InputError, match="pair 'p1': answers 'square' and 'square' have no differing token"):
+        aligned_scene_pair(vlm, same)

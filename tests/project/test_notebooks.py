@@ -22,7 +22,8 @@ nbclient = pytest.importorskip("nbclient")
 kernelspec = pytest.importorskip("jupyter_client.kernelspec")
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-RUNNABLE = ["01_quickstart", "02_locating_heads", "03_patching_and_ablation", "04_probes_and_rsa"]
+RUNNABLE = ["01_quickstart", "02_locating_heads", "03_patching_and_ablation", "04_probes_and_rsa",
+            "06_your_experiment"]
 GPU_ONLY = "05_real_checkpoint_gpu"
 TIMEOUT_S = 300  # per cell; each notebook takes well under a minute on 2 cores
 
@@ -82,3 +83,15 @@ def test_gpu_notebook_targets_the_real_checkpoint() -> None:
     for call in ("vb.locate(", "vb.ablation_study(", "vb.capture(", "probe_sites(", "track("):
         assert call in source, call
     compile(source, GPU_ONLY, "exec")  # at least syntactically valid Python
+
+
+def test_the_your_experiment_notebook_is_the_pages_code() -> None:
+    """notebooks/06_your_experiment.ipynb runs exactly the Python blocks of docs/your_experiment.md, in order (the
+    page's shown results are asserted by tests/project/test_docs.py)."""
+    import re
+
+    page = (NOTEBOOKS.parent / "docs" / "your_experiment.md").read_text()
+    blocks = [b.rstrip("\n") for b in re.findall(r"```python\n(.*?)```", page, flags=re.S)]
+    cells = [c.source for c in nbformat.read(NOTEBOOKS / "06_your_experiment.ipynb", as_version=4).cells
+             if c.cell_type == "code"]
+    assert cells == blocks

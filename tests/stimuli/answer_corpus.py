@@ -119,7 +119,8 @@ _M2 = " ".join(f"{k + 1} {x} {y}" for k, (x, y) in enumerate(map(lambda p: _perm
 POINTING = {
     "qwen2_5_vl": [
         ("count", "2", f"```json\n[\n{_Q25}\n]\n```\nThere are 2 objects.", 2, True, _CELLS),
-        ("count", "2", f"```json\n[\n{_Q25}\n]\n```", None, False, _CELLS),
+        # points and no number: the count is the number of points
+        ("count", "2", f"```json\n[\n{_Q25}\n]\n```", 2, True, _CELLS),
         ("count", "2", f"```json\n[\n{_Q25}\n]\n```\nThere are three objects in total.", 3, False, _CELLS),
         ("search", "yes", f"Yes.\n```json\n[{_Q25_BOX}]\n```", "yes", True, _CELLS[:1]),
         ("count", "2", "There are 2 objects, at (25, 74) and (123, 172).", 2, True, None),
@@ -128,7 +129,7 @@ POINTING = {
         ("count", "2", f"{_Q2_BOX} There are 2 objects.", 2, True, _CELLS),
         ("count", "2", f"There are two objects: {_Q2_BOX}", 2, True, _CELLS),
         ("search", "yes", f"Yes, {_Q2_BOX[: _Q2_BOX.index('<|box_end|>') + 11]}", "yes", True, _CELLS[:1]),
-        ("count", "2", f"{_Q2_BOX}", None, False, _CELLS),
+        ("count", "2", f"{_Q2_BOX}", 2, True, _CELLS),
     ],
     "molmo2": [
         ("count", "2", f'Counting the <points coords="{_M2}">objects</points> shows a total of 2.', 2, True, _CELLS),

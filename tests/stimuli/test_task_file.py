@@ -70,3 +70,19 @@ def test_a_bad_task_row_names_the_file_the_line_and_the_field(tmp_path, edit, fi
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(TaskFileError, match=rf"task.jsonl line 2, field '{field}': .*{message}"):
         load_task(path)
+
+
+def test_a_count_reply_that_only_lists_points_is_read_as_their_number():
+    from vlmbind.analysis.evaluation import EvalResult, counted_points
+
+    example = vb.stimuli.Example("c0", None, [], "how many?", "(1, 2) (3, 4) (5, 0) 3", "count")
+    assert score(example, "(1, 2) (3, 4) (5, 0)") == (True, 3)
+    assert score(example, "(1, 2) (3, 4)") == (False, 2)
+    assert score(example, "(1, 2) (3, 4) so 3") == (True, 3)  # a number, when written, is the count
+    assert score(example, "I cannot tell") == (False, None)
+    assert counted_points(example, "(1, 2) (3, 4) (5, 0)", 3) and not counted_points(example, "(1, 2) 3", 3)
+    records = [{"id": "c0", "n_objects": 3, "correct": True, "count_read_from": "points"},
+               {"id": "c1", "n_objects": 3, "correct": False}]
+    result = EvalResult(model="m", task="count", records=records)
+    assert result.summary()["counts_read_from_points"] == 1
+    assert "counts_read_from_points" not in EvalResult(model="m", task="count", records=records[1:]).summary()

@@ -18,7 +18,7 @@ from PIL import Image
 import vlmbind as vb
 from vlmbind import cli
 from vlmbind.analysis import locate
-from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.analysis.evaluation import stimulus_defaults, training_defaults
 from vlmbind.analysis.mediation import scene_task
 from vlmbind.stimuli.scenes import scene_pairs
 from vlmbind.tiny import real
@@ -147,7 +147,8 @@ def test_cli_locate_on_a_saved_real_vocabulary_model(saved, loaded, family, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["prompt_format"] == "chat"
     assert summary["answer_casing"]["n"] == 2 and 0 <= summary["answer_casing"]["share"] <= 1
-    pairs = scene_pairs(2, "id_retrieval", 0, **training_defaults(loaded(family), "scene", {"n_objects": 3}))
+    # the command draws the pairs at the family's typical size
+    pairs = scene_pairs(2, "id_retrieval", 0, **stimulus_defaults(loaded(family), "scene", {"n_objects": 3})[0])
     direct = locate(loaded(family), pairs, method="exact", prompt_format="chat")
     saved_scores = vb.analysis.HeadScores.load(out)
     np.testing.assert_allclose(saved_scores.scores, direct.scores, atol=1e-9)
@@ -244,8 +245,7 @@ def test_prepare_follows_the_models_prompt_format(loaded):
 
 # every command that prompts, on every family, through the saved checkpoint and both formats
 COMMANDS = {
-    "ablate": ["--task", "query", "--heads", "0.0,1.1", "--n", "2", "--seeds", "1", "--top-k", "1",
-               "--mode", "zero"],
+    "ablate": ["--task", "query", "--heads", "0.0,1.1", "--n", "2", "--seeds", "1", "--mode", "zero"],
     "edit": ["--heads", "1.0", "--alpha", "0,2", "--n-estimate", "48", "--n-eval", "2"],
     "probe": ["--n-train", "8", "--n-val", "4", "--n-test", "4", "--epochs", "1"],
     "rsa": ["--positions", "1", "--permutations", "10"],

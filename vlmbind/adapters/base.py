@@ -112,6 +112,9 @@ class ModelAdapter:
     point_frames: ClassVar[dict[str, str]] = {}
     # the families table (README, `vlmbind models --families`): how the image tokens are laid out, in a few words
     image_layout: ClassVar[str] = ""
+    # the side in pixels of the square image the family's checkpoints are typically fed (its processor's native tile
+    # or canvas size): vlmbind draws its stimuli for a checkpoint at this size unless told otherwise
+    typical_image_size: ClassVar[int]
     # capability (a key of vlmbind.adapters.capabilities.CAPABILITIES) -> why it differs from the derived cell, as
     # "n/a because ..." or "no: ..." (or "yes (...)" to qualify it)
     capability_notes: ClassVar[dict[str, str]] = {}

@@ -33,6 +33,8 @@ class Gemma3Adapter(ModelAdapter):
     family = "gemma3"
     display_name = "Gemma-3"
     image_layout = "pooled fixed grid, bidirectional image block"
+    # the checkpoints' SigLIP tower takes 896 px (vision_config.image_size; every image is resized to it)
+    typical_image_size = 896
     model_types = ("gemma3",)
     model_class_name = "Gemma3ForConditionalGeneration"
     vision_blocks = "model.vision_tower.encoder.layers"

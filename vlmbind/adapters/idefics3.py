@@ -68,6 +68,8 @@ class Idefics3Adapter(ModelAdapter):
     family = "idefics3"
     display_name = "Idefics3"
     image_layout = "rows x cols tiles + global image, s x s patches a token (pixel shuffle), tile-tag separators"
+    # one tile of the processor (Idefics3ImageProcessor's max_image_size, the SigLIP tower's 364 px)
+    typical_image_size = 364
     model_types = ("idefics3",)
     model_class_name = "Idefics3ForConditionalGeneration"
     text_layers = "model.text_model.layers"
@@ -256,5 +258,7 @@ class SmolVLMAdapter(Idefics3Adapter):
     display_name = "SmolVLM"
     model_types = ("smolvlm",)
     model_class_name = "SmolVLMForConditionalGeneration"
+    # one tile of the 256M / 500M checkpoints (their processor's max_image_size; the 2B ones tile at 384)
+    typical_image_size = 512
     # TransformerLens 4.3 bridges Idefics3ForConditionalGeneration only
     transformer_lens_bridge = False

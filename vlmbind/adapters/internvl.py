@@ -69,6 +69,8 @@ class InternVLAdapter(ModelAdapter):
     display_name = "InternVL"
     image_layout = ("cols x rows tiles + thumbnail, s x s patches a token (pixel shuffle), frames back to back in "
                     "`<img>` ... `</img>`")
+    # one tile of InternVL 3 / 3.5 (the InternViT tower's vision_config.image_size, the processor's crop size)
+    typical_image_size = 448
     model_types = ("internvl",)
     model_class_name = "InternVLForConditionalGeneration"
     text_layers = "model.language_model.layers"

@@ -148,6 +148,8 @@ class LlavaAdapter(_LlavaBase):
     family = "llava"
     display_name = "LLaVA-1.5"
     image_layout = "fixed (crop/patch)^2 grid"
+    # LLaVA-1.5's CLIP ViT-L/14-336 (the checkpoints' crop_size; every image is resized and cropped to it)
+    typical_image_size = 336
     model_types = ("llava",)
     model_class_name = "LlavaForConditionalGeneration"
 
@@ -230,6 +232,8 @@ class LlavaOnevisionAdapter(_LlavaBase):
     family = "llava_onevision"
     display_name = "LLaVA-OneVision"
     image_layout = "base grid + any-res tiles with newline tokens"
+    # the SigLIP-so400m/384 tile (LlavaOnevisionImageProcessor's size, the base view and the any-res tile side)
+    typical_image_size = 384
     model_types = ("llava_onevision",)
     model_class_name = "LlavaOnevisionForConditionalGeneration"
     # the projector's rows are per tile; the model unpads and regroups them (and adds newline rows) afterwards

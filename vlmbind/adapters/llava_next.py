@@ -36,6 +36,8 @@ class LlavaNextAdapter(LlavaOnevisionAdapter):
     family = "llava_next"
     display_name = "LLaVA-NeXT"
     image_layout = "base grid + unpadded any-res tiles with newline tokens"
+    # the CLIP ViT-L/14-336 tile (the base view and the side of LlavaNextImageProcessor's image_grid_pinpoints)
+    typical_image_size = 336
     model_types = ("llava_next",)
     model_class_name = "LlavaNextForConditionalGeneration"
 

@@ -36,6 +36,9 @@ class Mistral3Adapter(ModelAdapter):
     family = "mistral3"
     display_name = "Mistral3"
     image_layout = "variable h/2 x w/2 grid of 28 px tokens, [IMG_BREAK] / [IMG_END] closing each row"
+    # Pixtral keeps an image's own resolution up to its longest_edge (1024-1540 px), so no size is native: 448 is a
+    # 16 x 16 grid of 28 px tokens, as Qwen's
+    typical_image_size = 448
     model_types = ("mistral3",)
     model_class_name = "Mistral3ForConditionalGeneration"
     vision_blocks = "model.vision_tower.transformer.layers"

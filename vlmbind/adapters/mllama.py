@@ -65,6 +65,8 @@ class MllamaAdapter(ModelAdapter):
     display_name = "Llama-3.2-Vision"
     image_layout = ("no image tokens in the sequence: cross-attention layers attend to tiles of patch keys "
                     "(+ a CLS key a tile)")
+    # one tile of Llama-3.2-Vision (MllamaImageProcessor's 560 x 560 in the checkpoints, up to 4 tiles an image)
+    typical_image_size = 560
     capability_notes = {
         "capture": "yes (cross-attention layers: blocks.{l}.cross_attn.hook_z / hook_pattern over the image keys in "
                    "place of attn.*; hook_attn_out / hook_mlp_out gated as the layer adds them)",

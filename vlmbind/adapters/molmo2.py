@@ -85,6 +85,8 @@ class Molmo2Adapter(ModelAdapter):
     family = "molmo2"
     display_name = "Molmo2"
     image_layout = "low-res + high-res pooled grids, column separators"
+    # one crop of Molmo2ImageProcessor (its size, 378 px: the low-res view and each high-res crop)
+    typical_image_size = 378
     model_types = ("molmo2",)
     model_class_name = "Molmo2ForConditionalGeneration"
     vision_blocks = "model.vision_tower.layers"

@@ -37,6 +37,8 @@ class PaliGemmaAdapter(ModelAdapter):
     family = "paligemma"
     display_name = "PaliGemma (2)"
     image_layout = "one token per SigLIP patch, raster grid; prefix-LM mask (image + prompt bidirectional)"
+    # the -224 checkpoints, the most used (the processor resizes to the tower's 224, 448 or 896 px either way)
+    typical_image_size = 224
     model_types = ("paligemma",)
     model_class_name = "PaliGemmaForConditionalGeneration"
     vision_blocks = "model.vision_tower.encoder.layers"

@@ -23,6 +23,9 @@ class _QwenVLAdapter(ModelAdapter):
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     mrope = True
     token_inputs = ("mm_token_type_ids",)
+    # dynamic resolution: the processor keeps an image's own size (within min_pixels / max_pixels, about 56 to 1000
+    # px), so no size is native; 448 is a common one and a multiple of both 28 and 32 px tokens (16 x 16 or 14 x 14)
+    typical_image_size = 448
 
     @property
     def n_vision_layers(self) -> int:

@@ -26,6 +26,7 @@ import pandas as pd
 from scipy import stats
 
 from ..core.choices import ABLATION_MODES as MODES
+from ..core.choices import ABLATION_RANDOM_POOLS as RANDOM_POOLS
 from ..core.errors import InputError
 from ..core.io import write_json_atomic
 from ..core.results import Result, read_json_object, register_result, require_keys
@@ -44,8 +45,11 @@ class AblationResult(Result):
             every head, as results saved before the pool was recorded);
             bottom_by: how the bottom arm was chosen (``abs``: the smallest |score|; ``score``: the lowest scores,
             which results saved before it was recorded used).
-        arms: ``[{"arm": "clean"|"top"|"random"|"bottom", "seed": s or None, "heads": ["l.h", ...], "accuracy": a,
-            "n": n}, ...]``.
+        canvas: the generated examples' canvas, ``{"image_size", "grid", "image_size_from"}``
+            (:func:`vlmbind.analysis.evaluation.stimulus_defaults`), or None (a task file, or not recorded).
+        arms: ``[{"arm": "clean"|"top"|"random"|"random_<pool>"|"bottom", "seed": s or None, "heads": ["l.h", ...],
+            "accuracy": a, "n": n}, ...]``; ``random_<pool>`` arms (``also_random_from``) draw from another pool on
+            the same seeds.
     """
 
     model: str
@@ -57,6 +61,7 @@ class AblationResult(Result):
     prompt_format: str = "raw"
     random_from: str = "rest"
     bottom_by: str = "abs"
+    canvas: dict[str, Any] | None = None
 
     kind = "ablate"
     reproduced_files = ("results.json",)
@@ -68,7 +73,8 @@ class AblationResult(Result):
         return cls(model=data["model"], task=data["task"], mode=data["mode"], k=data["k"],
                    renormalize=data["renormalize"], arms=data["arms"],
                    prompt_format=data.get("prompt_format", "raw"),
-                   random_from=data.get("random_from", "all"), bottom_by=data.get("bottom_by", "score"))
+                   random_from=data.get("random_from", "all"), bottom_by=data.get("bottom_by", "score"),
+                   canvas=data.get("canvas"))
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> AblationResult:
@@ -78,12 +84,14 @@ class AblationResult(Result):
         return cls.from_dict(data)
 
     def figure(self) -> Any:
-        """Accuracy per arm (random arms per seed) with Wilson 95% intervals, and the random arms' mean."""
+        """Accuracy per arm (random arms per seed) with Wilson 95% intervals, and each random arm's mean."""
         intervals = [wilson_interval(a["accuracy"], a["n"]) for a in self.arms]
+        every = self.intervals()
         return ablation_figure({"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
                                 "bottom_by": self.bottom_by,
                                 "renormalize": self.renormalize, "arms": self.arms, "intervals": intervals,
-                                "random": self.intervals()["random"]})
+                                "random": every["random"],
+                                "random_arms": {arm: every[arm] for arm in self.random_arms()}})
 
     def arms_frame(self) -> pd.DataFrame:
         """One row per arm, with the run's settings repeated (heads joined by spaces)."""
@@ -97,33 +105,43 @@ class AblationResult(Result):
         return {"ablation": self.figure}, {"arms.csv": self.arms_frame()}
 
     def accuracy(self, arm: str) -> float:
-        """Accuracy of an arm (the mean over seeds for ``random``)."""
+        """Accuracy of an arm (the mean over seeds for a random arm)."""
         values = [a["accuracy"] for a in self.arms if a["arm"] == arm]
         if not values:
             raise KeyError(f"no arm {arm!r}")
         return float(np.mean(values))
 
-    def random_seeds(self) -> list[dict[str, Any]]:
-        """The random arm per seed: ``{"seed", "heads", "accuracy", "n"}``."""
-        return [{k: a.get(k) for k in ("seed", "heads", "accuracy", "n")} for a in self.arms if a["arm"] == "random"]
+    def random_arms(self) -> list[str]:
+        """The random arms in the order they ran: ``random`` first, then each ``random_<pool>``."""
+        return list(dict.fromkeys(a["arm"] for a in self.arms if a["arm"].startswith("random")))
+
+    def random_pool(self, arm: str) -> str:
+        """The pool a random arm drew from (``random``: :attr:`random_from`; ``random_<pool>``: that pool)."""
+        return self.random_from if arm == "random" else arm.removeprefix("random_")
+
+    def random_seeds(self, arm: str = "random") -> list[dict[str, Any]]:
+        """A random arm per seed: ``{"seed", "heads", "accuracy", "n"}``."""
+        return [{k: a.get(k) for k in ("seed", "heads", "accuracy", "n")} for a in self.arms if a["arm"] == arm]
 
     def intervals(self) -> dict[str, dict[str, Any]]:
-        """95% intervals per arm: Wilson over the n examples for clean / top / bottom; for random, the mean over
-        seeds with a t-interval over the seeds (``low`` = ``high`` = the mean with one seed) and the spread."""
+        """95% intervals per arm: Wilson over the n examples for clean / top / bottom; for each random arm, the mean
+        over seeds with a t-interval over the seeds (``low`` = ``high`` = the mean with one seed) and the spread."""
         out: dict[str, dict[str, Any]] = {}
         for arm in ("clean", "top", "bottom"):
             a = next(x for x in self.arms if x["arm"] == arm)
             low, high = wilson_interval(a["accuracy"], a["n"])
             out[arm] = {"accuracy": float(a["accuracy"]), "low": low, "high": high, "n": int(a["n"])}
-        values = np.array([a["accuracy"] for a in self.random_seeds()], dtype=float)
-        mean = float(values.mean())
-        if len(values) > 1:
-            half = float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values)))
-        else:
-            half = 0.0
-        out["random"] = {"accuracy": mean, "low": max(0.0, mean - half), "high": min(1.0, mean + half),
-                         "seeds": int(len(values)), "lowest": float(values.min()), "highest": float(values.max()),
-                         "n": int(self.random_seeds()[0]["n"])}
+        for arm in self.random_arms():
+            seeds = self.random_seeds(arm)
+            values = np.array([a["accuracy"] for a in seeds], dtype=float)
+            mean = float(values.mean())
+            if len(values) > 1:
+                half = float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values)))
+            else:
+                half = 0.0
+            out[arm] = {"accuracy": mean, "low": max(0.0, mean - half), "high": min(1.0, mean + half),
+                        "seeds": int(len(values)), "lowest": float(values.min()), "highest": float(values.max()),
+                        "n": int(seeds[0]["n"])}
         return out
 
     def to_frame(self) -> pd.DataFrame:
@@ -133,21 +151,24 @@ class AblationResult(Result):
         return {"model": self.model, "task": self.task, "mode": self.mode, "k": self.k,
                 "renormalize": self.renormalize, "prompt_format": self.prompt_format,
                 "random_from": self.random_from, "bottom_by": self.bottom_by,
-                "accuracy": {arm: self.accuracy(arm) for arm in ("clean", "top", "random", "bottom")},
-                "intervals": self.intervals(), "arms": self.arms}
+                "accuracy": {arm: self.accuracy(arm) for arm in ("clean", "top", *self.random_arms(), "bottom")},
+                "intervals": self.intervals(), "arms": self.arms,
+                **({"canvas": self.canvas} if self.canvas is not None else {})}
 
     def text(self) -> str:
-        """Two lines: each arm with its interval, and the random arm's seeds one by one."""
+        """One line of every arm with its interval, then one line per random arm with its seeds one by one."""
         iv = self.intervals()
-        r = iv["random"]
         arms = ", ".join(f"{arm} {iv[arm]['accuracy']:.3f} [{iv[arm]['low']:.2f}, {iv[arm]['high']:.2f}]"
                          for arm in ("clean", "top"))
-        seeds = ", ".join(f"seed {a['seed']} {a['accuracy']:.3f}" for a in self.random_seeds())
-        return (f"accuracy (95% interval, n={iv['clean']['n']}): {arms}, random {r['accuracy']:.3f} "
-                f"[{r['low']:.2f}, {r['high']:.2f}] over {r['seeds']} seeds, bottom ({self.bottom_label}) "
-                f"{iv['bottom']['accuracy']:.3f} "
-                f"[{iv['bottom']['low']:.2f}, {iv['bottom']['high']:.2f}]\n"
-                f"random-k ({POOL_LABELS[self.random_from]}): {seeds}")
+        randoms = ", ".join(f"{arm} {iv[arm]['accuracy']:.3f} [{iv[arm]['low']:.2f}, {iv[arm]['high']:.2f}] over "
+                            f"{iv[arm]['seeds']} seeds" for arm in self.random_arms())
+        lines = [f"accuracy (95% interval, n={iv['clean']['n']}): {arms}, {randoms}, bottom ({self.bottom_label}) "
+                 f"{iv['bottom']['accuracy']:.3f} [{iv['bottom']['low']:.2f}, {iv['bottom']['high']:.2f}]"]
+        for arm in self.random_arms():
+            seeds = ", ".join(f"seed {a['seed']} {a['accuracy']:.3f}" for a in self.random_seeds(arm))
+            name = "random-k" if arm == "random" else arm
+            lines.append(f"{name} ({POOL_LABELS[self.random_pool(arm)]}): {seeds}")
+        return "\n".join(lines)
 
     @property
     def bottom_label(self) -> str:
@@ -169,7 +190,6 @@ def ranked_heads(scores: Any) -> list[tuple[int, int]]:
     return [(int(l), int(h)) for l, h in zip(frame["layer"], frame["head"])]
 
 
-RANDOM_POOLS = ("all", "rest", "same_layers")
 BOTTOM_BY = ("abs", "score")
 BOTTOM_LABELS = {"abs": "smallest |score|", "score": "lowest score"}
 POOL_LABELS = {"all": "from all heads", "rest": "outside the top-k", "same_layers": "from the top-k's layers"}
@@ -214,6 +234,9 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
         raise InputError(f"scores must give each of the model's {vlm.n_layers} x {vlm.n_heads} heads once")
     if not 1 <= k <= n_heads // 2:
         raise InputError(f"k = {k} must be between 1 and half the heads ({n_heads // 2}) so top and bottom differ")
+    short = layers_short_of_heads(ranked[:k], vlm.n_heads)
+    if "same_layers" in (random_from, *also_random_from) and short:  # before any arm is evaluated
+        raise InputError(f"layer {short[0]} has no head outside the top-k left to match; use random_from='rest'")
     means = _means(vlm, dataset, by_role=mode == "role_mean") if mode in ("mean", "role_mean") else None
     result = AblationResult(vlm.name, dataset[0].task, mode, k, renormalize,
                             prompt_format=vlm.active_prompt_format, random_from=random_from, bottom_by=bottom_by)
@@ -253,6 +276,13 @@ def ablation_study(vlm: Any, dataset: Any, scores: Any, *, k: int = 5, mode: str
             run(f"random_{pool}", draw(pool, seed), seed)
     run("bottom", ranked[-k:] if bottom_by == "score" else least_involved(scores, k))
     return result
+
+
+def layers_short_of_heads(top: list[tuple[int, int]], n_heads: int) -> list[int]:
+    """The layers of ``top`` with fewer heads outside ``top`` than inside it: there :func:`same_layer_heads` cannot
+    match each top head with another head of its layer (empty when every layer can)."""
+    counts = {layer: sum(1 for l, _ in top if l == layer) for layer, _ in top}
+    return sorted(layer for layer, count in counts.items() if n_heads - count < count)
 
 
 def same_layer_heads(top: list[tuple[int, int]], n_heads: int, seed: int) -> list[tuple[int, int]]:

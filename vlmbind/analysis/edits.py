@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,12 @@ from ..viz.edits import edit_figure, edit_traces, repair_figure, repair_traces
 from .evaluation import score, training_defaults
 from .position_ids import (
     Cell,
-    PositionIDs,
     check_alphas,
     check_heads,
     check_positive,
     chunks,
     estimate_position_ids,
+    estimated_cells,
     object_cell,
     target_cell,
 )
@@ -333,9 +334,129 @@ def _share(records: list[dict[str, Any]], key: str, value: Any = True) -> float:
 # ------------------------------------------------------------------------------------------------------------------
 # The edit study
 # ------------------------------------------------------------------------------------------------------------------
-def _estimated_empty(ids: PositionIDs, example: Any) -> list[Cell]:
+def _estimated_empty(cells: Collection[Cell], example: Any) -> list[Cell]:
+    """The cells of ``cells`` (estimated ones) that hold no object of ``example``, in raster order."""
     occupied = {object_cell(o) for o in example.objects}
-    return [c for c in ids.cells if c not in occupied]
+    return [c for c in sorted(cells) if c not in occupied]
+
+
+def _edit_choices(example: Any, cells: Collection[Cell]) -> tuple[str | None, list[str], list[Cell]]:
+    """For one evaluation example of the edit and the cells with an estimate: why it cannot be edited (its
+    ``skipped`` key; None when it can), the described objects whose cell has an estimate (the candidates for ``t``)
+    and the estimated empty cells (the candidates for the control's ``c``)."""
+    targets = [k for k in example.fields["described"] if object_cell(example.objects[k]) in cells]
+    empty = _estimated_empty(cells, example)
+    if target_cell(example) not in cells:
+        return "missing_object_cell_without_estimate", targets, empty
+    if not targets:
+        return "no_described_cell_with_estimate", targets, empty
+    if not empty:
+        return "no_empty_cell_with_estimate", targets, empty
+    return None, targets, empty
+
+
+def _repair_choices(example: Any, high_cells: Collection[Cell], low_cells: Collection[Cell]
+                    ) -> tuple[str | None, list[Cell]]:
+    """For one low-entropy evaluation example of the repair: why it cannot be repaired (its ``skipped`` key; None
+    when it can) and the empty cells with a high-entropy estimate (the candidates for the control's ``w``)."""
+    o, empty = target_cell(example), _estimated_empty(high_cells, example)
+    if o not in high_cells:
+        return "missing_object_cell_without_high_estimate", empty
+    if o not in low_cells:
+        return "missing_object_cell_without_low_estimate", empty
+    if not empty:
+        return "no_empty_cell_with_high_estimate", empty
+    return None, empty
+
+
+# the most estimation examples the fix of a too-small n_estimate is looked for up to (scenes are cheap to draw)
+MOST_ESTIMATES_TRIED = 1 << 16
+
+
+def _enough_estimates(n_estimate: int, works: Callable[[int], bool]) -> int | None:
+    """The first of ``2 n_estimate``, ``4 n_estimate``, ... (up to :data:`MOST_ESTIMATES_TRIED`) with which
+    ``works`` (read from the scenes alone: no model runs); None when none does."""
+    n = n_estimate * 2
+    while n <= MOST_ESTIMATES_TRIED:
+        if works(n):
+            return n
+        n *= 2
+    return None
+
+
+def _too_few_estimates(reason: str, n_estimate: int, enough: int | None) -> TooFewEstimatesError:
+    """The error of a study whose ``n_estimate`` scenes leave no evaluation example usable. It carries ``reason``,
+    ``n_estimate`` and ``enough`` (the first doubling of ``n_estimate`` that leaves one, or None), so that a caller
+    can name its own option (``vlmbind edit``: ``--n-estimate``)."""
+    fix = (f"use n_estimate={enough} (its scenes leave examples to evaluate, at this seed and n_eval)"
+           if enough is not None else
+           f"more estimation examples (up to {MOST_ESTIMATES_TRIED}) do not help: use more evaluation examples")
+    error = TooFewEstimatesError(f"{n_estimate} estimation examples are too few: {reason}; {fix}")
+    error.reason, error.n_estimate, error.enough = reason, n_estimate, enough
+    return error
+
+
+def _cells_reason(cells: Collection[Cell], examples: Sequence[Any], min_count: int, which: str = "") -> str:
+    """Why the estimation scenes estimate no cell an evaluation example needs, in words."""
+    if not cells:
+        most = max(Counter(target_cell(e) for e in examples).values())
+        return (f"no cell holds the missing object of {min_count} of the {which}estimation scenes (most: {most}), "
+                f"so no position ID is estimated")
+    return (f"the {len(cells)} cells with {f'a {which}' if which else 'an '}estimate are not those any evaluation "
+            f"example needs")
+
+
+class _EstimateCheck:
+    """Whether ``n`` estimation scenes leave an evaluation example to a study (the edit, or the repair), and why not,
+    read from the scenes alone."""
+
+    def __init__(self, vlm: Any, study: str, n_eval: int, seed: int, n_objects: Any, entropy: str, min_count: int,
+                 stimulus: dict[str, Any] | None) -> None:
+        self.study, self.n_eval, self.seed, self.min_count = study, n_eval, seed, min_count
+        entropies = ("high", "low") if study == "repair" else (entropy,)
+        self.scenes = [_stimulus_kwargs(vlm, n_objects, e, stimulus) for e in entropies]
+
+    def draw(self, n: int) -> list[list[Any]]:
+        """The study's scene lists (edit: one; repair: high- and low-entropy) with ``n`` estimation scenes."""
+        return [list(scene_description(n + self.n_eval, self.seed, **kw)) for kw in self.scenes]
+
+    def usable(self, n: int) -> bool:
+        drawn = self.draw(n)
+        cells = [estimated_cells(scenes[:n], self.min_count) for scenes in drawn]
+        if self.study == "repair":
+            return any(_repair_choices(e, *cells)[0] is None for e in drawn[1][n:])
+        return any(_edit_choices(e, cells[0])[0] is None for e in drawn[0][n:])
+
+    def reason(self, n: int) -> str:
+        """Why ``n`` estimation scenes leave the study nothing to evaluate."""
+        estimation = [scenes[:n] for scenes in self.draw(n)]
+        cells = [estimated_cells(scenes, self.min_count) for scenes in estimation]
+        kinds = ("high-entropy ", "low-entropy ") if self.study == "repair" else ("",)
+        for kind, scenes, found in zip(kinds, estimation, cells):
+            if not found:
+                return _cells_reason(found, scenes, self.min_count, kind)
+        if self.study == "repair":
+            return ("the cells with both a high- and a low-entropy estimate are not those any low-entropy evaluation "
+                    "example needs")
+        return _cells_reason(cells[0], estimation[0], self.min_count)
+
+
+def check_estimates(vlm: Any, *, n_estimate: int, n_eval: int, seed: int = 0, n_objects: int | tuple[int, int] = 3,
+                    entropy: str = "high", min_count: int = 3, stimulus: dict[str, Any] | None = None,
+                    studies: Sequence[str] = ("edit",)) -> None:
+    """Before any model runs, from the scenes alone: raise when the ``n_estimate`` estimation scenes of
+    :func:`edit_study` (``"edit"`` in ``studies``) or :func:`entropy_repair` (``"repair"``), with the same arguments,
+    estimate the cells of no evaluation example, naming the first doubling of ``n_estimate`` that serves every study
+    asked for.
+
+    Raises:
+        TooFewEstimatesError: a study would have no evaluation example; ``enough`` on it is the fix.
+    """
+    checks = [_EstimateCheck(vlm, study, n_eval, seed, n_objects, entropy, min_count, stimulus) for study in studies]
+    failing = [check for check in checks if not check.usable(n_estimate)]
+    if failing:
+        raise _too_few_estimates(failing[0].reason(n_estimate), n_estimate,
+                                 _enough_estimates(n_estimate, lambda n: all(c.usable(n) for c in checks)))
 
 
 def default_positions(vlm: Any) -> str:
@@ -417,6 +538,8 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
     sets, alphas = [check_heads(vlm, heads) for heads in head_sets], check_alphas(alphas)
     positions = _positions(vlm, positions)
     check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
+    check_estimates(vlm, n_estimate=n_estimate, n_eval=n_eval, seed=seed, n_objects=n_objects, entropy=entropy,
+                    min_count=min_count, stimulus=stimulus)
     data = scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, entropy, stimulus))
     examples = list(data)
     every = list(dict.fromkeys(head for heads in sets for head in heads))
@@ -426,22 +549,15 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
     skipped = {"missing_object_cell_without_estimate": 0, "no_described_cell_with_estimate": 0,
                "no_empty_cell_with_estimate": 0}
     plan = []
+    cells = set(all_ids.cells)
     for e in examples[n_estimate:]:  # which cells have an estimate does not depend on the head
-        o = target_cell(e)
-        targets = [k for k in e.fields["described"] if all_ids.has(object_cell(e.objects[k]))]
-        empty = _estimated_empty(all_ids, e)
-        if not all_ids.has(o):
-            skipped["missing_object_cell_without_estimate"] += 1
-        elif not targets:
-            skipped["no_described_cell_with_estimate"] += 1
-        elif not empty:
-            skipped["no_empty_cell_with_estimate"] += 1
+        reason, targets, empty = _edit_choices(e, cells)
+        if reason is not None:
+            skipped[reason] += 1
         else:
             k = targets[int(rng.integers(len(targets)))]
-            plan.append((e, o, k, empty[int(rng.integers(len(empty)))]))
-    if not plan:
-        raise TooFewEstimatesError(f"no evaluation example has estimated cells ({skipped}); use more estimation "
-                                   "examples")
+            plan.append((e, target_cell(e), k, empty[int(rng.integers(len(empty)))]))
+    # check_estimates made sure the plan is not empty
 
     ids_by_set = [all_ids.subset(heads) for heads in sets]
     records: list[list[dict[str, Any]]] = [[] for _ in sets]
@@ -549,6 +665,8 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
     positions = _positions(vlm, positions)
     heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
     check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
+    check_estimates(vlm, n_estimate=n_estimate, n_eval=n_eval, seed=seed, n_objects=n_objects, min_count=min_count,
+                    stimulus=stimulus, studies=("repair",))
     high = list(scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, "high", stimulus)))
     low_data = scene_description(n_estimate + n_eval, seed, **_stimulus_kwargs(vlm, n_objects, "low", stimulus))
     low = list(low_data)
@@ -560,20 +678,14 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
     skipped = {"missing_object_cell_without_high_estimate": 0, "missing_object_cell_without_low_estimate": 0,
                "no_empty_cell_with_high_estimate": 0}
     plan = []
+    high_cells, low_cells = set(ids_high.cells), set(ids_low.cells)
     for e in low[n_estimate:]:
-        o = target_cell(e)
-        empty = _estimated_empty(ids_high, e)
-        if not ids_high.has(o):
-            skipped["missing_object_cell_without_high_estimate"] += 1
-        elif not ids_low.has(o):
-            skipped["missing_object_cell_without_low_estimate"] += 1
-        elif not empty:
-            skipped["no_empty_cell_with_high_estimate"] += 1
+        reason, empty = _repair_choices(e, high_cells, low_cells)
+        if reason is not None:
+            skipped[reason] += 1
         else:
-            plan.append((e, o, empty[int(rng.integers(len(empty)))]))
-    if not plan:
-        raise TooFewEstimatesError(f"no low-entropy evaluation example has estimated cells ({skipped}); use more "
-                                   "estimation examples")
+            plan.append((e, target_cell(e), empty[int(rng.integers(len(empty)))]))
+    # check_estimates made sure the plan is not empty
 
     high_correct = []
     for chunk in chunks(high[n_estimate:], batch_size):

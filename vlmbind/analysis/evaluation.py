@@ -9,7 +9,9 @@ not required to be right):
 * scene: the first colour word followed by a shape word equals the expected ``colour shape``;
 * query: the first word of the expected word's kind (colour, shape, letter) equals it;
 * search: the first yes / no outside the points equals the expected one;
-* count: the total (a number marked as the total, else the first number) equals the expected count;
+* count: the total (a number marked as the total, else the first number) equals the expected count; a reply that
+  only lists points, with no number, is read as the number of its points (``count_read_from: points`` in its
+  record, and the summary counts them);
 * a task file's examples (``vlmbind eval --data``): the example's ``scorer`` against its answer and ``accept`` list
   (:func:`vlmbind.stimuli.answers.score_text`);
 * other tasks (rsa, colorshape, user data with answers): the answer's words start with the expected words.
@@ -30,7 +32,7 @@ import hashlib
 import json
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,39 +49,34 @@ from ..stimuli.answers import (
     UnknownFrameError,
     answer_words,
     read_count,
-    read_query,
-    read_scene,
-    read_yes_no,
     score_text,
     to_canvas,
 )
 from ..stimuli.core import Dataset, Example
 from ..stimuli.points import pointing_spans
+from ..stimuli.registry import TASKS as REGISTERED_TASKS
+from ..stimuli.tasks import TASKS as STIMULUS_TASKS
+from ..stimuli.tasks import default_canvas
 
 
 def score(example: Example, output: str) -> tuple[bool, Any]:
-    """Whether ``output`` answers ``example`` correctly, and the answer read from it (see the module docstring)."""
-    task = example.task
-    expected = example.answer
-    if task == "scene":
-        words = answer_words(expected)
-        want = read_scene(expected, words[:1], words[1:2])
-        parsed = read_scene(output, words[:1], words[1:2])
-        return parsed is not None and parsed == want, parsed
-    if task == "query":
-        parsed = read_query(output, expected)
-        return parsed is not None and parsed == (answer_words(expected) or [None])[0], parsed
-    if task == "search":
-        parsed = read_yes_no(output)
-        return parsed is not None and parsed == read_yes_no(expected), parsed
-    if task == "count":
-        parsed = read_count(output)
-        return parsed is not None and parsed == read_count(expected), parsed
-    if "scorer" in example.fields:
-        return score_text(example.fields["scorer"], output, [expected, *example.fields.get("accept", [])])
-    want = answer_words(expected)
+    """Whether ``output`` answers ``example`` correctly, and the answer read from it (see the module docstring):
+    a task file's scorer, else the registered task's (:func:`vlmbind.stimuli.register_task`), else the answer's
+    words start with the expected words."""
+    fields = getattr(example, "fields", None) or {}
+    if "scorer" in fields:
+        return score_text(fields["scorer"], output, [example.answer, *fields.get("accept", [])])
+    task = REGISTERED_TASKS.get(example.task)
+    if task is not None:
+        return task.score(example, output)
+    want = answer_words(example.answer)
     got = answer_words(output)
     return bool(want) and got[: len(want)] == want, " ".join(got)
+
+
+def counted_points(example: Example, output: str, parsed: Any) -> bool:
+    """Whether a count was read from the reply's points alone (it wrote no number)."""
+    return example.task == "count" and parsed is not None and read_count(output) is None
 
 
 def read_points(vlm: Any, output: str, canvas: Any, image: Any, resized: tuple[int, int] | None,
@@ -174,10 +171,18 @@ class EvalResult(Result):
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.records)
 
+    @property
+    def counts_from_points(self) -> int:
+        """How many replies gave no number and were read as the number of their points."""
+        return sum(r.get("count_read_from") == "points" for r in self.records)
+
     def summary(self) -> dict[str, Any]:
-        return {"model": self.model, "task": self.task, "n": self.n, "accuracy": self.accuracy,
-                "per_count": {str(k): v for k, v in self.per_count.items()}, "params": self.params,
-                "prompt_format": self.prompt_format, "generation": self.generation}
+        out = {"model": self.model, "task": self.task, "n": self.n, "accuracy": self.accuracy,
+               "per_count": {str(k): v for k, v in self.per_count.items()}, "params": self.params,
+               "prompt_format": self.prompt_format, "generation": self.generation}
+        if self.counts_from_points:
+            out["counts_read_from_points"] = self.counts_from_points
+        return out
 
     def save(self, out: str | os.PathLike) -> Path:
         out = Path(out)
@@ -315,6 +320,7 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
                 "id": e.id, "n_objects": len(e.objects), "prompt": e.prompt, "expected": e.answer,
                 "output": out, "parsed": parsed, "correct": bool(correct),
                 **read_points(vlm, out, canvas, e.image, vlm.adapter.resized_size(batch.inputs, r), point_frame),
+                **({"count_read_from": "points"} if counted_points(e, out, parsed) else {}),
             })
         if checkpoint is not None:
             _append_batch(checkpoint, index, records[finished:])
@@ -326,6 +332,36 @@ def evaluate(vlm: Any, dataset: Dataset | list[Example], *, batch_size: int = 16
     params.pop("n", None)
     return EvalResult(model=vlm.name, task=examples[0].task, records=records, params=params,
                       prompt_format="chat" if chat else "raw", generation=dict(GREEDY))
+
+
+def outside_training(vlm: Any, task: str, kwargs: dict[str, Any]) -> str | None:
+    """One line saying how stimuli of ``task`` with generator options ``kwargs`` lie outside what ``vlm`` was
+    trained on (its task mixture, object counts and canvas, from an organism's training record); None inside it, or
+    for a model without a record.
+    """
+    training = getattr(vlm, "training", None)
+    if not training:
+        return None
+    trained = {t for t, weight in (training.get("tasks") or {}).items() if weight}
+    if trained and task not in trained:
+        return (f"{vlm.name} was not trained on {task} (its tasks: {', '.join(sorted(trained))}): its answers "
+                "test stimuli outside its training")
+    problems = []
+    span = (training.get("task_options", {}).get(task) or {}).get("objects")
+    asked = kwargs.get("objects" if task == "count" else "n_objects")
+    if span and asked is not None:
+        lo, hi = (asked, asked) if isinstance(asked, int) else (min(asked), max(asked))
+        if lo < span[0] or hi > span[1]:
+            asked_text = f"{lo}" if lo == hi else f"{lo}-{hi}"
+            problems.append(f"{asked_text} objects per image (trained on {span[0]}-{span[1]})")
+    canvas, own = kwargs.get("canvas"), training_canvas(training)
+    if canvas is not None and (canvas.image_size, canvas.shape) != (own.image_size, own.shape):
+        problems.append(f"a {canvas.image_size}-pixel canvas of {canvas.shape[0]} x {canvas.shape[1]} cells (trained "
+                        f"on {own.image_size} pixels, {own.shape[0]} x {own.shape[1]})")
+    if not problems:
+        return None
+    return (f"{task} stimuli with {' and '.join(problems)} lie outside what {vlm.name} was trained on: expect "
+            "accuracy near chance there")
 
 
 def training_defaults(vlm: Any, task: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -349,3 +385,38 @@ def training_defaults(vlm: Any, task: str, kwargs: dict[str, Any]) -> dict[str, 
     if task in ("search", "count") and key not in kwargs and options.get("objects"):
         kwargs[key] = tuple(options["objects"])
     return kwargs
+
+
+def stimulus_defaults(vlm: Any, task: str, kwargs: dict[str, Any],
+                      image_size: int | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The generator options of ``task`` for stimuli shown to ``vlm``, and a record of their canvas.
+
+    The canvas is drawn at ``image_size`` (``--image-size``) when given, else at the size of an organism's training
+    record or, for any other model, at its family's ``typical_image_size``: a real checkpoint sees its stimuli at the
+    size its users feed it. A canvas in ``kwargs`` (a grid the user gave) keeps its grid; without one the grid is the
+    training record's (organisms) or the task generator's own (3 x 3 for scenes). :func:`training_defaults` fills the
+    rest of an organism's options.
+
+    Returns:
+        ``(kwargs, canvas)``: ``canvas`` is ``{"image_size", "grid", "image_size_from"}``, ``image_size_from`` one of
+        ``--image-size``, ``training record`` and ``family default``; None for a task drawn on no canvas of
+        vlmbind's (colorshape, a task of a --plugin file).
+    """
+    if task not in STIMULUS_TASKS or "canvas" not in STIMULUS_TASKS[task][2]:
+        return training_defaults(vlm, task, kwargs), None
+    training = getattr(vlm, "training", None)
+    if image_size is not None:
+        size, source = image_size, "--image-size"
+    elif training:
+        size, source = int(training["image_size"]), "training record"
+    else:
+        size, source = int(vlm.adapter.typical_image_size), "family default"
+    kwargs = dict(kwargs)
+    if "canvas" in kwargs:
+        kwargs["canvas"] = replace(kwargs["canvas"], image_size=size)
+    elif source != "training record":  # an organism's own canvas comes from training_defaults
+        grid = training_canvas(training) if training else default_canvas(task)
+        kwargs["canvas"] = replace(grid, image_size=size)
+    kwargs = training_defaults(vlm, task, kwargs)
+    canvas = kwargs["canvas"]
+    return kwargs, {"image_size": canvas.image_size, "grid": list(canvas.shape), "image_size_from": source}

@@ -67,18 +67,35 @@ def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str, separator: str
 
 N_BOOTSTRAP = 2000
 SIGNIFICANCE = 0.05
+
+
+def fewest_pairs_for_significance(alpha: float) -> int:
+    """The smallest number of pairs at which an exact two-sided sign-flip test of the mean can reach p < ``alpha``:
+    its smallest p, every pair's sign agreeing one way or the other, is 2 / 2**n."""
+    n = 1
+    while 2 / 2**n >= alpha:
+        n += 1
+    return n
+
+
+# below this many pairs a t-test's small p rests on its normality assumption alone: no head is called significant
+MIN_PAIRS_FOR_SIGNIFICANCE = fewest_pairs_for_significance(SIGNIFICANCE)
 UNCERTAINTY_COLUMNS = ("ci_low", "ci_high", "p_value", "q_value", "significant")
 UNCERTAINTY_METHOD = (f"95% percentile bootstrap interval of the mean over pairs ({N_BOOTSTRAP} resamples, seed 0); "
                       "two-sided one-sample t-test against 0 per head, Benjamini-Hochberg over all heads; "
-                      f"significant: q < {SIGNIFICANCE}")
+                      f"significant: q < {SIGNIFICANCE} and at least {MIN_PAIRS_FOR_SIGNIFICANCE} pairs (below that "
+                      f"an exact sign-flip test cannot reach p < {SIGNIFICANCE})")
+# how an estimate is named beside its exact score in the ranking text
+ESTIMATE_LABELS = {"attribution": "attribution", "integrated_gradients": "ig"}
 
 
 def head_uncertainty(per_pair: np.ndarray, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> dict[str, np.ndarray]:
     """``L H`` arrays ``ci_low``, ``ci_high`` (95% percentile bootstrap of the mean over pairs, seeded), ``p_value``
     (two-sided one-sample t-test of the pairs' scores against 0), ``q_value`` (Benjamini-Hochberg over every head)
-    and ``significant`` (q < 0.05). A head whose pairs all score the same (zero variance) has no t statistic and is
-    never significant: p = 1 whatever the score. With fewer than 2 pairs nothing is significant and the intervals are
-    NaN."""
+    and ``significant`` (q < 0.05, with at least :data:`MIN_PAIRS_FOR_SIGNIFICANCE` pairs). A head whose pairs all
+    score the same (zero variance) has no t statistic and is never significant: p = 1 whatever the score. With fewer
+    than :data:`MIN_PAIRS_FOR_SIGNIFICANCE` pairs nothing is significant (p and q are still computed); with fewer than
+    2 the intervals are NaN."""
     n, shape = per_pair.shape[0], per_pair.shape[1:]
     if n < 2:
         nan = np.full(shape, np.nan)
@@ -99,8 +116,24 @@ def head_uncertainty(per_pair: np.ndarray, *, n_boot: int = N_BOOTSTRAP, seed: i
     p = np.where(np.isnan(p), 1.0, p)
     q = false_discovery_control(p, method="bh")
     return {"ci_low": low.reshape(shape), "ci_high": high.reshape(shape), "p_value": p.reshape(shape),
-            "q_value": q.reshape(shape), "significant": (q < SIGNIFICANCE).reshape(shape),
+            "q_value": q.reshape(shape),
+            "significant": ((q < SIGNIFICANCE) & (n >= MIN_PAIRS_FOR_SIGNIFICANCE)).reshape(shape),
             "zero_variance": (constant & (flat[0] != 0)).reshape(shape)}
+
+
+def tied_groups(ranked: Sequence[tuple[int, int]], values: np.ndarray) -> list[list[str]]:
+    """Groups of consecutive heads of ``ranked`` (as ``"L.H"``) whose ``values`` are equal to 1e-9 of the largest
+    ``|values|`` (NaN ignored): their places in the ranking are arbitrary."""
+    finite = np.abs(values[~np.isnan(values)])
+    scale = max(float(finite.max()) if finite.size else 0.0, 1e-30)
+    groups: list[list[str]] = []
+    for (l, h), (pl, ph) in zip(ranked[1:], ranked[:-1]):
+        if abs(values[l, h] - values[pl, ph]) <= 1e-9 * scale:
+            if groups and groups[-1][-1] == f"{pl}.{ph}":
+                groups[-1].append(f"{l}.{h}")
+            else:
+                groups.append([f"{pl}.{ph}", f"{l}.{h}"])
+    return groups
 
 
 @register_result
@@ -121,6 +154,8 @@ class HeadScores(Result):
         predictions: :func:`prediction_check` of the pairs, where it was measured (how often the model's own
             predictions are the answers the scores compare).
         pairs_file: the pairs file the pairs were read from (``vlmbind locate --pairs``), or None.
+        canvas: the generated pairs' canvas, ``{"image_size", "grid", "image_size_from"}``
+            (:func:`vlmbind.analysis.evaluation.stimulus_defaults`), or None where it was not recorded.
         answer_casing: :func:`answer_casing` of the pairs, where it was measured (the scores use the answers'
             lower-case tokens; this says how often the model would rather start with a capital).
         table: a result loaded from its files (:meth:`load`): the saved per-head table; ``per_pair`` is then None
@@ -145,6 +180,7 @@ class HeadScores(Result):
     answer_casing: dict[str, Any] | None = None
     predictions: dict[str, Any] | None = None
     pairs_file: str | None = None
+    canvas: dict[str, Any] | None = None
     table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -159,7 +195,7 @@ class HeadScores(Result):
                    seconds=summary.get("seconds", 0.0), pair_ids=summary.get("pair_ids", []),
                    skipped=summary.get("skipped_examples", []), prompt_format=summary.get("prompt_format", "raw"),
                    answer_casing=summary.get("answer_casing"), predictions=summary.get("predictions"),
-                   pairs_file=summary.get("pairs_file"), table=frame)
+                   pairs_file=summary.get("pairs_file"), canvas=summary.get("canvas"), table=frame)
 
     def _saved(self, column: str) -> np.ndarray:
         """``L H`` of one column of the loaded table (NaN where a head has no row)."""
@@ -191,15 +227,17 @@ class HeadScores(Result):
         return self.per_pair.std(0, ddof=1) / math.sqrt(self.n)
 
     def uncertainty(self) -> dict[str, np.ndarray]:
-        """:func:`head_uncertainty` of the per-pair scores (from the saved table when loaded; NaN / not significant
-        where a table written before these columns existed lacks them)."""
+        """:func:`head_uncertainty` of the per-pair scores (from the saved table when loaded, no head significant on
+        fewer than :data:`MIN_PAIRS_FOR_SIGNIFICANCE` pairs whatever it says; NaN / not significant where a table
+        written before these columns existed lacks them)."""
         if self.per_pair is None:
             if not set(UNCERTAINTY_COLUMNS) <= set(self.table.columns):
                 shape = self._saved("score").shape
                 return {"ci_low": np.full(shape, np.nan), "ci_high": np.full(shape, np.nan),
                         "p_value": np.ones(shape), "q_value": np.ones(shape), "significant": np.zeros(shape, bool)}
             out = {c: self._saved(c) for c in UNCERTAINTY_COLUMNS}
-            out["significant"] = out["significant"] == 1
+            # a table saved before the minimum existed may call heads significant on too few pairs
+            out["significant"] = (out["significant"] == 1) & (self.n >= MIN_PAIRS_FOR_SIGNIFICANCE)
             return out
         cache = self.__dict__.get("_uncertainty")
         if cache is None or cache[0] is not self.per_pair:
@@ -208,43 +246,95 @@ class HeadScores(Result):
         return cache[1]
 
     def significant_top(self, k: int | None = None) -> list[tuple[int, int]]:
-        """The heads whose score differs from 0 (BH q < 0.05), by decreasing score; the first ``k`` when given."""
+        """The heads whose score differs from 0 (BH q < 0.05, on at least :data:`MIN_PAIRS_FOR_SIGNIFICANCE` pairs),
+        by decreasing score; the first ``k`` when given."""
         sig = self.uncertainty()["significant"]
         ranked = [h for h in self.top(sig.size) if sig[h]]
         return ranked if k is None else ranked[:k]
 
+    def _shows_exact(self) -> bool:
+        """Whether some head has an exact score beside this result's estimate (``verified``)."""
+        exact = self.verified_scores
+        return exact is not None and not np.isnan(exact).all()
+
+    def ranking_legend(self) -> str:
+        """What each entry of :meth:`ranking_text` holds, for the words that introduce it."""
+        if self._shows_exact():
+            return (f"{ESTIMATE_LABELS.get(self.method, self.method)} estimate and exact mean [95% interval], "
+                    f"verified heads by exact score, * estimate significant")
+        return "mean [95% interval], * significant"
+
     def ranking_text(self, k: int = 5) -> str:
         """The top ``k`` heads with their means and 95% intervals, ``*`` on those significant after correction, and
-        the ties among them (their order is the heads' index order, not evidence)."""
+        the ties among them (their order is the heads' index order, not evidence).
+
+        With exact scores of the top candidates (``verified``, an estimate method), each head's estimate is shown
+        beside its exact score, e.g. ``3.1 (ig +17.2 [...], exact +18.3 [...])``: the verified heads come first,
+        ranked by exact score, then the unverified ones by estimate, and the ties are those of the exact scores.
+        """
         u = self.uncertainty()
-        text = ", ".join(f"{l}.{h}{'*' if u['significant'][l, h] else ''} ({self.scores[l, h]:+.3f} "
-                         f"[{u['ci_low'][l, h]:+.3f}, {u['ci_high'][l, h]:+.3f}])" for l, h in self.top(k))
-        ties = self.ties(k)
+
+        def name_and_mean(l: int, h: int) -> tuple[str, str]:
+            star = "*" if u["significant"][l, h] else ""
+            return f"{l}.{h}{star}", f"{self.scores[l, h]:+.3f} [{u['ci_low'][l, h]:+.3f}, {u['ci_high'][l, h]:+.3f}]"
+
+        if not self._shows_exact():
+            text = ", ".join("{} ({})".format(*name_and_mean(l, h)) for l, h in self.top(k))
+            ties = self.ties(k)
+        else:
+            exact = self.verified_scores
+            low, high = self.verified_intervals()
+            ranked = self.top(self.scores.size)
+            verified = sorted((lh for lh in ranked if not np.isnan(exact[lh])), key=lambda lh: -exact[lh])
+            shown = (verified + [lh for lh in ranked if np.isnan(exact[lh])])[:k]
+            label = ESTIMATE_LABELS.get(self.method, self.method)
+            entries = []
+            for l, h in shown:
+                name, estimate = name_and_mean(l, h)
+                checked = ("exact not verified" if np.isnan(exact[l, h]) else
+                           f"exact {exact[l, h]:+.3f} [{low[l, h]:+.3f}, {high[l, h]:+.3f}]")
+                entries.append(f"{name} ({label} {estimate}, {checked})")
+            text = ", ".join(entries)
+            ties = tied_groups([lh for lh in shown if lh in verified], exact)
         return text + ("; tied: " + "; ".join(" = ".join(group) for group in ties) if ties else "")
 
     def ties(self, k: int = 10) -> list[list[str]]:
         """Groups of heads (``"L.H"``) among the top ``k`` whose mean scores are equal (to 1e-9 of the largest):
         their places in the ranking are arbitrary."""
-        top = self.top(k)
-        scale = max(float(np.abs(self.scores).max()), 1e-30)
-        groups: list[list[str]] = []
-        for (l, h), (pl, ph) in zip(top[1:], top[:-1]):
-            if abs(self.scores[l, h] - self.scores[pl, ph]) <= 1e-9 * scale:
-                if groups and groups[-1][-1] == f"{pl}.{ph}":
-                    groups[-1].append(f"{l}.{h}")
-                else:
-                    groups.append([f"{pl}.{ph}", f"{l}.{h}"])
-        return groups
+        return tied_groups(self.top(k), self.scores)
 
-    def significance_note(self) -> str | None:
-        """What to tell a user when no head separates from zero at this many pairs (None when some head does)."""
+    def significance_note(self, pairs_option: str = "--n-pairs") -> str | None:
+        """What to tell a user when no head is called significant at this many pairs (None when some head is): that
+        there are too few pairs for any test to be trusted (fewer than :data:`MIN_PAIRS_FOR_SIGNIFICANCE`), or that
+        no head separates from zero. ``pairs_option`` is the flag that sets the number of pairs."""
+        fewest = MIN_PAIRS_FOR_SIGNIFICANCE
+        if self.n < fewest:
+            more = (f"add pairs to {self.pairs_file} ({fewest} or more)" if self.pairs_file
+                    else f"rerun with {pairs_option} {fewest} or more")
+            return (f"{self.n} pair{'' if self.n == 1 else 's'}: too few to call any head significant (at least "
+                    f"{fewest} are needed: with n pairs an exact sign-flip test cannot reach p < {SIGNIFICANCE} "
+                    f"below {fewest}); {more}")
         if self.significant_top():
             return None
         flat = int(self.uncertainty().get("zero_variance", np.zeros(1, bool)).sum())  # a loaded table has none
         return (f"no head's score differs from 0 at n = {self.n} pairs (t-test, Benjamini-Hochberg q < "
-                f"{SIGNIFICANCE} over {self.scores.size} heads): the ranking is not evidence; add pairs (--n-pairs)"
+                f"{SIGNIFICANCE} over {self.scores.size} heads): the ranking is not evidence; add pairs "
+                + (f"to {self.pairs_file}" if self.pairs_file else f"({pairs_option} above {self.n})")
                 + (f"; {flat} head(s) score the same nonzero value on every pair (zero variance: not testable; "
                    f"check that the pairs differ)" if flat else ""))
+
+    def significance_text(self, k: int = 10, pairs_option: str = "--n-pairs") -> str:
+        """One line on significance: :meth:`significance_note` when no head is significant, else the first ``k``
+        significant heads with the sign of their mean score (``+3.1, -4.1``), said to be the estimate's for an
+        estimate method."""
+        note = self.significance_note(pairs_option)
+        if note:
+            return note
+        heads = self.significant_top()
+        listed = ", ".join(f"{'-' if self.scores[l, h] < 0 else '+'}{l}.{h}" for l, h in heads[:k])
+        more = f" and {len(heads) - k} more" if len(heads) > k else ""
+        whose = f" by the {ESTIMATE_LABELS.get(self.method, self.method)} estimate" if self.method in ESTIMATES else ""
+        return f"significant{whose} (BH q < {SIGNIFICANCE}, sign of the mean): {listed}{more}"
 
     @property
     def verified_scores(self) -> np.ndarray | None:
@@ -252,6 +342,24 @@ class HeadScores(Result):
         if self.per_pair is None and "exact_score" in self.table.columns:
             return self._saved("exact_score")
         return None if self.verified is None else self.verified.mean(0)
+
+    def verified_intervals(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(low, high)``: ``L H`` 95% percentile bootstrap interval over pairs of each verified head's exact score
+        (as :func:`head_uncertainty`), NaN at the heads not verified and where a loaded table lacks the columns;
+        None without verification."""
+        exact = self.verified_scores
+        if exact is None:
+            return None
+        if self.per_pair is None:
+            if {"exact_ci_low", "exact_ci_high"} <= set(self.table.columns):
+                return self._saved("exact_ci_low"), self._saved("exact_ci_high")
+            return np.full(exact.shape, np.nan), np.full(exact.shape, np.nan)
+        low, high = np.full(exact.shape, np.nan), np.full(exact.shape, np.nan)
+        checked = ~np.isnan(exact)
+        if checked.any():
+            u = head_uncertainty(self.verified[:, checked])
+            low[checked], high[checked] = u["ci_low"], u["ci_high"]
+        return low, high
 
     def to_frame(self) -> pd.DataFrame:
         if self.per_pair is None:
@@ -266,9 +374,10 @@ class HeadScores(Result):
             for layer in range(layers) for head in range(heads)
         ]
         if self.verified is not None:
-            exact = self.verified_scores
+            exact, (low, high) = self.verified_scores, self.verified_intervals()
             for row in rows:
-                row["exact_score"] = float(exact[row["layer"], row["head"]])
+                at = row["layer"], row["head"]
+                row.update(exact_score=float(exact[at]), exact_ci_low=float(low[at]), exact_ci_high=float(high[at]))
         return pd.DataFrame(rows)
 
     def top(self, k: int = 5) -> list[tuple[int, int]]:
@@ -300,11 +409,15 @@ class HeadScores(Result):
             out["predictions"] = self.predictions
         if self.pairs_file is not None:
             out["pairs_file"] = self.pairs_file
+        if self.canvas is not None:
+            out["canvas"] = self.canvas
         if self.verified is not None:
-            exact = self.verified_scores
+            exact, (low, high) = self.verified_scores, self.verified_intervals()
             heads = [tuple(int(v) for v in idx) for idx in np.argwhere(~np.isnan(exact))]
             out["verified"] = [{"head": f"{l}.{h}", self.method: float(self.scores[l, h]),
-                                "exact": float(exact[l, h])} for l, h in heads]
+                                "exact": float(exact[l, h]),
+                                "exact_ci": [None if np.isnan(v) else float(v) for v in (low[l, h], high[l, h])]}
+                               for l, h in heads]
             if len(heads) > 2:
                 out["verified_spearman"] = float(spearmanr([self.scores[h] for h in heads],
                                                            [exact[h] for h in heads]).statistic)
@@ -319,7 +432,7 @@ class HeadScores(Result):
                    per_pair=np.concatenate([p.per_pair for p in parts]), seconds=seconds,
                    pair_ids=[i for p in parts for i in p.pair_ids], verified=verified, skipped=list(skipped),
                    prompt_format=first.prompt_format, answer_casing=first.answer_casing,
-                   predictions=first.predictions, pairs_file=first.pairs_file)
+                   predictions=first.predictions, pairs_file=first.pairs_file, canvas=first.canvas)
 
     def recall(self, reference: HeadScores, k: int = 10) -> float:
         """Share of ``reference``'s top-``k`` heads that are also in this result's top-``k``."""
@@ -440,8 +553,11 @@ def aligned_scene_pair(vlm: Any, pair: Any, prompt_format: str | None = None) ->
     last-token patch) moves to the new last token. ``prompt_format`` None is the model's
     (:attr:`~vlmbind.engine.vlm.VLM.active_prompt_format`), as in :func:`locate`."""
     chat = vlm.prompt_format(prompt_format) == "chat"
-    prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual,
-                                         vlm.answer_separator(chat))
+    try:
+        prefix, a, a_star = answer_token_ids(vlm.adapter.tokenizer, pair.answer, pair.answer_counterfactual,
+                                             vlm.answer_separator(chat))
+    except InputError as exc:  # name the pair: the answers are the user's
+        raise InputError(f"pair {pair.id!r}: {exc}") from None
     aligned = check_alignment(vlm, [pair], chat=chat)
     clean, counterfactual, positions = aligned.clean, aligned.counterfactual, aligned.positions[0]
     if prefix:

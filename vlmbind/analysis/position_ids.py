@@ -9,7 +9,6 @@ how many examples that dropped is reported.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -19,8 +18,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+# the checks of arguments alone live in core, so that the command line runs them before importing torch
+from ..core.checks import check_alphas, check_head_list, check_positive  # noqa: F401  (check_alphas: public here too)
 from ..core.errors import InputError, TooFewEstimatesError
-from ..core.sites import parse_heads
 
 Cell = tuple[int, int]
 
@@ -34,42 +34,7 @@ def check_heads(vlm: Any, heads: Any) -> list[tuple[int, int]]:
     Raises:
         InputError: a malformed head, a head the model lacks, a repeated head, or no heads.
     """
-    parsed = parse_heads(heads)
-    if not parsed:
-        raise InputError("no heads given: pass LAYER.HEAD pairs, e.g. '2.1,3.0'")
-    bad = [f"{l}.{h}" for l, h in parsed if not (0 <= l < vlm.n_layers and 0 <= h < vlm.n_heads)]
-    if bad:
-        raise InputError(f"heads {bad} do not exist: the model has layers 0..{vlm.n_layers - 1} and heads "
-                         f"0..{vlm.n_heads - 1}")
-    repeated = sorted({f"{l}.{h}" for l, h in parsed if parsed.count((l, h)) > 1})
-    if repeated:
-        raise InputError(f"heads {repeated} are given more than once; list each head once")
-    return parsed
-
-
-def check_alphas(alphas: Any) -> list[float]:
-    """Sorted distinct finite alphas from numbers or ``"0,1,2"``; alpha 0 is always included (the identity
-    check and the baseline every change is measured from).
-
-    Raises:
-        InputError: a value that is not a finite number, or no values.
-    """
-    if isinstance(alphas, str):
-        alphas = [a for a in alphas.split(",") if a.strip()]
-    elif isinstance(alphas, (int, float)):
-        alphas = [alphas]
-    values = []
-    for a in alphas:
-        try:
-            v = float(a)
-        except (TypeError, ValueError):
-            raise InputError(f"alpha {a!r} is not a number; pass e.g. --alpha 0,1,2,4") from None
-        if not math.isfinite(v):
-            raise InputError(f"alpha {a!r} is not finite; pass finite numbers, e.g. 0,1,2,4")
-        values.append(v)
-    if not values:
-        raise InputError("no alphas given: pass e.g. --alpha 0,1,2,4")
-    return sorted({0.0, *values})
+    return check_head_list(heads, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
 
 
 def check_scene_examples(examples: Sequence[Any], what: str) -> None:
@@ -92,12 +57,6 @@ def target_cell(example: Any) -> Cell:
 
 def chunks(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def check_positive(**values: int) -> None:
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise InputError(f"{name} must be a positive int, got {v!r}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -190,6 +149,13 @@ def last_position_z(vlm: Any, batch: Any, heads: list[tuple[int, int]]) -> torch
     last = torch.as_tensor(batch.last_positions, dtype=torch.long)
     z = torch.stack([cache[sites[l]][rows, last.to(cache[sites[l]].device), h].cpu() for l, h in heads], 1)
     return z.to(torch.float64)
+
+
+def estimated_cells(examples: Sequence[Any], min_count: int) -> set[Cell]:
+    """The cells :func:`estimate_position_ids` gives an estimate from ``examples`` (those holding the missing object
+    of at least ``min_count`` of them), read from the scenes alone, before any model runs."""
+    counts = Counter(target_cell(e) for e in examples)
+    return {cell for cell, n in counts.items() if n >= min_count}
 
 
 def estimate_position_ids(vlm: Any, examples: Sequence[Any], heads: Any, *, min_count: int = 3,

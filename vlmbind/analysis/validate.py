@@ -42,6 +42,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from ..core.choices import DEFAULT_ALPHAS, VALIDATION_METHODS
+from ..core.checks import check_ablation_modes, check_alphas, check_reference_conditions, check_validation_methods
 from ..core.errors import InputError, TooFewEstimatesError
 from ..core.io import write_json_atomic, write_text_atomic
 from ..core.results import Result, read_json_object, register_result, require_keys
@@ -52,7 +53,7 @@ from ..engine.vlm import TRAINING_FILE
 from ..stimuli import scene_description, scene_pairs
 from ..viz import write_html_atomic
 from ..viz.validation import validation_figure
-from .ablation import MODES, ablation_study
+from .ablation import MODES, ablation_study, layers_short_of_heads
 from .edits import EDIT_POSITIONS, edit_studies
 from .evaluation import training_defaults
 from .mediation import HeadScores, locate, scene_task
@@ -353,10 +354,7 @@ def _reference(vlm: Any, reference: Mapping[str, Any] | None, source: str | None
                conditions: Sequence[str] = SCENE_CONDITIONS) -> tuple[dict[str, list[tuple[int, int]]], str | None]:
     if reference is not None:
         heads = {c: parse_heads(h) for c, h in reference.items()}
-        unknown = sorted(set(heads) - set(conditions))
-        if unknown:
-            raise InputError(f"reference conditions {unknown} are not the conditions validated here: "
-                             f"{', '.join(conditions)}")
+        check_reference_conditions(heads, conditions)
         return heads, source or "given"
     own = planted_heads(vlm)
     return own, ("planted" if own else None)
@@ -400,17 +398,12 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
             (``skipped`` says so). ``reference`` must name heads of its condition.
 
     Raises:
-        InputError: unknown methods or modes, reference heads outside the model, bad counts, or pairs whose
-            condition the reference does not name.
+        InputError: unknown methods or modes, alphas that are not finite numbers, reference heads outside the model,
+            bad counts, or pairs whose condition the reference does not name.
     """
-    bad = [m for m in methods if m not in VALIDATION_METHODS]
-    if bad or not methods:
-        raise InputError(f"methods {bad or '(none)'} are not among {VALIDATION_METHODS}")
-    if "naive" in methods and "exact" not in methods:
-        raise InputError("naive is checked against exact on a sample of heads: add exact to the methods")
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise InputError(f"ablation modes {bad} are not among {MODES}")
+    check_validation_methods(methods)
+    check_ablation_modes(modes)
+    check_alphas(alphas)  # before the mediation, not when the edit runs minutes later
     for name, value in (("n_pairs", n_pairs), ("n_eval", n_eval), ("ablation_seeds", ablation_seeds),
                         ("n_probe", n_probe), ("ig_steps", ig_steps), ("n_estimate", n_estimate)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -525,8 +518,7 @@ def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int,
                            float(magnitude[l, h])} for l in range(vlm.n_layers) for h in range(vlm.n_heads)])
     k = min(len(top), n // 2)
     # random heads from the rest, and on the same seeds from the top-k's own layers where each has one to spare
-    top_layers = [l for l, _ in top[:k]]
-    matched = ("same_layers",) if all(top_layers.count(l) < vlm.n_heads for l in top_layers) else ()
+    matched = () if layers_short_of_heads(top[:k], vlm.n_heads) else ("same_layers",)
     for mode in modes:
         study = ablation_study(vlm, dataset, frame, k=k, mode=mode, seeds=tuple(range(seeds)), random_from="rest",
                                bottom_by="abs", also_random_from=matched)

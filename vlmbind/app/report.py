@@ -187,7 +187,7 @@ def causal_sections(overview: Any) -> str:
             iv = r.intervals()
             rows.append({"study": name, "mode": r.mode, "k": r.k, "top heads": ", ".join(r.arms[1]["heads"]),
                          **{f"{arm}": f"{iv[arm]['accuracy']:.3f} [{iv[arm]['low']:.2f}, {iv[arm]['high']:.2f}]"
-                            for arm in ("clean", "top", "random", "bottom")},
+                            for arm in ("clean", "top", *r.random_arms(), "bottom")},
                          "random per seed": " ".join(f"{a['accuracy']:.2f}" for a in r.random_seeds()),
                          "random pool": POOL_LABELS[r.random_from],
                          "bottom by": r.bottom_label,

@@ -59,6 +59,8 @@ ABLATION_MODES = ("image_attention", "zero", "mean", "role_mean")
 # conditions whose heads act at text positions (object names, the last token): removing their attention to the
 # image cannot remove them, so ablate's default mode for their scores is zero
 TEXT_POSITION_CONDITIONS = ("id_retrieval", "id_selection")
+# where random-k draws its heads: every head, the heads outside the top-k, or other heads of the top-k's layers
+ABLATION_RANDOM_POOLS = ("all", "rest", "same_layers")
 VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients")
 DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
 # where a position-ID edit is added: the prompt's last position (VSM's), or also every answer position

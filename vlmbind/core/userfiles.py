@@ -119,56 +119,55 @@ def read_scores(path: str | os.PathLike, *, n_layers: int | None = None, n_heads
                 what: str = "--scores") -> pd.DataFrame:
     """A head-scores table (``layer, head, score``, any further columns kept), every row checked.
 
-    Line numbers in messages are the file's own (the header is line 1).
+    Line numbers in messages are the file's own (the header is line 1). Every message names ``what`` and the file
+    and says what to pass instead.
 
     Args:
         path: a CSV such as the ``scores.csv`` vlmbind locate writes.
-        n_layers, n_heads: the model's shape; a head outside it is an error naming its line.
+        n_layers, n_heads: the model's shape: with both, the table must give every head of the model once (a head
+            outside it is an error naming its line, a missing one an error naming what the table covers).
         what: how the user passed the file (the flag), for messages.
 
     Raises:
         UserFileError: a missing or unreadable file, a missing column, no rows, a layer or head that is not a
-            non-negative integer, a score that is not a finite number, a head outside the model, or a head listed
-            twice.
+            non-negative integer, a score that is not a finite number, a head listed twice, a head outside the
+            model, or (with both counts) a head of the model missing.
     """
     name = f"{what} {str(path)!r}"
+    fix = "run vlmbind locate on this --model and pass the scores.csv it writes"
     p = Path(path)
     if not p.is_file():
-        raise UserFileError(f"{name} {'is not a file' if p.exists() else 'does not exist'}; pass the scores.csv "
-                            "that vlmbind locate wrote")
+        raise UserFileError(f"{name} {'is not a file' if p.exists() else 'does not exist'}; {fix}")
     try:
         text = read_utf8_text(p, name, UserFileError)
         frame = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False, skipinitialspace=True)
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise UserFileError(f"{name} is not a readable CSV ({_first_line(exc)}); pass the scores.csv that vlmbind "
-                            "locate wrote") from None
+        raise UserFileError(f"{name} is not a readable CSV ({_first_line(exc)}); {fix}") from None
     missing = [c for c in SCORE_COLUMNS if c not in frame.columns]
     if missing:
         raise UserFileError(f"{name} has no column(s) {', '.join(missing)} (its header: {list(frame.columns)[:8]}); "
-                            "pass the scores.csv that vlmbind locate wrote")
+                            f"{fix}")
     if frame.empty:
-        raise UserFileError(f"{name} has a header but no rows")
+        raise UserFileError(f"{name} has a header but no rows; {fix}")
     layers, heads, scores, seen = [], [], [], {}
     for i, (layer, head, score) in enumerate(zip(frame["layer"], frame["head"], frame["score"])):
         line = i + 2
         for column, value in (("layer", layer), ("head", head)):
             if not _INTEGER.fullmatch(value.strip()):
-                raise UserFileError(f"{name} line {line}: {column} {value!r} is not a non-negative integer")
+                raise UserFileError(f"{name} line {line}: {column} {value!r} is not a non-negative integer; {fix}")
         l, h = int(float(layer)), int(float(head))
         try:
             s = float(score)
         except ValueError:
             s = math.nan
         if not math.isfinite(s):
-            raise UserFileError(f"{name} line {line}: score {score!r} is not a finite number")
-        if n_layers is not None and not l < n_layers:
-            raise UserFileError(f"{name} line {line}: layer {l} is outside the model (layers 0..{n_layers - 1})")
-        if n_heads is not None and not h < n_heads:
-            raise UserFileError(f"{name} line {line}: head {h} is outside the model (heads 0..{n_heads - 1})")
+            raise UserFileError(f"{name} line {line}: score {score!r} is not a finite number; {fix}")
         if (l, h) in seen:
-            raise UserFileError(f"{name} line {line}: head {l}.{h} is listed again (first on line {seen[l, h]})")
+            raise UserFileError(f"{name} line {line}: head {l}.{h} is listed again (first on line {seen[l, h]}); "
+                                f"{fix}")
         seen[l, h] = line
         layers.append(l), heads.append(h), scores.append(s)
+    _check_shape(name, seen, n_layers, n_heads, fix)
     out = frame.copy()
     out["layer"], out["head"], out["score"] = layers, heads, scores
     for column in out.columns.difference(SCORE_COLUMNS):
@@ -176,3 +175,26 @@ def read_scores(path: str | os.PathLike, *, n_layers: int | None = None, n_heads
         if converted.notna().all():
             out[column] = converted
     return out.reset_index(drop=True)
+
+
+def _check_shape(name: str, lines: dict[tuple[int, int], int], n_layers: int | None, n_heads: int | None,
+                 fix: str) -> None:
+    """Refuse a table (``lines``: head -> its line) with a head outside the model, or, given both counts, without
+    every head of it; the message says what the table covers against the model's shape."""
+    layers, heads = [l for l, _ in lines], [h for _, h in lines]
+    covers = f"layers {min(layers)}..{max(layers)} x heads {min(heads)}..{max(heads)}"
+    shape = f", the model has {n_layers} x {n_heads}" if n_layers is not None and n_heads is not None else ""
+    for (l, h), line in lines.items():
+        if n_layers is not None and not l < n_layers:
+            raise UserFileError(f"{name} line {line}: layer {l} is outside the model (layers 0..{n_layers - 1}): "
+                                f"the table covers {covers}{shape}; {fix}")
+        if n_heads is not None and not h < n_heads:
+            raise UserFileError(f"{name} line {line}: head {h} is outside the model (heads 0..{n_heads - 1}): the "
+                                f"table covers {covers}{shape}; {fix}")
+    if n_layers is None or n_heads is None:
+        return
+    absent = [f"{l}.{h}" for l in range(n_layers) for h in range(n_heads) if (l, h) not in lines]
+    if absent:
+        listed = ", ".join(absent[:4]) + (f" and {len(absent) - 4} more" if len(absent) > 4 else "")
+        raise UserFileError(f"{name} covers {len(lines)} of the model's {n_layers * n_heads} heads: {covers}"
+                            f"{shape} (missing {listed}); {fix}")

@@ -34,6 +34,15 @@ from .scenes import (
 from .query import binding_query
 from .search import COUNT_SPLITS, SEARCH_SPLITS, counting, visual_search
 from .user import TaskFileError, load_task, user_images
+from .registry import (
+    Counterfactual,
+    PairContext,
+    PluginError,
+    load_plugin,
+    register_condition,
+    register_task,
+)
+from .tasks import make_pairs  # registers the built-in tasks
 
 __all__ = [
     "COLOURS", "LETTERS", "SHAPES", "CONDITIONS", "COUNT_SPLITS", "SEARCH_SPLITS",
@@ -41,7 +50,8 @@ __all__ = [
     "StimulusError", "PairAlignmentError", "PairsFileError", "load_pairs",
     "scene_description", "scene_pairs", "binding_query", "visual_search", "counting", "rsa_set",
     "balanced_color_shape", "code_arrays", "covering_count", "entropies", "split_codes", "user_images",
-    "load_task", "TaskFileError",
+    "load_task", "TaskFileError", "Counterfactual", "PairContext", "PluginError", "load_plugin",
+    "register_condition", "register_task", "make_pairs",
     "answers", "format_points", "p2a_text", "parse_points", "parse_count", "parse_yes_no",
     "object_token_positions", "object_tokens", "render",
 ]

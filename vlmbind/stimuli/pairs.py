@@ -277,6 +277,19 @@ def _patch_from_file(patch: Any, size: tuple[int, int], fail: Any) -> dict[str, 
     return {"kind": "positions", "positions": [int(v) for v in positions]}
 
 
+# a patch as pairs files and conditions write it: "last" or one of the dicts of PATCH_FORMS
+PatchForm = Any
+
+
+def patch_from_form(patch: PatchForm, size: tuple[int, int]) -> dict[str, Any]:
+    """A patch in the pairs file's form (on an image of ``size``) as a pair's ``patch`` dict.
+
+    Raises:
+        StimulusError: not one of :data:`PATCH_FORMS`, or a box outside the image.
+    """
+    return _patch_from_file(patch, size, lambda _name, what: StimulusError(f"patch {what}"))
+
+
 def patch_to_file(patch: dict[str, Any]) -> Any:
     """A pair's patch in the ``pairs.jsonl`` form."""
     kind = patch.get("kind")
@@ -341,4 +354,5 @@ def _load_earlier_format(path: Path) -> PairSet:
     return PairSet(info["condition"], pairs, info.get("params", {}), int(info.get("seed", 0)), summary)
 
 
-__all__ = ["PAIRS_FILE", "CounterfactualPair", "PairSet", "PairsFileError", "load_pairs", "patch_to_file"]
+__all__ = ["PAIRS_FILE", "CounterfactualPair", "PairSet", "PairsFileError", "load_pairs", "patch_from_form",
+           "patch_to_file"]

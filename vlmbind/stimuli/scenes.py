@@ -26,6 +26,8 @@ import numpy as np
 
 from ..core.errors import close_matches
 from .pairs import CounterfactualPair, PairSet
+from .registry import CONDITIONS as REGISTERED_CONDITIONS
+from .registry import Counterfactual, PairContext, build_pair, register_condition
 from .core import (
     Canvas,
     Dataset,
@@ -190,10 +192,10 @@ def scene_description(
 # Counterfactual pairs
 # ------------------------------------------------------------------------------------------------------------------
 def _check_condition(condition: Any) -> str:
-    if condition not in CONDITIONS:
-        raise StimulusError(
-            f"condition {condition!r} is not one of {CONDITIONS}.{close_matches(str(condition), CONDITIONS)}"
-        )
+    """VSM's three conditions, or another registered over scenes (:func:`vlmbind.stimuli.register_condition`)."""
+    scene = [name for name, c in REGISTERED_CONDITIONS.items() if c.task == "scene"]
+    if condition not in scene:
+        raise StimulusError(f"condition {condition!r} is not one of {tuple(scene)}.{close_matches(str(condition), scene)}")
     return condition
 
 
@@ -208,47 +210,62 @@ def _listing_start(objects: Sequence[SceneObject], described: Sequence[int], k: 
     return len("in this image there is ") + before + len("a ")
 
 
-def _make_pair(rng: np.random.Generator, pid: str, condition: str, clean: Example, canvas: Canvas,
-               colours: tuple[str, ...], shapes: tuple[str, ...], swap: str, recolour: str) -> CounterfactualPair:
-    objects = clean.objects
-    described, target = clean.fields["described"], clean.fields["target"]
-    fields = dict(clean.fields)
-    if condition == "feature_retrieval":
-        t = objects[target]
-        if recolour == "unused":
-            used = {o.colour for o in objects}
-            unused = [c for c in colours if c not in used]
-            new_colour, new_shape = unused[int(rng.integers(len(unused)))], t.shape
-        else:
-            taken = {(o.colour, o.shape) for o in objects}
-            options = [(c, s) for c in colours for s in shapes if (c, s) not in taken]
-            new_colour, new_shape = options[int(rng.integers(len(options)))]
-        cf_objects = [replace(o, colour=new_colour, shape=new_shape) if k == target else o
-                      for k, o in enumerate(objects)]
-        fields["recoloured"] = {"object": target, "from": t.colour, "to": new_colour}
-        if new_shape != t.shape:
-            fields["reshaped"] = {"object": target, "from": t.shape, "to": new_shape}
-        a_star, first, patch = f"{new_colour} {new_shape}", (0 if new_colour != t.colour else 1), {"kind": "last"}
+def _swap_target(example: Example, rng: np.random.Generator, context: PairContext,
+                 id_retrieval: bool) -> Counterfactual:
+    """j (the second-to-last described object, or any described one with ``swap="random"``) and the target t trade
+    cells: a* = j's name."""
+    objects, canvas = example.objects, context.canvas
+    described, target = example.fields["described"], example.fields["target"]
+    fields = dict(example.fields)
+    k = len(described) - 1 if context.options.get("swap", "last") == "last" else int(rng.integers(len(described)))
+    j = described[k]
+    oj, ot = objects[j], objects[target]
+    moved = {j: place(canvas, oj.colour, oj.shape, ot.row, ot.col),
+             target: place(canvas, ot.colour, ot.shape, oj.row, oj.col)}
+    cf_objects = [moved.get(i, o) for i, o in enumerate(objects)]
+    fields["swapped"] = [j, target]
+    patch: Any = "last"
+    if id_retrieval:
+        start = _listing_start(objects, described, k)
+        patch = {"text": oj.name, "occurrence": -example.prompt[start:].count(oj.name), "object": j}
+    return Counterfactual(image=render(canvas, cf_objects), answer=oj.name, patch=patch,
+                          answer_on_counterfactual=cf_objects[target].name, objects=cf_objects, fields=fields)
+
+
+@register_condition("id_retrieval", task="scene")
+def id_retrieval(example: Example, rng: np.random.Generator, context: PairContext) -> Counterfactual:
+    """Swap j's and the target's cells; patch j's name in the prompt (see :func:`scene_pairs`)."""
+    return _swap_target(example, rng, context, id_retrieval=True)
+
+
+@register_condition("id_selection", task="scene")
+def id_selection(example: Example, rng: np.random.Generator, context: PairContext) -> Counterfactual:
+    """Swap j's and the target's cells; patch the last token (see :func:`scene_pairs`)."""
+    return _swap_target(example, rng, context, id_retrieval=False)
+
+
+@register_condition("feature_retrieval", task="scene")
+def feature_retrieval(example: Example, rng: np.random.Generator, context: PairContext) -> Counterfactual:
+    """Recolour the target (``recolour="unused"``: a colour no object has; ``"any"``: any conjunction no object has);
+    patch the last token (see :func:`scene_pairs`)."""
+    objects, target = example.objects, example.fields["target"]
+    fields = dict(example.fields)
+    t = objects[target]
+    if context.options.get("recolour", "unused") == "unused":
+        used = {o.colour for o in objects}
+        unused = [c for c in context.colours if c not in used]
+        new_colour, new_shape = unused[int(rng.integers(len(unused)))], t.shape
     else:
-        # j: the second-to-last described object (VSM's pairs), or any described object
-        k = len(described) - 1 if swap == "last" else int(rng.integers(len(described)))
-        j = described[k]
-        oj, ot = objects[j], objects[target]
-        moved = {j: place(canvas, oj.colour, oj.shape, ot.row, ot.col),
-                 target: place(canvas, ot.colour, ot.shape, oj.row, oj.col)}
-        cf_objects = [moved.get(i, o) for i, o in enumerate(objects)]
-        fields["swapped"] = [j, target]
-        a_star, first = oj.name, (0 if oj.colour != ot.colour else 1)
-        if condition == "id_retrieval":
-            start = _listing_start(objects, described, k)
-            occurrence = -clean.prompt[start:].count(oj.name)
-            patch = {"kind": "span", "text": oj.name, "occurrence": occurrence, "object": j}
-        else:
-            patch = {"kind": "last"}
-    cf = Example(id=f"{pid}-cf", image=render(canvas, cf_objects), objects=cf_objects, prompt=clean.prompt,
-                 answer=cf_objects[target].name, task="scene", fields=fields)
-    return CounterfactualPair(pid, condition, replace(clean, id=f"{pid}-clean"), cf, patch, clean.answer, a_star,
-                              first)
+        taken = {(o.colour, o.shape) for o in objects}
+        options = [(c, s) for c in context.colours for s in context.shapes if (c, s) not in taken]
+        new_colour, new_shape = options[int(rng.integers(len(options)))]
+    cf_objects = [replace(o, colour=new_colour, shape=new_shape) if k == target else o
+                  for k, o in enumerate(objects)]
+    fields["recoloured"] = {"object": target, "from": t.colour, "to": new_colour}
+    if new_shape != t.shape:
+        fields["reshaped"] = {"object": target, "from": t.shape, "to": new_shape}
+    return Counterfactual(image=render(context.canvas, cf_objects), answer=f"{new_colour} {new_shape}",
+                          objects=cf_objects, fields=fields)
 
 
 def scene_pairs(
@@ -317,12 +334,14 @@ def scene_pairs(
         raise StimulusError(f"recolour must be one of {RECOLOURS}, got {recolour!r}")
     spare = condition == "feature_retrieval" and recolour == "unused"
     _check_scene_pools(lo, hi, entropy, cs, ss, spare_colour=spare)
+    make = REGISTERED_CONDITIONS[condition].make
+    context = PairContext(canvas, cs, ss, {"swap": swap, "recolour": recolour})
     pairs = []
     for i in range(n):
+        # the counterfactual draws from the clean scene's own stream, after the scene
         rng = example_rng(seed, i)
-        pid = f"pair-{i:05d}"
         clean = _scene_example(rng, f"scene-{i:05d}", canvas, lo, hi, entropy, cs, ss)
-        pairs.append(_make_pair(rng, pid, condition, clean, canvas, cs, ss, swap, recolour))
+        pairs.append(build_pair(f"pair-{i:05d}", condition, clean, make(clean, rng, context)))
     params = {"condition": condition, **_scene_params(lo, hi, entropy, canvas, cs, ss)}
     if swap != "last" or recolour != "unused":  # VSM's pairs keep the parameters they always had
         params.update(swap=swap, recolour=recolour)

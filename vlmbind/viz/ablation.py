@@ -15,8 +15,9 @@ def ablation_figure(data: dict[str, Any]) -> Any:
 
     Returns:
         A bar chart: one bar per arm (random arms per seed), exact accuracy and heads on hover; with
-        ``data["intervals"]`` (``[(low, high)]`` per arm) error bars, and with ``data["random"]`` (the random arm's
-        mean and interval over seeds) a dashed line across the random bars.
+        ``data["intervals"]`` (``[(low, high)]`` per arm) error bars, and with ``data["random_arms"]`` (each random
+        arm's mean and interval over seeds; results without it: ``data["random"]``, the ``random`` arm's) a dashed
+        line across that arm's bars.
     """
     import plotly.graph_objects as go
 
@@ -24,7 +25,8 @@ def ablation_figure(data: dict[str, Any]) -> Any:
     bottom = {"abs": "bottom (smallest |score|)", "score": "bottom (lowest score)"}.get(data.get("bottom_by", "score"))
     labels = [(bottom if a["arm"] == "bottom" else a["arm"]) if a.get("seed") is None
               else f"{a['arm']} (seed {a['seed']})" for a in arms]
-    colours = {"clean": "#7f7f7f", "top": "#d62728", "random": "#1f77b4", "bottom": "#2ca02c"}
+    colours = {"clean": "#7f7f7f", "top": "#d62728", "random": "#1f77b4", "random_same_layers": "#17becf",
+               "random_all": "#9467bd", "bottom": "#2ca02c"}
     intervals = data.get("intervals")
     error_y = None
     if intervals:
@@ -38,14 +40,16 @@ def ablation_figure(data: dict[str, Any]) -> Any:
         hovertemplate="%{x}<br>accuracy = %{customdata[0]}<br>heads %{customdata[1]}<br>n = %{customdata[2]}"
                       "<extra></extra>",
     ))
-    random = data.get("random")
-    if random and random.get("seeds", 0) > 1:
-        # the random arms' mean and its t-interval over seeds, as a band across their bars
-        xs = [lab for lab, a in zip(labels, arms) if a["arm"] == "random"]
+    means = data.get("random_arms") or ({"random": data["random"]} if data.get("random") else {})
+    for arm, mean in means.items():
+        if mean.get("seeds", 0) < 2:
+            continue
+        # the arm's mean over seeds with its t-interval, as a line across its bars
+        xs = [lab for lab, a in zip(labels, arms) if a["arm"] == arm]
         fig.add_trace(go.Scatter(
-            x=xs, y=[random["accuracy"]] * len(xs), mode="lines", line={"color": "#1f77b4", "dash": "dash"},
-            name=f"random mean {random['accuracy']:.3f} [{random['low']:.2f}, {random['high']:.2f}]",
-            hoverinfo="name"))
+            x=xs, y=[mean["accuracy"]] * len(xs), mode="lines",
+            line={"color": colours.get(arm, "#9467bd"), "dash": "dash"},
+            name=f"{arm} mean {mean['accuracy']:.3f} [{mean['low']:.2f}, {mean['high']:.2f}]", hoverinfo="name"))
         fig.update_layout(legend={"orientation": "h", "y": -0.25})
     n = max((int(a["n"]) for a in arms), default=0)
     title = (f"Ablating {data['k']} heads ({data['mode']}{', renormalised' if data['renormalize'] else ''}), "

@@ -269,6 +269,8 @@ def task_data(args: argparse.Namespace, generator_options: tuple[str, ...]) -> A
         InputError: a generator option given with --data; a task file that does not validate.
     """
     if args.data is None:
+        load_plugins(args)
+        check_task_name(args.task)
         args.n = 200 if args.n is None else args.n
         args.seed = 1 if args.seed is None else args.seed
         return None
@@ -288,3 +290,38 @@ def task_label(args: argparse.Namespace) -> str:
         return args.task
     path = Path(args.data)
     return path.name if path.is_dir() else (path.parent.name if path.stem == "task" else path.stem)
+
+
+def check_task_name(task: str) -> None:
+    """``--task``: a built-in task or one a ``--plugin`` file registered.
+
+    Raises:
+        InputError: any other name (the message lists the registered ones).
+    """
+    from ...core.errors import close_matches
+    from ...stimuli.registry import TASKS
+
+    if task not in TASKS:
+        raise InputError(f"--task {task!r} is not registered.{close_matches(task, TASKS)} Registered: "
+                         f"{', '.join(TASKS)}; a task of your own comes with --data PATH (a task file) or --plugin "
+                         "FILE.py (as code)")
+
+
+def add_plugin(p: Any, what: str) -> None:
+    """``--plugin FILE.py``: a researcher's file that registers conditions or tasks, run only when given."""
+    p.add_argument("--plugin", action="append", metavar="FILE.py", default=None,
+                   help=f"a Python file of yours that registers {what} (vlmbind.stimuli.register_condition / "
+                        "register_task; docs/your_experiment.md); run only when given; repeatable")
+
+
+def load_plugins(args: argparse.Namespace) -> list[str]:
+    """Run the ``--plugin`` files; what they registered (``condition NAME`` / ``task NAME``).
+
+    Raises:
+        PluginError: a file that is not Python, fails while running, or registers a name twice.
+    """
+    if not getattr(args, "plugin", None):
+        return []
+    from ...stimuli.registry import load_plugin
+
+    return [name for path in args.plugin for name in load_plugin(path)]

@@ -38,6 +38,13 @@ DEFAULT_OUT = "runs/demo"
 DEMO_PROMPT = "In this image there is a red square, a blue circle and a"
 DEMO_SITES = "blocks.*.attn.hook_pattern"
 TOP_K = 5
+# the sizes of the demo's parts: option -> (its default, the parts that use it as (flag that skips it, part))
+SIZE_OPTIONS = {
+    "pairs": (16, (("--no-validate", "validation"), ("--no-causal", "causal overview"))),
+    "eval_n": (64, (("--no-validate", "validation"), ("--no-causal", "causal overview"),
+                    ("--no-representations", "representational overview"))),
+    "probe_n": (512, (("--no-validate", "validation"), ("--no-representations", "representational overview"))),
+}
 
 _SCENE_RGB = {
     "red": (220, 40, 40), "blue": (40, 80, 220), "green": (40, 170, 70), "yellow": (235, 200, 30),
@@ -64,17 +71,18 @@ def add_parser(sub: Any, common: Any) -> None:
     add_prompt_format(demo)
     demo.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     demo.add_argument("--seed", type=non_negative_int, default=0, help="seed of the drawn scene (default: 0)")
-    demo.add_argument("--pairs", type=positive_int, default=16,
-                      help="counterfactual pairs per mediation condition (default: 16)")
-    demo.add_argument("--eval-n", type=positive_int, default=64,
-                      help="examples per ablation arm and edit evaluation (default: 64)")
+    demo.add_argument("--pairs", type=positive_int, default=None,
+                      help=f"counterfactual pairs per mediation condition (default: {SIZE_OPTIONS['pairs'][0]})")
+    demo.add_argument("--eval-n", type=positive_int, default=None,
+                      help=f"examples per ablation arm and edit evaluation (default: {SIZE_OPTIONS['eval_n'][0]})")
     demo.add_argument("--no-causal", action="store_true",
                       help="skip the causal overview (located heads, ablations, position-ID edit)")
-    demo.add_argument("--probe-n", type=positive_int, default=512,
-                      help="BalancedColorShape training images for the probes (val and test: a quarter each)")
+    demo.add_argument("--probe-n", type=positive_int, default=None,
+                      help="BalancedColorShape training images for the probes (val and test: a quarter each; default: "
+                           f"{SIZE_OPTIONS['probe_n'][0]})")
     demo.add_argument("--no-representations", action="store_true",
                       help="skip the representational overview (RSA, centroid tracking, probes)")
-    demo.add_argument("--validate-model", default=DEFAULT_VALIDATE,
+    demo.add_argument("--validate-model", default=None,
                       help="an organism with planted heads whose validation (every method against them) opens the "
                            f"report (default: {DEFAULT_VALIDATE})")
     demo.add_argument("--no-validate", action="store_true", help="skip the validation on the planted organism")
@@ -148,9 +156,29 @@ def _png_bytes(image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+def refuse_unused_sizes(args: argparse.Namespace) -> None:
+    """Refuse the options of the parts the --no-* flags skip (then fill in the defaults of the others).
+
+    Raises:
+        InputError: --validate-model with --no-validate, or a size no part that runs uses.
+    """
+    if args.validate_model is not None and args.no_validate:
+        raise InputError("--validate-model does not apply with --no-validate (no validation runs); drop one of them")
+    args.validate_model = args.validate_model or DEFAULT_VALIDATE
+    for name, (default, parts) in SIZE_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif all(getattr(args, skip[2:].replace("-", "_")) for skip, _ in parts):
+            flag = "--" + name.replace("_", "-")
+            sized = [f"the {part}" for _, part in parts]
+            raise InputError(f"{flag} does not apply with {' '.join(skip for skip, _ in parts)}: it sizes "
+                             f"{', '.join(sized[:-1])} and {sized[-1]}, and none of them runs; drop {flag}")
+
+
 def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, Any], str, int]:
     """``vlmbind demo``: run a model on a drawn scene and write the CSV, figures, scene, summary and report."""
     check_model(args)
+    refuse_unused_sizes(args)
     from ...core.io import check_out_dir
 
     out = check_out_dir(args.out)  # a bad --out fails now, before the imports below (torch) and the whole run

@@ -12,6 +12,7 @@ from .arguments import (
     add_scores_options,
     check_model,
     check_scores_model,
+    int_at_least,
     load_model,
     out_dir,
     parse_range,
@@ -19,6 +20,7 @@ from .arguments import (
 
 # its place in `vlmbind --help`
 HELP_ORDER = 100
+DEFAULT_TOP_K = 3
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -32,7 +34,8 @@ def add_parser(sub: Any, common: Any) -> None:
     heads = p.add_mutually_exclusive_group(required=True)
     heads.add_argument("--heads", help="LAYER.HEAD list, e.g. 2.1,3.0")
     add_scores_options(p, heads)
-    p.add_argument("--top-k", type=int, default=3, help="with --scores: edit the k best heads (default 3)")
+    p.add_argument("--top-k", type=int_at_least(1, "--top-k 3"), default=None,
+                   help=f"with --scores: edit the k best heads (default {DEFAULT_TOP_K})")
     p.add_argument("--alpha", default="0,0.5,1,2,4,8", help="comma-separated alphas (0 is always added)")
     p.add_argument("--n-estimate", type=int, default=512, help="estimation examples (default 512)")
     p.add_argument("--positions", choices=EDIT_POSITIONS, default=None,
@@ -61,24 +64,56 @@ def _heads_from_scores(path_text: str, top_k: int, vlm: Any) -> list[tuple[int, 
     return check_heads(vlm, ranked[:top_k])
 
 
+def n_estimate_error(exc: Any, args: Any) -> InputError:
+    """A study's too-few-estimates error (``reason`` and ``enough`` on it) in the command line's terms."""
+    fix = (f"rerun with --n-estimate {exc.enough} (its scenes leave examples to edit, at this --seed and --n-eval)"
+           if exc.enough is not None else
+           "more --n-estimate does not help with these scenes: raise --n-eval")
+    return type(exc)(f"--n-estimate {args.n_estimate} is too few: {exc.reason}; {fix}")
+
+
 def cmd_edit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    if args.heads is not None and args.top_k is not None:
+        raise InputError("--top-k does not apply with --heads (the edit is added at every head --heads lists); drop "
+                         "it, or pass --scores to edit the top k of a table")
+    if args.heads is not None and args.scores_from_any_model:
+        raise InputError("--scores-from-any-model does not apply with --heads (it accepts a --scores table located "
+                         "on another model); drop it")
     check_scores_model(args)
-    from ...analysis.edits import alpha_label, default_positions, edit_study, entropy_repair
-    from ...analysis.position_ids import check_alphas, check_heads, check_positive
-    from ...core.sites import parse_heads
+    # the checks of the arguments alone, before the imports below, which import torch
+    from ...core.checks import check_alphas, check_head_list, check_positive
 
     alphas = check_alphas(args.alpha)
     check_positive(**{"--n-estimate": args.n_estimate, "--n-eval": args.n_eval})
     if args.heads is not None:
-        parse_heads(args.heads)  # malformed heads fail before the model loads
-    out = out_dir(args, "edit") if args.out else None  # a bad --out fails before the model loads
+        check_head_list(args.heads, flag="--heads")  # the range is checked once the model is loaded
+    args.top_k = args.top_k or DEFAULT_TOP_K
+    # the default folder names the positions, whose default needs the model: every candidate is checked now
+    label = f"top{args.top_k}" if args.scores else "heads"
+    outs = {p: out_dir(args, "edit", p, label) for p in ([args.positions] if args.positions else EDIT_POSITIONS)}
+    from ...analysis.edits import (
+        alpha_label,
+        check_estimates,
+        default_positions,
+        edit_study,
+        entropy_repair,
+    )
+    from ...analysis.position_ids import check_heads
+    from ...core.errors import TooFewEstimatesError
+
     vlm = load_model(args)
     positions = args.positions or default_positions(vlm)
-    out = out or out_dir(args, "edit", positions, f"top{args.top_k}" if args.scores else "heads")
+    out = outs[positions]
     heads = _heads_from_scores(args.scores, args.top_k, vlm) if args.scores else check_heads(vlm, args.heads)
     options = dict(n_estimate=args.n_estimate, n_eval=args.n_eval, seed=args.seed, n_objects=args.objects or 3,
                    progress=not args.json, positions=positions)
+    scenes = {k: options[k] for k in ("n_estimate", "n_eval", "seed", "n_objects")}
+    try:
+        # read from the scenes alone: a too-small --n-estimate is refused before any forward pass, for both studies
+        check_estimates(vlm, **scenes, studies=("edit", "repair") if args.repair else ("edit",))
+    except TooFewEstimatesError as exc:
+        raise n_estimate_error(exc, args) from None
     result = edit_study(vlm, heads, alphas, **options)
     if args.repair:
         result.repair = entropy_repair(vlm, heads, alphas, **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +11,13 @@ from ...core.choices import LOCATE_CHECKPOINT as CHECKPOINT
 from ...core.errors import InputError
 from .arguments import (
     add_placement,
+    add_plugin,
     add_prompt_format,
     check_model,
     int_at_least,
     model_session,
     out_dir,
+    load_plugins,
     parse_range,
     rank_done,
 )
@@ -24,11 +27,18 @@ HELP_ORDER = 50
 DEFAULT_N_PAIRS = 16
 # the options that build vlmbind's own pairs, and which conditions take each; a pairs file brings its own
 GENERATOR_OPTIONS = {"n_pairs": CONDITIONS, "seed": CONDITIONS, "objects": CONDITIONS,
-                     "entropy": CONDITIONS[:-1], "trace_task": CONDITIONS[-1:]}
+                     "entropy": CONDITIONS[:-1], "image_size": CONDITIONS[:-1], "trace_task": CONDITIONS[-1:]}
 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def draws_on_canvas(task: str) -> bool:
+    """Whether ``task``'s stimuli are drawn on a canvas vlmbind sizes (``--image-size``): its built-in tasks'."""
+    from ...stimuli.tasks import TASKS
+
+    return task in TASKS and "canvas" in TASKS[task][2]
 
 
 def check_pairs_arguments(args: Any) -> Any:
@@ -41,6 +51,7 @@ def check_pairs_arguments(args: Any) -> Any:
     """
     from ...core.errors import close_matches
 
+    load_plugins(args)
     given = [name for name in GENERATOR_OPTIONS if getattr(args, name) is not None]
     if args.pairs is not None:
         if given:
@@ -53,10 +64,23 @@ def check_pairs_arguments(args: Any) -> Any:
         return pairs
     if args.condition is None:
         raise InputError("pass --condition (one of " + ", ".join(CONDITIONS) + ") or --pairs PATH (your own pairs)")
-    if args.condition not in CONDITIONS:
-        raise InputError(f"--condition {args.condition!r} is not built in.{close_matches(args.condition, CONDITIONS)} "
-                         f"Built in: {', '.join(CONDITIONS)}; a condition of your own comes with --pairs PATH")
-    stray = [name for name in given if args.condition not in GENERATOR_OPTIONS[name]]
+    from ...stimuli.registry import CONDITIONS as REGISTERED
+
+    known = [*CONDITIONS, *(c for c in REGISTERED if c not in CONDITIONS)]
+    if args.condition not in known:
+        raise InputError(f"--condition {args.condition!r} is not registered.{close_matches(args.condition, known)} "
+                         f"Registered: {', '.join(known)}; a condition of your own comes with --pairs PATH (pairs "
+                         "as data) or --plugin FILE.py (as code)")
+
+    def applies(name: str) -> bool:
+        if args.condition in CONDITIONS:
+            return args.condition in GENERATOR_OPTIONS[name]
+        # a plugin's condition draws its pairs from its task's generator
+        task = REGISTERED[args.condition].task
+        return (name in ("n_pairs", "seed", "objects") or (name == "entropy" and task == "scene")
+                or (name == "image_size" and draws_on_canvas(task)))
+
+    stray = [name for name in given if not applies(name)]
     if stray:
         raise InputError(f"{', '.join(map(flag, stray))} {'does' if len(stray) == 1 else 'do'} not apply to "
                          f"--condition {args.condition}")
@@ -84,7 +108,11 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--objects", type=parse_range, help="objects per scene: N or LOW-HIGH (default 3)")
     p.add_argument("--entropy", choices=("high", "low"), default=None,
                    help="scenes of distinct features (high, the default) or shared ones (low)")
+    p.add_argument("--image-size", type=int_at_least(8, "--image-size 448"), default=None,
+                   help="scene pairs: canvas side in pixels (default: an organism's training size, else the model "
+                        "family's typical input size; the summary records it)")
     add_prompt_format(p)
+    add_plugin(p, "conditions")
     p.add_argument("--method", choices=METHODS, default="exact",
                    help="exact (fast, equal to naive), naive (one forward per head), attribution (first-order "
                         "estimate), integrated_gradients (path estimate)")
@@ -119,6 +147,8 @@ def refuse_other_finished_run(out: Any, args: Any) -> None:
         del pairs["--n-pairs"]
     if args.prompt_format:
         pairs["--prompt-format"] = (done.get("prompt_format"), args.prompt_format)
+    if args.image_size:
+        pairs["--image-size"] = ((done.get("canvas") or {}).get("image_size"), args.image_size)
     changed = [f"{flag} {then} (this command: {now})" for flag, (then, now) in pairs.items()
                if then is not None and then != now and not (flag == "--model" and same_model(then, now))]
     if changed:
@@ -160,11 +190,14 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     check_model(args)
     user_pairs = check_pairs_arguments(args)
     from ...analysis import sweeps
-    from ...analysis.evaluation import training_defaults
+    from ...analysis.evaluation import outside_training, stimulus_defaults
     from ...analysis.mediation import answer_casing, locate, prediction_check
     from ...analysis.traces import point_swap_pairs
     from ...engine import parallel
-    from ...stimuli import scene_pairs
+    from ...stimuli import make_pairs
+    from ...stimuli.registry import CONDITIONS as REGISTERED_CONDITIONS
+    from ...stimuli.tasks import TASKS as STIMULUS_TASKS
+    from ...stimuli.tasks import task_kwargs
 
     method_kwargs: dict[str, Any] = {"steps": args.ig_steps} if args.method == "integrated_gradients" else {}
     out = (out_dir(args, "locate", args.condition) if user_pairs is None
@@ -186,9 +219,16 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
             extra = {"objects": args.objects} if args.objects else {}
             pairs = point_swap_pairs(vlm, args.n_pairs, args.seed, task=args.trace_task or "count", **extra)
         else:
-            kwargs = training_defaults(vlm, "scene", {"n_objects": args.objects or 3,
-                                                      "entropy": args.entropy or "high"})
-            pairs = scene_pairs(args.n_pairs, args.condition, args.seed, **kwargs)
+            task = REGISTERED_CONDITIONS[args.condition].task
+            if task == "scene":
+                options = {"n_objects": args.objects or 3, "entropy": args.entropy or "high"}
+            else:  # a plugin's condition over another task
+                options = task_kwargs(task, {"objects": args.objects}) if task in STIMULUS_TASKS else {}
+            kwargs, canvas = stimulus_defaults(vlm, task, options, args.image_size)
+            outside = outside_training(vlm, task, kwargs)
+            if outside and group.is_main:
+                print(f"vlmbind: warning: {outside}", file=sys.stderr)
+            pairs = make_pairs(args.condition, args.n_pairs, args.seed, **kwargs)
         if group.world == 1:
             scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
                             checkpoint=checkpoint, **method_kwargs)
@@ -202,14 +242,15 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
             scores.predictions = prediction_check(vlm, pairs, method_kwargs["prompt_format"])
         if user_pairs is not None:
             scores.pairs_file = pairs_source(args.pairs)
+        elif args.condition != "attention_swap":
+            scores.canvas = canvas
     scores.save(out)
     parallel.remove_parts(out, "locate")
     summary = {**scores.summary(), "out": str(out), "command": " ".join(command)}
     if group.world > 1:
         summary["processes"] = group.world
     top = scores.ranking_text(5)
-    significance = scores.significance_note() or (
-        "significant (BH q < 0.05): " + ", ".join(f"{l}.{h}" for l, h in scores.significant_top(10)))
+    significance = scores.significance_text(10)
     casing = scores.answer_casing
     note = ""
     if casing and casing["share"] > 0.5:
@@ -219,5 +260,6 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
     note += prediction_lines(scores.predictions)
     text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}, {scores.prompt_format} prompts: "
             f"{scores.seconds:.1f} s\n"
-            f"  top heads (mean [95% interval], * significant): {top}\n  {significance}\n{note}  wrote {out}/scores.csv, heatmap.html, summary.json")
+            f"  top heads ({scores.ranking_legend()}): {top}\n  {significance}\n{note}"
+            f"  wrote {out}/scores.csv, heatmap.html, summary.json")
     return summary, text, 0

@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.choices import ABLATION_MODES as MODES
-from ...core.choices import DEFAULT_ALPHAS, EDIT_POSITIONS, IG_STEPS, VALIDATION_METHODS
+from ...core.choices import DEFAULT_ALPHAS, EDIT_POSITIONS, IG_STEPS, PAIR_CONDITIONS, VALIDATION_METHODS
 from ...core.errors import InputError
 from .arguments import add_placement, add_prompt_format, check_model, int_at_least, load_model, out_dir
 
 # its place in `vlmbind --help`
 HELP_ORDER = 110
+# the options of one mediation method: option -> (the method it shapes, its default)
+METHOD_OPTIONS = {"naive_heads": ("naive", 6), "ig_steps": ("integrated_gradients", IG_STEPS)}
+# the options of the position-ID edit, which runs at the reference's id_selection heads
+EDIT_OPTIONS = ("alpha", "n_estimate", "edit_positions")
 
 
 def add_parser(sub: Any, common: Any) -> None:
@@ -42,9 +46,9 @@ def add_parser(sub: Any, common: Any) -> None:
                    help="scenes of distinct features (high, the default) or shared ones (low)")
     p.add_argument("--methods", default=",".join(VALIDATION_METHODS),
                    help=f"mediation methods, comma-separated (default {','.join(VALIDATION_METHODS)})")
-    p.add_argument("--naive-heads", type=int_at_least(1, "6"), default=6,
-                   help="heads naive is checked on against exact (default 6)")
-    p.add_argument("--ig-steps", type=int_at_least(1, "8"), default=IG_STEPS,
+    p.add_argument("--naive-heads", type=int_at_least(1, "6"), default=None,
+                   help=f"heads naive is checked on against exact (default {METHOD_OPTIONS['naive_heads'][1]})")
+    p.add_argument("--ig-steps", type=int_at_least(1, "8"), default=None,
                    help=f"integrated-gradients path points (default {IG_STEPS})")
     p.add_argument("--modes", default=",".join(MODES), help=f"ablation modes (default {','.join(MODES)})")
     p.add_argument("--n-eval", type=int_at_least(1, "64"), default=None,
@@ -117,21 +121,70 @@ def user_pairs(args: Any) -> Any:
     return load_pairs(args.pairs, args.condition)
 
 
+def _flags(names: list[str]) -> str:
+    return ", ".join("--" + name.replace("_", "-") for name in names)
+
+
+def refuse_method_options(args: Any, methods: list[str]) -> None:
+    """Refuse the options of a mediation method --methods leaves out (then fill in the defaults of the others).
+
+    Raises:
+        InputError: --naive-heads without naive, --ig-steps without integrated_gradients.
+    """
+    for name, (method, default) in METHOD_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif method not in methods:
+            raise InputError(f"{_flags([name])} does not apply: it shapes the {method} method, which --methods "
+                             f"({','.join(methods)}) leaves out; drop it, or add {method} to --methods")
+
+
+def refuse_unused_reference_options(given: set[str], heads: dict[str, Any], whose: str) -> None:
+    """Refuse the edit's and the probes' options where the reference ``heads`` (condition -> heads, from ``whose``)
+    give them nothing to run on: the edit runs at id_selection heads, the probes at any reference head.
+
+    Raises:
+        InputError: such an option given.
+    """
+    unused = [] if heads.get("id_selection") else [n for n in EDIT_OPTIONS if n in given]
+    if unused:
+        raise InputError(f"{_flags(unused)} {'does' if len(unused) == 1 else 'do'} not apply: the position-ID edit "
+                         f"runs at id_selection heads and {whose} names none; drop "
+                         f"{'it' if len(unused) == 1 else 'them'}, or name the heads with --heads id_selection=L.H,...")
+    if "n_probe" in given and not any(heads.values()):
+        raise InputError(f"--n-probe does not apply: the probes read the reference heads and {whose} names none; "
+                         f"drop it, or name heads with --heads CONDITION=L.H,... or --reference")
+
+
 def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    given = {name for name in SCENE_OPTIONS if getattr(args, name) is not None}
     pairs = user_pairs(args)
-    from ...analysis.validate import recorded_planted, validate
+    # the checks of the arguments alone, before the imports below, which import torch
+    from ...core.checks import check_ablation_modes, check_alphas, check_reference_conditions, check_validation_methods
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_validation_methods(methods, "--methods")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    check_ablation_modes(modes, "--modes")
     alphas = _floats(args.alpha, "--alpha")
+    check_alphas(alphas)
+    refuse_method_options(args, methods)
     reference, source = None, None
+    if args.heads:
+        reference, source = _given_heads(args.heads), "--heads"
+        if pairs is None:
+            check_reference_conditions(reference, PAIR_CONDITIONS)
+            refuse_unused_reference_options(given, reference, "--heads")
+    out = out_dir(args, "validate") if pairs is None else out_dir(args, "validate", pairs.condition)
+    from ...analysis.validate import planted_heads, recorded_planted, validate
+
     if args.reference:
         reference, source = recorded_planted(args.reference), args.reference
-    elif args.heads:
-        reference, source = _given_heads(args.heads), "--heads"
-    out = out_dir(args, "validate") if pairs is None else out_dir(args, "validate", pairs.condition)
+        refuse_unused_reference_options(given, reference, f"the training record of {args.reference}")
     vlm = load_model(args)
+    if reference is None and pairs is None:
+        refuse_unused_reference_options(given, planted_heads(vlm), f"the training record of {vlm.name}")
     result = validate(vlm, reference=reference, reference_source=source, n_pairs=args.n_pairs, seed=args.seed,
                       n_objects=args.objects, entropy=args.entropy, methods=methods, naive_heads=args.naive_heads,
                       ig_steps=args.ig_steps, modes=modes, n_eval=args.n_eval, ablation_seeds=args.ablation_seeds,
