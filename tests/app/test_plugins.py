@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import shared_organism
 
 import vlmbind as vb
 from vlmbind.cli import main
