@@ -295,10 +295,9 @@ def test_answers_that_tokenise_alike_are_named_with_their_pair(tmp_path, capsys)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     vlm = get_tiny("tiny-qwen2_vl")
     pairs = vb.stimuli.load_pairs(path)
-    tokenizer = vlm.adapter.tokenizer
-    if tokenizer(" square", add_special_tokens=False)["input_ids"] == tokenizer(" Square", add_special_tokens=False)[
-            "input_ids"]:
-        pytest.skip("this tokenizer is case-blind")
+    tokenizer = vlm.adapter.tokenizer  # Qwen's: case-sensitive, so "Square" is another token
+    assert tokenizer(" square", add_special_tokens=False)["input_ids"] != \
+        tokenizer(" Square", add_special_tokens=False)["input_ids"]
     from vlmbind.analysis.mediation import aligned_scene_pair
 
     aligned_scene_pair(vlm, pairs[1])  # distinct tokens: scored

@@ -18,14 +18,14 @@ class RowsFileError(StimulusError):
     """A hand-written JSON-lines file that cannot be read: the message names the file, the line and the field."""
 
 
-def read_rows(file: Path, required: Sequence[str], error: type[RowsFileError] = RowsFileError
-              ) -> list[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` of every non-blank line of ``file``.
+def read_rows(file: Path, required: Sequence[str], error: type[StimulusError] = RowsFileError,
+              name: str | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` of every non-blank line of ``file`` (``name``: how the encoding message names it).
 
     Raises:
         error: the file is not UTF-8, a line is not JSON or not an object, or the file holds no rows.
     """
-    text = read_utf8_text(file, str(file), error)
+    text = read_utf8_text(file, name or str(file), error)
     rows = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -39,7 +39,7 @@ def read_rows(file: Path, required: Sequence[str], error: type[RowsFileError] = 
                         f"{', '.join(required)}")
         rows.append((lineno, row))
     if not rows:
-        raise error(f"{file} holds no rows; write one JSON object per line")
+        raise error(f"{name or file} has no records; write one JSON object per line")
     return rows
 
 

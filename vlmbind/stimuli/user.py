@@ -8,14 +8,12 @@ RSA on patches or attention maps, so ``Example.objects`` is empty. Files are rea
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from PIL import Image
 
 from ..core.images import read_image
-from ..core.text import read_utf8_text
 from .answers import SCORERS
 from .core import Dataset, Example, StimulusError
 from .pairs import PAIRS_FILE, load_pairs
@@ -62,24 +60,15 @@ def user_images(folder: str | os.PathLike, prompts: str | os.PathLike | None = N
 def _read_prompts(path: Path, names: set[str]) -> list[dict]:
     if not path.is_file():
         raise StimulusError(f"prompts file {str(path)!r} does not exist")
-    text = read_utf8_text(path, f"prompts file {str(path)!r}", StimulusError)
     rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise StimulusError(f"{path.name} line {lineno}: not JSON ({exc.msg})") from exc
-        if not isinstance(row, dict) or not isinstance(row.get("image"), str) or not isinstance(row.get("prompt"), str):
+    for lineno, row in read_rows(path, ("image", "prompt"), StimulusError, name=f"prompts file {str(path)!r}"):
+        if not isinstance(row.get("image"), str) or not isinstance(row.get("prompt"), str):
             raise StimulusError(f"{path.name} line {lineno}: needs string fields 'image' and 'prompt'")
         if not row["prompt"].strip():
             raise StimulusError(f"{path.name} line {lineno}: the prompt is empty")
         if row["image"] not in names:
             raise StimulusError(f"{path.name} line {lineno}: image {row['image']!r} is not in the folder")
         rows.append(row)
-    if not rows:
-        raise StimulusError(f"prompts file {str(path)!r} has no records")
     return rows
 
 

@@ -328,8 +328,9 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     if causal is not None:
         for condition, scores in causal.scores.items():
             lines.append(f"  {condition}: top heads (mean [95% interval], * significant) " + scores.ranking_text(3))
-            if scores.significance_note():
-                lines.append(f"    {scores.significance_note()}")
+            note = scores.significance_note("--pairs")  # the demo's flag for its number of pairs
+            if note:
+                lines.append(f"    {note}")
         for name, study in causal.ablations.items():
             iv = study.intervals()
             lines.append(f"  ablate top-{study.k} ({name}, n={iv['clean']['n']}): accuracy clean "
