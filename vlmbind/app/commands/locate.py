@@ -15,9 +15,9 @@ from .arguments import (
     add_prompt_format,
     check_model,
     int_at_least,
+    load_plugins,
     model_session,
     out_dir,
-    load_plugins,
     parse_range,
     rank_done,
 )
