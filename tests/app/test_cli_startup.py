@@ -202,7 +202,7 @@ ARGUMENT_ERRORS = {
     "eval --entropy on count": (["eval", "--model", "organism-p2a", "--task", "count", "--entropy", "low"],
                                 "--entropy does not apply to task 'count'"),
     "eval --processes": (["eval", "--model", "organism-p2a", "--task", "scene", "--n", "2", "--batch-size", "2",
-                          "--processes", "2"], "make 1 batches, fewer than --processes 2"),
+                          "--processes", "2"], "makes 1 batches, fewer than --processes 2"),
     "eval --out": (["eval", "--model", "organism-p2a", "--task", "scene", "--out", "{file}"], "is an existing file"),
     # validate: the methods, modes, alphas and reference heads' conditions, the output folder
     "validate --methods": (["validate", "--model", "organism-vsm", "--methods", "exact,magic"],
