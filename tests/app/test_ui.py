@@ -183,23 +183,29 @@ def _answer_changing_head(ctl: UIController, state: dict, scores: vb.HeadScores)
     pytest.fail("no single head changes the answer under image_attention ablation")
 
 
-def test_browser_click_ablates_head_and_exports(vlm, ctl, state, tmp_path) -> None:
-    # the browser is part of the set-up (`make test` installs Debian's chromium when it is missing), so no skip
-    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: run `make browser` (installs Debian's chromium)"
-    from playwright.sync_api import sync_playwright
+def _serve(app):
     from werkzeug.serving import make_server
 
-    pairs = vb.stimuli.scene_pairs(4, "id_selection", 0, **training_defaults(vlm, "scene", {"n_objects": 3}))
-    scores = vb.locate(vlm, pairs)
-    key = _answer_changing_head(ctl, state, scores)
-    layer, head = (int(v) for v in key.split("."))
-    app = build_app(vlm, scores=scores, seed=0, controller=ctl)
     with socket.socket() as s:  # a free port on the loopback interface
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = make_server("127.0.0.1", port, app.server, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    return server, thread, port
+
+
+def test_browser_click_ablates_head_and_exports(vlm, ctl, state, tmp_path) -> None:
+    # the browser is part of the set-up (`make test` installs Debian's chromium when it is missing), so no skip
+    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: run `make browser` (installs Debian's chromium)"
+    from playwright.sync_api import sync_playwright
+
+    pairs = vb.stimuli.scene_pairs(4, "id_selection", 0, **training_defaults(vlm, "scene", {"n_objects": 3}))
+    scores = vb.locate(vlm, pairs)
+    key = _answer_changing_head(ctl, state, scores)
+    layer, head = (int(v) for v in key.split("."))
+    app = build_app(vlm, scores=scores, seed=0, controller=ctl)
+    server, thread, port = _serve(app)
     start = time.perf_counter()
     try:
         with sync_playwright() as p:
@@ -380,17 +386,6 @@ def test_conditions_are_named_matched_and_switchable(vlm, tmp_path) -> None:
     app = build_app(vlm, scores=str(tmp_path / "loc" / "scores.csv"), controller=UIController(vlm))
     assert app.vlmbind.condition == "feature_retrieval"  # the counterfactual follows the loaded scores
 
-
-def _serve(app):
-    from werkzeug.serving import make_server
-
-    with socket.socket() as s:  # a free port on the loopback interface
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = make_server("127.0.0.1", port, app.server, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    return server, thread, port
 
 
 def test_a_pairs_file_gives_the_pages_inputs_patched_where_each_pair_says(tmp_path) -> None:
