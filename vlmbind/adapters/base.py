@@ -74,6 +74,9 @@ class ModelAdapter:
     text_layers: ClassVar[str] = "model.language_model.layers"
     attention: ClassVar[str] = "self_attn"
     o_proj: ClassVar[str] = "o_proj"
+    # the query / key / value projections inside the attention module (their outputs are a receiver head's inputs
+    # in path patching)
+    qkv_proj: ClassVar[dict[str, str]] = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
     mlp: ClassVar[str] = "mlp"
     # modules (inside a layer) whose outputs are what the attention / MLP add to the residual stream; families with
     # post-norms (Gemma-3) point these at the norm so the names mean what they mean in TransformerLens
@@ -213,6 +216,28 @@ class ModelAdapter:
             for layer in sorted(set(range(self.n_layers)) - set(present)):
                 out[site(layer)] = error(self.layer_error(layer, what, present))
         return out
+
+    def path_channels(self, layer: int) -> tuple[str, ...]:
+        """The inputs through which a head of layer ``layer`` reads the residual stream, as path patching's receiver
+        channels: ``("q", "k", "v")`` on a self-attention layer with separate projections, ``("q",)`` on a
+        cross-attention layer (its keys and values come from the image features), ``()`` on a layer without heads
+        (Qwen3.5's linear attention)."""
+        if layer not in self.head_layers():
+            return ()
+        present = dict(self.attention_module(layer).named_children())
+        channels = ("q",) if layer in self.cross_attention_layers() else ("q", "k", "v")
+        return tuple(c for c in channels if self.qkv_proj[c] in present)
+
+    def channel_module(self, layer: int, channel: str) -> nn.Module:
+        """The projection whose output is channel ``channel`` (``q``, ``k`` or ``v``) of layer ``layer``'s heads.
+
+        Raises:
+            SiteError: the layer's heads do not read the residual stream through that channel.
+        """
+        if channel not in self.path_channels(layer):
+            raise SiteError(self.layer_error(layer, f"{channel} input read from the residual stream",
+                                             [l for l in range(self.n_layers) if channel in self.path_channels(l)]))
+        return get_module(self.attention_module(layer), self.qkv_proj[channel])
 
     def output_gate(self, layer: int, kind: str, layer_kwargs: dict[str, Any]) -> torch.Tensor | None:
         """What multiplies the output of layer ``layer``'s attention (``kind="attn"``) or MLP (``"mlp"``) module on

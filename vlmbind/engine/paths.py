@@ -1,0 +1,364 @@
+"""Path patching: the effect of one head on another through one of its inputs, or on the logits directly.
+
+An edge ``(sender, receiver, channel)`` carries the counterfactual from the sender head's output z at the sender
+positions into the receiver head's query, key or value input (``channel`` ``q``, ``k``, ``v``) and nowhere else:
+every other attention and MLP output after the sender stays at its clean value, so the residual stream the receiver
+reads differs from the clean one by what the sender writes and nothing more. The receiver's new output, at the
+receiver positions, is then patched into a clean run where everything downstream of it runs freely, and the logit
+difference ``logit[a*] - logit[a]`` at the scored position is read. Channel ``logits`` (receiver None) is the
+direct path: the sender's change reaches the unembedding with every later component frozen.
+
+Two implementations give the same numbers:
+
+- :func:`naive_path_diffs`, the reference: per edge, four plain forwards (clean; sender patched, its write into
+  the residual stream read off; the clean run with that write added to the receiver layer's input and the other two
+  projections held at their clean outputs, the receiver's z read off; the clean run with the receiver patched).
+- :func:`exact_path_diffs`: per sender and channel one forward from the sender's layer with everything after it
+  frozen gives every later head's path-patched z at once (the direct path's logits come with it); the receivers'
+  effects are then node patches, run by :func:`vlmbind.engine.patching.exact_diffs` (prefix-cache reuse, many
+  receivers packed in one pass, receivers whose z did not change skipped exactly).
+
+A receiver's other heads in the same layer and grouped-query key/value sharing do not matter: a head's z is read
+from its own slice, so patching the shared key of a group into the layer changes only that head's slice that is
+used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..core.errors import InputError
+from .hooks import HookSession
+from .interventions import PatchHeads
+from .patching import PatchTask, _diff, exact_diffs, start_at_layer
+
+CHANNELS = ("q", "k", "v")
+LOGITS = "logits"
+
+
+class Edge(NamedTuple):
+    """Sender head ``(layer, head)`` into receiver head ``(layer, head)`` through ``channel`` (``q``, ``k``, ``v``),
+    or into the logits directly (receiver None, channel ``logits``)."""
+
+    sender: tuple[int, int]
+    receiver: tuple[int, int] | None
+    channel: str
+
+    @property
+    def label(self) -> str:
+        s = f"{self.sender[0]}.{self.sender[1]}"
+        if self.receiver is None:
+            return f"{s} -> logits"
+        return f"{s} -> {self.receiver[0]}.{self.receiver[1]} ({self.channel})"
+
+
+@dataclass
+class PathTask:
+    """One clean prompt to path-patch.
+
+    Attributes:
+        batch: the clean prompt, one row.
+        sender_positions: sorted positions where senders take their counterfactual output.
+        receiver_positions: sorted positions where receivers take their path-patched output.
+        values: sender layer -> ``n H D`` counterfactual head outputs at the sender positions.
+        score_position: where the logits are read.
+        a: the clean answer's token id.
+        a_star: the counterfactual answer's token id.
+    """
+
+    batch: Any
+    sender_positions: np.ndarray
+    receiver_positions: np.ndarray
+    values: dict[int, torch.Tensor]
+    score_position: int
+    a: int
+    a_star: int
+
+    @classmethod
+    def from_counterfactual(cls, vlm: Any, clean: Any, counterfactual: Any, sender_positions: Any,
+                            receiver_positions: Any, layers: Sequence[int], a: int, a_star: int) -> PathTask:
+        """Senders of ``layers`` take ``counterfactual``'s (one row, lined up with ``clean``) head outputs at the
+        sender positions; scored at the clean prompt's last position."""
+        positions = np.asarray(sender_positions)
+        z = vlm.capture(counterfactual, [vlm.adapter.z_site(l) for l in layers])
+        values = {l: z[vlm.adapter.z_site(l)][0, positions] for l in layers}
+        return cls(clean, positions, np.asarray(receiver_positions), values, clean.index[0].last_position, a, a_star)
+
+    def __post_init__(self) -> None:
+        if len(self.batch) != 1:
+            raise InputError(f"a PathTask holds one clean prompt, got a batch of {len(self.batch)}")
+        for name in ("sender_positions", "receiver_positions"):
+            positions = np.unique(np.asarray(getattr(self, name), dtype=np.int64))
+            if positions.size == 0:
+                raise InputError(f"a PathTask needs at least one of its {name.replace('_', ' ')}")
+            setattr(self, name, positions)
+
+
+def check_edges(vlm: Any, task: PathTask, edges: Sequence[Edge]) -> None:
+    """Raise :class:`InputError` (or the layer's :class:`~vlmbind.core.errors.SiteError`) unless every edge fits
+    ``vlm`` and ``task``: heads in range, receivers after their senders, a channel the receiver's layer reads the
+    residual stream through, positions inside the prompt and sender values of shape ``n H D``."""
+    n_layers, n_heads = vlm.n_layers, vlm.n_heads
+    seq = task.batch.seq_len
+    for edge in edges:
+        heads = [edge.sender] + ([edge.receiver] if edge.receiver is not None else [])
+        if any(not (0 <= l < n_layers and 0 <= h < n_heads) for l, h in heads):
+            raise InputError(f"edge {edge.label}: heads must lie inside the model's {n_layers} layers x {n_heads} "
+                             "heads")
+        if edge.receiver is None:
+            if edge.channel != LOGITS:
+                raise InputError(f"edge {edge.label}: an edge into the logits has channel {LOGITS!r}, got "
+                                 f"{edge.channel!r}")
+            continue
+        if edge.channel not in CHANNELS:
+            raise InputError(f"edge {edge.label}: channel must be one of {', '.join(CHANNELS)}, got {edge.channel!r}")
+        if edge.receiver[0] <= edge.sender[0]:
+            raise InputError(f"edge {edge.label}: the receiver's layer must come after the sender's")
+        vlm.adapter.channel_module(edge.receiver[0], edge.channel)
+    for name in ("sender_positions", "receiver_positions"):
+        positions = getattr(task, name)
+        if positions.min() < 0 or positions.max() >= seq:
+            raise InputError(f"{name.replace('_', ' ')} {positions.tolist()} must lie inside the prompt of {seq} "
+                             "tokens")
+    if not 0 <= task.score_position < seq:
+        raise InputError(f"score position {task.score_position} must lie inside the prompt of {seq} tokens")
+    want = (task.sender_positions.size, n_heads, vlm.adapter.d_head)
+    absent = vlm.adapter.absent_sites()
+    for layer in sorted({e.sender[0] for e in edges}):
+        error = absent.get(vlm.adapter.z_site(layer))
+        if error is not None:
+            raise type(error)(f"cannot patch heads of layer {layer}: {error}")
+        value = task.values.get(layer)
+        if value is None or tuple(value.shape) != want:
+            got = None if value is None else tuple(value.shape)
+            raise InputError(f"sender values of layer {layer} must have shape (positions, heads, d_head) = {want}, "
+                             f"got {got}")
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _replace_first(output: Any, value: torch.Tensor) -> Any:
+    if isinstance(output, tuple):
+        return (value, *output[1:])
+    if isinstance(output, list):
+        return [value, *output[1:]]
+    return value
+
+
+@contextlib.contextmanager
+def _hooks(registrations: Sequence[tuple[torch.nn.Module, Any]]) -> Iterator[None]:
+    """Register forward hooks ``(module, hook)``; all removed on exit, also after an error."""
+    handles = []
+    try:
+        for module, hook in registrations:
+            handles.append(module.register_forward_hook(hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _record(into: dict[Any, torch.Tensor], key: Any) -> Any:
+    def hook(module: Any, args: tuple, output: Any) -> None:
+        into[key] = _first(output).detach()
+    return hook
+
+
+def _hold(value: torch.Tensor) -> Any:
+    """A forward hook making a module return ``value`` (its clean output) in place of what it computed."""
+    def hook(module: Any, args: tuple, output: Any) -> Any:
+        return _replace_first(output, value)
+    return hook
+
+
+def _add_to_output(delta: torch.Tensor) -> Any:
+    """A forward hook adding ``delta`` to a decoder layer's output hidden states."""
+    def hook(module: Any, args: tuple, output: Any) -> Any:
+        return _replace_first(output, _first(output) + delta)
+    return hook
+
+
+def _add_to_input(delta: torch.Tensor) -> Any:
+    """A forward pre-hook (with kwargs) adding ``delta`` to a decoder layer's input hidden states."""
+    def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (args[0] + delta, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + delta}
+    return hook
+
+
+@dataclass
+class _CleanRun:
+    """What the exact method keeps of the clean forward: logit difference, residual entering each sender layer, and
+    every later layer's attention and MLP outputs and q / k / v projections, and the senders' clean z at the sender
+    positions."""
+
+    diff: float
+    resid: dict[int, torch.Tensor]
+    z: dict[int, torch.Tensor]
+    attn: dict[int, torch.Tensor]
+    mlp: dict[int, torch.Tensor]
+    proj: dict[tuple[int, str], torch.Tensor]
+
+
+def _clean_run(vlm: Any, task: PathTask, first: int) -> _CleanRun:
+    adapter = vlm.adapter
+    senders = sorted(task.values)
+    attn: dict[int, torch.Tensor] = {}
+    mlp: dict[int, torch.Tensor] = {}
+    proj: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for layer in range(first, vlm.n_layers):
+        hooks.append((adapter.attn_out_module(layer), _record(attn, layer)))
+        hooks.append((adapter.mlp_out_module(layer), _record(mlp, layer)))
+        for channel in adapter.path_channels(layer):
+            hooks.append((adapter.channel_module(layer, channel), _record(proj, (layer, channel))))
+    sites = vlm.sites([f"blocks.{l}.hook_resid_pre" for l in senders] + [adapter.z_site(l) for l in senders])
+    with _hooks(hooks), HookSession(adapter, sites) as session:
+        logits = vlm.model(**vlm.model_inputs(task.batch), use_cache=False,
+                           logits_to_keep=torch.tensor([task.score_position])).logits
+    resid = {l: session.captured[f"blocks.{l}.hook_resid_pre"][0] for l in senders}
+    z = {l: session.captured[adapter.z_site(l)][0][0, task.sender_positions] for l in senders}
+    return _CleanRun(float(_diff(logits[0, 0], task.a, task.a_star)), resid, z, attn, mlp, proj)
+
+
+def _sender_run(vlm: Any, task: PathTask, clean: _CleanRun, sender: tuple[int, int], channel: str | None
+                ) -> tuple[float, dict[int, torch.Tensor]]:
+    """One forward from the sender's layer: the sender patched at the sender positions, every attention output
+    after its layer and every MLP output from its layer on held at the clean values, and each later layer's
+    projections other than ``channel`` held too. Returns the logit difference (the direct path's) and each later
+    head layer's z (``P H D``), every head's computed with ``channel`` read from the patched residual stream."""
+    adapter = vlm.adapter
+    layer, head = sender
+    hooks = [(adapter.mlp_out_module(layer), _hold(clean.mlp[layer]))]
+    z_layers = []
+    for later in range(layer + 1, vlm.n_layers):
+        hooks += [(adapter.attn_out_module(later), _hold(clean.attn[later])),
+                  (adapter.mlp_out_module(later), _hold(clean.mlp[later]))]
+        channels = adapter.path_channels(later)
+        if channel in channels:
+            z_layers.append(later)
+            hooks += [(adapter.channel_module(later, other), _hold(clean.proj[(later, other)]))
+                      for other in channels if other != channel]
+    patch = PatchHeads(layer=layer, heads=[head], positions=task.sender_positions,
+                       values=task.values[layer][:, [head]][None])
+    sites = vlm.sites([adapter.z_site(l) for l in z_layers]) if z_layers else []
+    with start_at_layer(adapter, layer, clean.resid[layer]), _hooks(hooks), \
+            HookSession(adapter, sites, [patch]) as session:
+        logits = vlm.model(**vlm.model_inputs(task.batch), use_cache=False,
+                           logits_to_keep=torch.tensor([task.score_position])).logits
+    z = {l: session.captured[adapter.z_site(l)][0][0] for l in z_layers}
+    return float(_diff(logits[0, 0], task.a, task.a_star)), z
+
+
+def exact_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], **exact_kwargs: Any
+                     ) -> tuple[float, np.ndarray]:
+    """The naive numbers, fast (see the module docstring): one forward per sender and channel, then the receivers
+    of that sender and channel as node patches on :func:`~vlmbind.engine.patching.exact_diffs` (``exact_kwargs``
+    are passed to it).
+
+    Returns:
+        ``(clean difference, len(edges) path-patched differences)``.
+    """
+    check_edges(vlm, task, edges)
+    out = np.zeros(len(edges))
+    groups: dict[tuple[tuple[int, int], str], list[int]] = {}
+    for i, edge in enumerate(edges):
+        groups.setdefault((edge.sender, edge.channel), []).append(i)
+    with torch.no_grad():
+        clean = _clean_run(vlm, task, min(e.sender[0] for e in edges) if edges else 0)
+        for (sender, channel), members in groups.items():
+            layer, head = sender
+            if torch.equal(task.values[layer][:, head].to(clean.z[layer]), clean.z[layer][:, head]):
+                out[members] = clean.diff  # a sender patched with its own clean output changes nothing
+                continue
+            logits_diff, z = _sender_run(vlm, task, clean, sender, None if channel == LOGITS else channel)
+            if channel == LOGITS:
+                out[members] = logits_diff
+                continue
+            receivers = [edges[i].receiver for i in members]
+            node = PatchTask(task.batch, task.receiver_positions,
+                             {l: z[l][task.receiver_positions] for l in {r[0] for r in receivers}},
+                             task.score_position, task.a, task.a_star)
+            _, patched = exact_diffs(vlm, node, receivers, **exact_kwargs)
+            out[members] = patched
+    return clean.diff, out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the reference: four plain forwards per edge
+# ----------------------------------------------------------------------------------------------------------------
+def naive_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge]) -> tuple[float, np.ndarray]:
+    """The reference, one edge at a time: (1) the clean run; (2) the sender patched, its attention output's change
+    being what it writes into the residual stream; (3) the clean run with that change added to the receiver layer's
+    input (to the last layer's output for the logits) and the receiver layer's other two projections held at their
+    clean outputs, reading the receiver's z; (4) the clean run with the receiver's z patched at the receiver
+    positions.
+
+    Returns:
+        ``(clean difference, len(edges) path-patched differences)``.
+    """
+    check_edges(vlm, task, edges)
+    adapter = vlm.adapter
+    at = [task.score_position]
+    out = np.zeros(len(edges))
+    with torch.no_grad():
+        clean = float(_diff(vlm.logits(task.batch, at=at)[0, 0], task.a, task.a_star))
+        for i, edge in enumerate(edges):
+            s_layer, s_head = edge.sender
+            attn_site = f"blocks.{s_layer}.hook_attn_out"
+            before = vlm.capture(task.batch, [attn_site])[attn_site]
+            patch = PatchHeads(layer=s_layer, heads=[s_head], positions=task.sender_positions,
+                               values=task.values[s_layer][:, [s_head]][None])
+            written = vlm.run(task.batch, sites=[attn_site], interventions=[patch]).cache[attn_site] - before
+            if edge.receiver is None:
+                with _hooks([(adapter.layer(vlm.n_layers - 1), _add_to_output(written))]):
+                    out[i] = float(_diff(vlm.logits(task.batch, at=at)[0, 0], task.a, task.a_star))
+                continue
+            r_layer, r_head = edge.receiver
+            others = [c for c in adapter.path_channels(r_layer) if c != edge.channel]
+            held: dict[Any, torch.Tensor] = {}
+            with _hooks([(adapter.channel_module(r_layer, c), _record(held, c)) for c in others]):
+                vlm.logits(task.batch, at=at)
+            z_site = adapter.z_site(r_layer)
+            handle = adapter.layer(r_layer).register_forward_pre_hook(_add_to_input(written), with_kwargs=True)
+            try:
+                with _hooks([(adapter.channel_module(r_layer, c), _hold(held[c])) for c in others]):
+                    z = vlm.capture(task.batch, [z_site])[z_site]
+            finally:
+                handle.remove()
+            receiver_patch = PatchHeads(layer=r_layer, heads=[r_head], positions=task.receiver_positions,
+                                        values=z[0, task.receiver_positions][:, [r_head]][None])
+            out[i] = float(_diff(vlm.logits(task.batch, [receiver_patch], at=at)[0, 0], task.a, task.a_star))
+    return clean, out
+
+
+def all_edges(vlm: Any, senders: Sequence[tuple[int, int]] | None = None,
+              receivers: Sequence[tuple[int, int]] | None = None, channels: Sequence[str] = CHANNELS,
+              logits: bool = True) -> list[Edge]:
+    """Every edge between head-bearing layers: each sender into each receiver of a later layer through each channel
+    that layer reads (and into the logits when ``logits``). ``senders`` / ``receivers`` default to every head of a
+    layer with heads."""
+    adapter = vlm.adapter
+    every = [(l, h) for l in adapter.head_layers() for h in range(vlm.n_heads)]
+    senders = every if senders is None else [tuple(s) for s in senders]
+    receivers = every if receivers is None else [tuple(r) for r in receivers]
+    bad = [c for c in channels if c not in CHANNELS]
+    if bad:
+        raise InputError(f"channels {bad} are not among {', '.join(CHANNELS)}")
+    edges = []
+    for sender in senders:
+        for channel in channels:
+            edges += [Edge(sender, r, channel) for r in receivers
+                      if r[0] > sender[0] and channel in adapter.path_channels(r[0])]
+        if logits:
+            edges.append(Edge(sender, None, LOGITS))
+    return edges
