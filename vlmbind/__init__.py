@@ -22,6 +22,8 @@ _LAZY: dict[str, str] = {
     "probes": "vlmbind.probes",
     "locate": "vlmbind.analysis",
     "HeadScores": "vlmbind.analysis",
+    "circuit": "vlmbind.analysis.circuits",
+    "Circuit": "vlmbind.analysis.circuits",
     "ablation_study": "vlmbind.analysis",
     "edit_study": "vlmbind.analysis",
     "capture": "vlmbind.engine.activations",
@@ -54,7 +56,7 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
-    "stimuli", "probes", "locate", "HeadScores", "ablation_study", "edit_study", "capture", "ActivationSet",
+    "stimuli", "probes", "locate", "HeadScores", "circuit", "Circuit", "ablation_study", "edit_study", "capture", "ActivationSet",
     "evaluate", "EvalResult", "check_alignment", "AlignedPairs", "VLM", "Batch", "RunOutput", "load",
     "registered_names", "supported_families", "AblateHeads", "AddToHeads", "PatchHeads", "ZeroImageAttention",
     "Site", "resolve_sites", "ImageGrid", "TokenIndex", "VlmbindError", "UnsupportedModelError", "ModelLoadError",

@@ -41,8 +41,14 @@ from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from ..core.checks import (
+    check_ablation_modes,
+    check_alphas,
+    check_head_list,
+    check_reference_conditions,
+    check_validation_methods,
+)
 from ..core.choices import DEFAULT_ALPHAS, VALIDATION_METHODS
-from ..core.checks import check_ablation_modes, check_alphas, check_reference_conditions, check_validation_methods
 from ..core.errors import InputError, TooFewEstimatesError
 from ..core.io import write_json_atomic, write_text_atomic
 from ..core.results import Result, read_json_object, register_result, require_keys
@@ -54,6 +60,7 @@ from ..stimuli import scene_description, scene_pairs
 from ..viz import write_html_atomic
 from ..viz.validation import validation_figure
 from .ablation import MODES, ablation_study, layers_short_of_heads
+from .circuits import Circuit, circuit, declared_edges, edge_rank_metrics
 from .edits import EDIT_POSITIONS, edit_studies
 from .evaluation import training_defaults
 from .mediation import HeadScores, locate, scene_task
@@ -85,6 +92,14 @@ def recorded_planted(model: str) -> dict[str, list[str]]:
         raise InputError(f"the training record of {model!r} lists no planted heads; name an organism trained with SIIT "
                          f"(e.g. organism-vsm)")
     return {c: list(h) for c, h in planted.items()}
+
+
+def recorded_edges(model: str) -> list[dict[str, Any]]:
+    """The ``planted_edges`` of another model's training record (a shipped organism's name or a model directory);
+    empty where it declares none."""
+    directory = organism_dir(model) if model in ORGANISM_NAMES else Path(model)
+    path = directory / TRAINING_FILE
+    return declared_edges(read_json_object(path)) if path.is_file() else []
 
 
 def held_out_objects(vlm: Any) -> int:
@@ -139,6 +154,10 @@ class ValidationResult(Result):
             described object, n), or empty: every reference ID-selection head together, then each alone where there
             are several.
         probes: one row per (head, target): held-out accuracy, chance (the majority class), train / test sizes.
+        edges: one row per edge-scoring method against the declared edges of the planted pipeline (the training
+            record's ``planted_edges``, or the reference model's): each declared edge's rank among all head-to-head
+            edges, recall@k, AUROC, seconds; ``exact`` is path patching, ``node_product`` the simpler strategy of
+            ranking an edge by the product of its two heads' best exact node scores (no channel, no path).
         pca: per reference head, the first two principal components of its last-token output with labels.
         params: pairs, seeds, object count, entropy, alphas, ig steps.
         seconds: wall time per part.
@@ -155,6 +174,7 @@ class ValidationResult(Result):
     ablation: list[dict[str, Any]] = field(default_factory=list)
     edit: list[dict[str, Any]] = field(default_factory=list)
     probes: list[dict[str, Any]] = field(default_factory=list)
+    edges: list[dict[str, Any]] = field(default_factory=list)
     pca: list[dict[str, Any]] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -162,7 +182,7 @@ class ValidationResult(Result):
 
     kind = "validate"
     reproduced_files = ("validation.json", "methods.csv", "scores.csv", "ablation.csv",
-                        "edit.csv", "probes.csv", "validation.html")
+                        "edit.csv", "probes.csv", "edges.csv", "validation.html")
     marker_files = ("validation.json",)
     figure_name = "validation"
     table_name = "methods.csv"
@@ -232,13 +252,15 @@ class ValidationResult(Result):
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
                 "naive_check": self.naive_check, "ablation": self.ablation_summary(), "edit": self.edit_summary(),
-                "probes": self.probes, "params": self.params, "seconds": self.seconds, "skipped": self.skipped}
+                "probes": self.probes, "edges": self.edges, "params": self.params, "seconds": self.seconds,
+                "skipped": self.skipped}
 
     def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
         return {"validation": self.figure}, {"methods.csv": self.to_frame(), "scores.csv": pd.DataFrame(self.scores),
                                              "ablation.csv": pd.DataFrame(self.ablation),
                                              "edit.csv": pd.DataFrame(self.edit),
-                                             "probes.csv": pd.DataFrame(self.probes)}
+                                             "probes.csv": pd.DataFrame(self.probes),
+                                             "edges.csv": pd.DataFrame(self.edges)}
 
     def save(self, out: str | os.PathLike, figure: bool = True) -> Path:
         """``validation.json`` (everything), the tables as CSV and (with ``figure``) ``validation.html``, each written
@@ -246,7 +268,8 @@ class ValidationResult(Result):
         out = Path(out)
         document = {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
                     "scores": self.scores, "naive_check": self.naive_check, "ablation": self.ablation,
-                    "edit": self.edit, "probes": self.probes, "pca": self.pca, "params": self.params,
+                    "edit": self.edit, "probes": self.probes, "edges": self.edges, "pca": self.pca,
+                    "params": self.params,
                     "seconds": self.seconds, "skipped": self.skipped,
                     "summary": {"ablation": self.ablation_summary(), "edit": self.edit_summary(),
                                 "edit_by_heads": [self.edit_summary(h) for h in self.edit_heads()]}}
@@ -265,7 +288,7 @@ class ValidationResult(Result):
         require_keys(data, ("model", "reference", "heads", "methods", "scores"), path)
         return cls(**{k: data[k] for k in ("model", "reference", "heads", "methods", "scores")},
                    **{k: data.get(k, d) for k, d in (("naive_check", {}), ("ablation", []), ("edit", []),
-                                                      ("probes", []), ("pca", []), ("params", {}),
+                                                      ("probes", []), ("edges", []), ("pca", []), ("params", {}),
                                                       ("seconds", {}), ("skipped", {}))})
 
 
@@ -365,7 +388,8 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
              methods: Sequence[str] = VALIDATION_METHODS, naive_heads: int = 6, ig_steps: int = 8,
              modes: Sequence[str] = MODES, n_eval: int = 64, ablation_seeds: int = 5,
              alphas: Sequence[float] = DEFAULT_ALPHAS, n_estimate: int = 2048, n_probe: int = 512,
-             edit_positions: str = "answer", progress: bool = False, pairs: Any = None) -> ValidationResult:
+             edit_positions: str = "answer", progress: bool = False, pairs: Any = None, edge_pairs: int = 8,
+             reference_edges: Sequence[Mapping[str, Any]] | None = None) -> ValidationResult:
     """Run every method against the model's planted heads (or ``reference`` heads) on fresh stimuli, or on a
     researcher's own ``pairs``.
 
@@ -392,6 +416,11 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
             predicted at the colour word).
         n_probe: scenes the probes and PCA use.
         progress: show progress bars.
+        edge_pairs: the first this many ``id_selection`` pairs score every head-to-head edge by exact path patching
+            (:func:`vlmbind.analysis.circuits.circuit`, its default position classes) against the declared edges;
+            0 skips it. Run only where edges are declared and on vlmbind's scene pairs.
+        reference_edges: the declared edges to score against (another model's ``planted_edges``); None: the
+            model's own training record's when its planted heads are the reference.
         pairs: a :class:`~vlmbind.stimuli.PairSet` of one condition (e.g. a user's pairs file) to run the mediation
             methods on instead of fresh scene pairs; the ablation is then scored on its clean inputs (their
             answers), and the position-ID edit and the probes, which need vlmbind's scenes, are not run
@@ -408,6 +437,8 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
                         ("n_probe", n_probe), ("ig_steps", ig_steps), ("n_estimate", n_estimate)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(edge_pairs, bool) or not isinstance(edge_pairs, int) or edge_pairs < 0:
+        raise InputError(f"edge_pairs must be an int >= 0, got {edge_pairs!r}")
     if n_probe < 16:
         raise InputError(f"n_probe must be at least 16 (a quarter is held out), got {n_probe}")
     if edit_positions not in EDIT_POSITIONS:
@@ -433,7 +464,7 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
                                       "methods": list(methods), "ig_steps": ig_steps, "modes": list(modes),
                                       "n_eval": n_eval, "ablation_seeds": ablation_seeds, "alphas": list(alphas),
                                       "n_estimate": n_estimate, "n_probe": n_probe,
-                                      "edit_positions": edit_positions})
+                                      "edit_positions": edit_positions, "edge_pairs": edge_pairs})
     if pairs is not None:
         result.params = {"pairs": pairs.params.get("source", "generated"), "condition": pairs.condition,
                          "n_pairs": len(pairs), "methods": list(methods), "ig_steps": ig_steps, "modes": list(modes),
@@ -465,6 +496,10 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
             result.naive_check[condition] = {"heads": [f"{l}.{h}" for l, h in sampled],
                                              "max_abs_difference": float(worst), "seconds": time.perf_counter() - start}
     result.seconds["mediation"] = float(sum(r["seconds"] for r in result.methods))
+    declared = list(reference_edges) if reference_edges is not None else (
+        declared_edges(getattr(vlm, "training", None)) if reference is None else [])
+    if declared and pairs is None and edge_pairs:
+        _score_edges(vlm, result, declared, pair_sets["id_selection"][:edge_pairs], exact_scores, progress)
     start = time.perf_counter()
     dataset = scene_description(n_eval, seed + 2, **kwargs) if pairs is None else pairs.clean
     _ablate(vlm, result, heads, exact_scores, dataset, modes, ablation_seeds)
@@ -497,6 +532,49 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
         result.probes, result.pca = probe_heads(vlm, scenes, probe_set, grid=grid, seed=seed)
         result.seconds["probes"] = time.perf_counter() - start
     return result
+
+
+def score_edges(vlm: Any, declared: Sequence[Mapping[str, Any]], pairs: Sequence[Any],
+                node_scores: np.ndarray | None = None, progress: bool = False) -> tuple[list[dict[str, Any]], Circuit]:
+    """Every head-to-head edge scored on ``pairs`` by exact path patching (:func:`~vlmbind.analysis.circuits.circuit`
+    with its default position classes) and, given ``node_scores`` (``L H``, e.g. each head's best exact node score
+    over the conditions), by the product of its two heads' node scores (a ranking that knows nodes only: no channel,
+    no path), each against the ``declared`` edges.
+
+    Returns:
+        ``(rows, circuit)``: one row per method (:func:`~vlmbind.analysis.circuits.edge_rank_metrics` with the top
+        four edges and seconds), and the path-patching result.
+    """
+    start = time.perf_counter()
+    found = circuit(vlm, pairs, progress=progress)
+    seconds = time.perf_counter() - start
+    frame = found.to_frame()
+    common = {"condition": found.condition, "n_pairs": found.n, "k": len(declared),
+              "declared": [f"{e['sender']} -> {e['receiver']} ({e['channel']})" for e in declared],
+              "sender_at": found.sender_at, "receiver_at": found.receiver_at}
+
+    def top(table: pd.DataFrame) -> list[str]:
+        ranked = table[table["receiver"] != "logits"].sort_values("score", ascending=False, kind="stable")
+        return [f"{r.sender} -> {r.receiver} ({r.channel})" for r in ranked.head(4).itertuples()]
+
+    rows = [{**common, "method": "exact", **edge_rank_metrics(frame, declared), "top_edges": top(frame),
+             "seconds": seconds}]
+    if node_scores is not None:
+        product = frame.copy()
+        product["score"] = [node_scores[check_head_list(s)[0]] * node_scores[check_head_list(r)[0]]
+                            if r != "logits" else np.nan for s, r in zip(frame["sender"], frame["receiver"])]
+        rows.append({**common, "method": "node_product", **edge_rank_metrics(product, declared),
+                     "top_edges": top(product), "seconds": 0.0})
+    return rows, found
+
+
+def _score_edges(vlm: Any, result: ValidationResult, declared: Sequence[Mapping[str, Any]], pairs: Sequence[Any],
+                 exact: dict[str, HeadScores], progress: bool) -> None:
+    start = time.perf_counter()
+    best = np.max([s.scores for s in exact.values()], axis=0) if exact else None
+    rows, _ = score_edges(vlm, declared, pairs, best, progress)
+    result.edges += rows
+    result.seconds["edges"] = time.perf_counter() - start
 
 
 def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int, int]]],

@@ -114,3 +114,38 @@ def check_reference_conditions(conditions: Sequence[str], validated: Sequence[st
     if unknown:
         raise InputError(f"reference conditions {unknown} are not the conditions validated here: "
                          f"{', '.join(validated)}")
+
+
+POSITION_CLASSES = ("all", "image", "text", "last", "patch")
+
+
+def check_position_class(value: Any, *, flag: str | None = None) -> tuple[str, Any]:
+    """A class of positions a path-patching edge starts or ends at, parsed: ``all`` (every position of the prompt),
+    ``image`` (its image tokens), ``text`` (every other token), ``last`` (the scored token), ``patch`` (each pair's
+    own patch positions), ``span:TEXT`` (the tokens of a text span, its last occurrence) or ``box:X0,Y0,X1,Y1`` (the
+    image tokens covering a pixel box of the clean image).
+
+    Returns:
+        ``(kind, argument)``: the span's text, the box as four floats, or None.
+
+    Raises:
+        InputError: anything else.
+    """
+    text = str(value).strip()
+    where = f"{flag} {value!r}" if flag else f"position class {value!r}"
+    if text in POSITION_CLASSES:
+        return text, None
+    kind, _, rest = text.partition(":")
+    if kind == "span" and rest:
+        return "span", rest
+    if kind == "box":
+        parts = rest.split(",")
+        try:
+            box = tuple(float(p) for p in parts)
+        except ValueError:
+            box = ()
+        if len(box) == 4 and box[0] < box[2] and box[1] < box[3]:
+            return "box", box
+        raise InputError(f"{where}: a box is box:X0,Y0,X1,Y1 in pixels of the clean image, with X0 < X1 and Y0 < Y1")
+    raise InputError(f"{where} is not a position class: use one of {', '.join(POSITION_CLASSES)}, span:TEXT or "
+                     "box:X0,Y0,X1,Y1")

@@ -50,6 +50,12 @@ UI_CONDITIONS = ("id_selection", "feature_retrieval")
 LOCATE_CHECKPOINT = "locate.partial.safetensors"
 IG_STEPS = 8
 
+# --- circuit (vlmbind.analysis.circuits, vlmbind.engine.paths) ------------------------------------------------------
+# the path-patching methods (the keys of vlmbind.analysis.circuits.CIRCUIT_METHODS) and the receiver channels
+CIRCUIT_METHODS = ("exact", "naive")
+PATH_CHANNELS = ("q", "k", "v")
+CIRCUIT_CHECKPOINT = "circuit.partial.safetensors"
+
 # --- eval (vlmbind.analysis.evaluation) -------------------------------------------------------------------------------
 # 
 EVAL_CHECKPOINT = "eval.partial.jsonl"

@@ -63,8 +63,10 @@ def require_keys(data: dict[str, Any], keys: tuple[str, ...], path: str | os.Pat
         raise UserFileError(f"{str(path)!r} has no key(s) {missing}; it is not the file vlmbind wrote")
 
 
-def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: str = "") -> pd.DataFrame:
-    """A CSV with (at least) ``columns``, floats parsed exactly as written.
+def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: str = "",
+                     text_columns: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A CSV with (at least) ``columns``, floats parsed exactly as written, ``text_columns`` kept as text (head
+    labels such as ``2.10`` are not numbers).
 
     Raises:
         UserFileError: missing, unreadable, not CSV, or a column missing.
@@ -72,7 +74,8 @@ def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: st
     name = f"{what} {str(path)!r}".strip()
     try:
         # round_trip: the parsed floats are exactly the written ones (hover texts show repr())
-        frame = pd.read_csv(io.StringIO(read_utf8_text(path, name, UserFileError)), float_precision="round_trip")
+        frame = pd.read_csv(io.StringIO(read_utf8_text(path, name, UserFileError)), float_precision="round_trip",
+                            dtype={c: str for c in text_columns})
     except FileNotFoundError:
         raise UserFileError(f"{name} does not exist") from None
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:

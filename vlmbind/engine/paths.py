@@ -33,12 +33,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..core.choices import PATH_CHANNELS as CHANNELS
 from ..core.errors import InputError
 from .hooks import HookSession
 from .interventions import PatchHeads
 from .patching import PatchTask, _diff, exact_diffs, start_at_layer
 
-CHANNELS = ("q", "k", "v")
 LOGITS = "logits"
 
 
@@ -198,8 +198,8 @@ def _add_to_input(delta: torch.Tensor) -> Any:
 @dataclass
 class _CleanRun:
     """What the exact method keeps of the clean forward: logit difference, residual entering each sender layer, and
-    every later layer's attention and MLP outputs and q / k / v projections, and the senders' clean z at the sender
-    positions."""
+    every later layer's attention and MLP outputs and q / k / v projections, and the clean z (``P H D``) of the
+    senders' and receivers' layers."""
 
     diff: float
     resid: dict[int, torch.Tensor]
@@ -221,12 +221,13 @@ def _clean_run(vlm: Any, task: PathTask, first: int) -> _CleanRun:
         hooks.append((adapter.mlp_out_module(layer), _record(mlp, layer)))
         for channel in adapter.path_channels(layer):
             hooks.append((adapter.channel_module(layer, channel), _record(proj, (layer, channel))))
-    sites = vlm.sites([f"blocks.{l}.hook_resid_pre" for l in senders] + [adapter.z_site(l) for l in senders])
+    z_layers = [l for l in range(first, vlm.n_layers) if l in senders or adapter.path_channels(l)]
+    sites = vlm.sites([f"blocks.{l}.hook_resid_pre" for l in senders] + [adapter.z_site(l) for l in z_layers])
     with _hooks(hooks), HookSession(adapter, sites) as session:
         logits = vlm.model(**vlm.model_inputs(task.batch), use_cache=False,
                            logits_to_keep=torch.tensor([task.score_position])).logits
     resid = {l: session.captured[f"blocks.{l}.hook_resid_pre"][0] for l in senders}
-    z = {l: session.captured[adapter.z_site(l)][0][0, task.sender_positions] for l in senders}
+    z = {l: session.captured[adapter.z_site(l)][0][0] for l in z_layers}
     return _CleanRun(float(_diff(logits[0, 0], task.a, task.a_star)), resid, z, attn, mlp, proj)
 
 
@@ -277,7 +278,8 @@ def exact_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], **exact_kw
         clean = _clean_run(vlm, task, min(e.sender[0] for e in edges) if edges else 0)
         for (sender, channel), members in groups.items():
             layer, head = sender
-            if torch.equal(task.values[layer][:, head].to(clean.z[layer]), clean.z[layer][:, head]):
+            own = clean.z[layer][task.sender_positions, head]
+            if torch.equal(task.values[layer][:, head].to(own), own):
                 out[members] = clean.diff  # a sender patched with its own clean output changes nothing
                 continue
             logits_diff, z = _sender_run(vlm, task, clean, sender, None if channel == LOGITS else channel)
@@ -285,9 +287,18 @@ def exact_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], **exact_kw
                 out[members] = logits_diff
                 continue
             receivers = [edges[i].receiver for i in members]
-            node = PatchTask(task.batch, task.receiver_positions,
-                             {l: z[l][task.receiver_positions] for l in {r[0] for r in receivers}},
-                             task.score_position, task.a, task.a_star)
+            layers = sorted({r[0] for r in receivers})
+            # a receiver position whose z the path left exactly as it was is an identity patch: leave it out, so
+            # that the node patches start as late as they can (and reuse the longest prefix)
+            at = task.receiver_positions
+            changed = torch.zeros(len(at), dtype=torch.bool, device=z[layers[0]].device)
+            for l in layers:
+                changed |= (z[l][at] != clean.z[l][at]).flatten(1).any(1)
+            at = at[changed.cpu().numpy()]
+            if not at.size:
+                out[members] = clean.diff
+                continue
+            node = PatchTask(task.batch, at, {l: z[l][at] for l in layers}, task.score_position, task.a, task.a_star)
             _, patched = exact_diffs(vlm, node, receivers, **exact_kwargs)
             out[members] = patched
     return clean.diff, out

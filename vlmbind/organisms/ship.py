@@ -21,7 +21,7 @@ from ..core.io import write_text_atomic
 from ..core.shipped import organism_dir
 from ..engine.vlm import TRAINING_FILE
 from .recipes import RECIPES, recipe_stages
-from .siit.spec import DEFAULT_ABLATION_MODES
+from .siit.spec import DEFAULT_ABLATION_MODES, implied_edges
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "processor_config.json", "chat_template.jinja")
@@ -58,6 +58,9 @@ def training_record(name: str, run_dir: str | Path) -> dict[str, Any]:
     if config.get("siit"):
         # the heads each condition should find, named as the conditions (machine-readable ground truth)
         record["planted"] = {v: list(h) for v, h in config["siit"]["alignments"].items()}
+        edges = implied_edges(config["siit"])
+        if edges:
+            record["planted_edges"] = edges
         record["siit"] = config["siit"]
     return record
 
@@ -143,6 +146,21 @@ def model_card(record: dict[str, Any], config: dict[str, Any], params: int,
     return "\n".join(lines) + "\n"
 
 
+def edge_table(edges: list[dict[str, str]]) -> list[str]:
+    """The model card's lines declaring the edges the planted pipeline implies (none: no lines)."""
+    if not edges:
+        return []
+    return ["", "## Planted edges", "",
+            "The pipeline implies these head-to-head edges (`vlmbind circuit` scores every edge by path patching; "
+            "`vlmbind validate` ranks these among them). Each follows from what the stages below train: the "
+            "gathering head reads the cells the retrieval head wrote at the names through its values; the selecting "
+            "head needs the gathered cells to choose where to look, so they enter its query; the feature head looks "
+            "at the selected cell, so the selection enters its query.", "",
+            "| sender | receiver | through | sender at | receiver at |", "|---|---|---|---|---|",
+            *[f"| {e['sender']} | {e['receiver']} | {e['channel']} | {e['sender_at']} | {e['receiver_at']} |"
+              for e in edges]]
+
+
 def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
                  validation: dict[str, Any] | None = None, validation_command: str | None = None) -> str:
     """The model card of a grown organism (organism-vsm, or its behaviour-only twin organism-vsm-natural)."""
@@ -167,6 +185,7 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
                    "feature_retrieval": "the missing object's colour and shape, at the last prompt token and the "
                                         "answer positions"}
         lines += [f"| {v} | {', '.join(h)} | {meaning.get(v, '')} |" for v, h in planted.items()]
+        lines += edge_table(record.get("planted_edges") or [])
         siit = record.get("siit", {})
         lines += ["", f"SIIT weights: behaviour 1, IIT {siit.get('iit_weight')}, strictness {siit.get('strict_weight')} "
                   f"(one unplanted head interchanged per step at every prompt position); {siit.get('pairs')} "

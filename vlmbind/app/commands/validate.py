@@ -64,6 +64,9 @@ def add_parser(sub: Any, common: Any) -> None:
                         "position (default: answer; the planted ID is read at both)")
     p.add_argument("--n-probe", type=int_at_least(16, "512"), default=None,
                    help="scenes for the probes and PCA, a quarter held out (default 512)")
+    p.add_argument("--edge-pairs", type=int_at_least(0, "8"), default=8,
+                   help="id_selection pairs on which every head-to-head edge is scored by exact path patching against "
+                        "the declared planted edges (default 8; 0 skips it; only where edges are declared)")
     p.add_argument("--out", default=None, help="output directory (default runs/validate/<model>)")
     p.set_defaults(func=cmd_validate)
 
@@ -177,10 +180,12 @@ def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, in
             check_reference_conditions(reference, PAIR_CONDITIONS)
             refuse_unused_reference_options(given, reference, "--heads")
     out = out_dir(args, "validate") if pairs is None else out_dir(args, "validate", pairs.condition)
-    from ...analysis.validate import planted_heads, recorded_planted, validate
+    from ...analysis.validate import planted_heads, recorded_edges, recorded_planted, validate
 
+    reference_edges = None
     if args.reference:
         reference, source = recorded_planted(args.reference), args.reference
+        reference_edges = recorded_edges(args.reference)
         refuse_unused_reference_options(given, reference, f"the training record of {args.reference}")
     vlm = load_model(args)
     if reference is None and pairs is None:
@@ -189,7 +194,8 @@ def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, in
                       n_objects=args.objects, entropy=args.entropy, methods=methods, naive_heads=args.naive_heads,
                       ig_steps=args.ig_steps, modes=modes, n_eval=args.n_eval, ablation_seeds=args.ablation_seeds,
                       alphas=alphas, n_estimate=args.n_estimate, n_probe=args.n_probe,
-                      edit_positions=args.edit_positions, progress=not args.json, pairs=pairs)
+                      edit_positions=args.edit_positions, progress=not args.json, pairs=pairs,
+                      edge_pairs=args.edge_pairs, reference_edges=reference_edges)
     result.save(out)
     summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
                "out": str(out), "command": " ".join(command)}
@@ -228,10 +234,16 @@ def render_text(result: Any, out: Any) -> str:
                      f"(n={edit['n']}), control {_number(edit['control'])}"
                      + (f", random-direction control {_number(edit['random_control'])}"
                         if edit.get("random_control") is not None else ""))
+    for r in result.edges:
+        lines.append(f"  edges ({r['method']}, {r['n_pairs']} {r['condition']} pairs, {r['sender_at']} -> "
+                     f"{r['receiver_at']}): declared {', '.join(r['declared'])} ranked "
+                     f"{' '.join(map(str, r['declared_ranks']))} of {r['edges']}; recall@{r['k']} "
+                     f"{_number(r['recall_at_k'], '.2f')}, AUROC {_number(r['auroc'])}, {r['seconds']:.1f} s; top "
+                     f"{', '.join(r['top_edges'])}")
     for r in result.probes:
         lines.append(f"  probe {r['head']} -> {r['target']}: {r['accuracy']:.3f} held out (chance {r['chance']:.3f}, "
                      f"n={r['n_test']})")
     for what, why in result.skipped.items():
         lines.append(f"  {what} not run: {why}")
-    lines.append(f"  wrote {out}/validation.json, methods.csv, validation.html")
+    lines.append(f"  wrote {out}/validation.json, methods.csv, edges.csv, validation.html")
     return "\n".join(lines)

@@ -490,3 +490,32 @@ class SIITSpec:
             if key in data:
                 data[key] = tuple(data[key])
         return cls(**data)
+
+
+def implied_edges(siit: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The head-to-head edges a planted VSM pipeline implies, from a SIIT config's ``alignments`` and
+    ``aggregation_heads``, with the channel each is read through and the positions it joins:
+
+    - ID retrieval -> gathering, through the value: the gathering heads are trained to attend from the last prompt
+      token to the described names and to carry the cells the retrieval heads wrote there, so what they copy is the
+      names' values;
+    - gathering -> selecting, through the query: the selecting heads attend from the last token to the missing
+      object's image token, and which object is missing depends on the gathered cells, so they must enter the query;
+    - selecting -> feature retrieval, through the query: the feature heads attend to the image token at the selected
+      cell, so the selected cell must enter their query.
+
+    Empty unless all three stages are planted with at least one gathering head.
+    """
+    alignments = siit.get("alignments") or {}
+    gather = list(siit.get("aggregation_heads") or [])
+    retrieval, selection, features = (list(alignments.get(v) or []) for v in VARIABLES)
+    selecting = [h for h in selection if h not in gather]
+    if not (retrieval and gather and selecting and features):
+        return []
+    edges = [{"sender": r, "receiver": g, "channel": "v", "sender_at": "text", "receiver_at": "last"}
+             for r in retrieval for g in gather]
+    edges += [{"sender": g, "receiver": s, "channel": "q", "sender_at": "last", "receiver_at": "last"}
+              for g in gather for s in selecting]
+    edges += [{"sender": s, "receiver": f, "channel": "q", "sender_at": "last", "receiver_at": "last"}
+              for s in selecting for f in features]
+    return edges

@@ -1,0 +1,335 @@
+"""Circuits: edges between heads scored by path patching on counterfactual pairs, with their uncertainty.
+
+An edge ``sender -> receiver (channel)`` is scored, per pair, as the change of ``logit[a*] - logit[a]`` when the
+counterfactual flows from the sender's output (at the sender positions) into the receiver's query, key or value
+input (at the receiver positions) and nowhere else (:mod:`vlmbind.engine.paths`); ``sender -> logits`` is the
+sender's direct effect. Positions are named by class (:func:`vlmbind.core.checks.check_position_class`), so one run
+scores the edges from, say, the image tokens into the last token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from safetensors.numpy import safe_open, save
+from sklearn.metrics import roc_auc_score
+from tqdm.auto import tqdm
+
+from ..core.checks import check_head_list, check_position_class
+from ..core.errors import InputError
+from ..core.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
+from ..engine.paths import CHANNELS, LOGITS, Edge, PathTask, all_edges, exact_path_diffs, naive_path_diffs
+from ..viz.circuits import circuit_figure
+from ..viz.figures import write_html_atomic
+from .mediation import UNCERTAINTY_COLUMNS, UNCERTAINTY_METHOD, aligned_scene_pair, head_uncertainty, pairs_digest
+
+CIRCUIT_FUNCTIONS: dict[str, Callable[..., tuple[float, np.ndarray]]] = {"exact": exact_path_diffs,
+                                                                        "naive": naive_path_diffs}
+EDGE_COLUMNS = ("sender", "receiver", "channel", "sender_at", "receiver_at", "score", "stderr", "n")
+
+
+def class_positions(index: Any, position_class: str, patch: np.ndarray) -> np.ndarray:
+    """The sorted positions of ``position_class`` in one prepared clean row (``index``, its TokenIndex);
+    ``patch`` is the pair's own patch positions (class ``patch``).
+
+    Raises:
+        InputError: a class that names no position of this prompt (no image tokens, a span not in the prompt, a
+            box covering no image token).
+    """
+    kind, argument = check_position_class(position_class)
+    real = np.flatnonzero(index.roles != "pad")
+    if kind == "all":
+        found = real
+    elif kind == "image":
+        found = np.flatnonzero(index.roles == "image")
+    elif kind == "text":
+        found = real[index.roles[real] != "image"]
+    elif kind == "last":
+        found = np.array([index.last_position])
+    elif kind == "patch":
+        found = np.asarray(patch)
+    elif kind == "span":
+        found = index.span(argument)
+    else:
+        found = index.positions_covering(argument)
+    if not len(found):
+        raise InputError(f"position class {position_class!r} names no position of this prompt on this model")
+    return np.unique(np.asarray(found, dtype=np.int64))
+
+
+def edge_frame_labels(edges: Sequence[Edge]) -> tuple[list[str], list[str], list[str]]:
+    """The ``sender``, ``receiver`` and ``channel`` columns of ``edges`` (receiver ``logits`` for a direct edge)."""
+    return ([f"{e.sender[0]}.{e.sender[1]}" for e in edges],
+            [LOGITS if e.receiver is None else f"{e.receiver[0]}.{e.receiver[1]}" for e in edges],
+            [e.channel for e in edges])
+
+
+def parse_edge(sender: str, receiver: str, channel: str) -> Edge:
+    """An :class:`~vlmbind.engine.paths.Edge` from its table columns."""
+    (s,) = check_head_list(sender)
+    r = None if receiver == LOGITS else check_head_list(receiver)[0]
+    return Edge(s, r, channel)
+
+
+@register_result
+@dataclass
+class Circuit(Result):
+    """Path-patching scores of head-to-head and head-to-logit edges.
+
+    Attributes:
+        condition: the pairs' condition.
+        method: ``exact`` or ``naive`` (same numbers; exact is fast).
+        model: the model's name.
+        edges: the scored edges, in the order of ``per_pair``'s columns.
+        per_pair: ``N E`` score of every pair for every edge (None once loaded from files: the table holds the
+            means, intervals and counts).
+        sender_at: the class of positions senders are patched at.
+        receiver_at: the class of positions receivers are patched at.
+        seconds: wall time of the computation.
+        pair_ids: the pairs, in order.
+        prompt_format: how the scene pairs were prompted.
+        table: a result loaded from its files.
+    """
+
+    kind = "circuit"
+    reproduced_files = ("edges.csv", "circuit.html")
+    marker_files = ("edges.csv", "summary.json")
+    figure_name = "circuit"
+    table_name = "edges.csv"
+
+    condition: str
+    method: str
+    model: str
+    edges: list[Edge]
+    per_pair: np.ndarray | None
+    sender_at: str = "all"
+    receiver_at: str = "all"
+    seconds: float = 0.0
+    pair_ids: list[str] = field(default_factory=list)
+    prompt_format: str = "raw"
+    table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def n(self) -> int:
+        return int(self.table["n"].max()) if self.per_pair is None else int(self.per_pair.shape[0])
+
+    @property
+    def scores(self) -> np.ndarray:
+        """The mean score of every edge, in :attr:`edges` order."""
+        if self.per_pair is None:
+            return self.table["score"].to_numpy(float)
+        return self.per_pair.mean(0)
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per edge, highest score first: sender, receiver (``logits`` for a direct edge), channel, the
+        position classes, the mean score over pairs with its standard error, bootstrap interval, t-test p, BH q and
+        significance, and its rank."""
+        if self.per_pair is None:
+            return self.table.copy()
+        senders, receivers, channels = edge_frame_labels(self.edges)
+        n = self.n
+        u = head_uncertainty(self.per_pair[:, :, None])
+        frame = pd.DataFrame({
+            "sender": senders, "receiver": receivers, "channel": channels, "sender_at": self.sender_at,
+            "receiver_at": self.receiver_at, "score": self.scores,
+            "stderr": self.per_pair.std(0, ddof=1) / np.sqrt(n) if n > 1 else np.nan, "n": n,
+            **{c: u[c][:, 0] for c in UNCERTAINTY_COLUMNS}})
+        frame = frame.sort_values("score", ascending=False, kind="stable").reset_index(drop=True)
+        frame["rank"] = np.arange(1, len(frame) + 1)
+        return frame
+
+    def top(self, k: int = 10) -> list[Edge]:
+        """The ``k`` edges of largest mean score."""
+        order = np.argsort(-self.scores, kind="stable")[:k]
+        return [self.edges[i] for i in order]
+
+    def figure(self) -> Any:
+        return circuit_figure(self.to_frame(), model=self.model, n=self.n,
+                              title=f"{self.condition} circuit ({self.method}; {self.sender_at} -> {self.receiver_at})")
+
+    def ranking_text(self, k: int = 5) -> str:
+        """The top ``k`` edges with their mean score and 95% interval, one per line."""
+        frame = self.to_frame().head(k)
+        lines = []
+        for row in frame.itertuples():
+            target = "logits" if row.receiver == LOGITS else f"{row.receiver} ({row.channel})"
+            interval = "" if np.isnan(row.ci_low) else f" [{row.ci_low:+.3f}, {row.ci_high:+.3f}]"
+            lines.append(f"  {row.rank}. {row.sender} -> {target}  {row.score:+.3f}{interval}")
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        frame = self.to_frame()
+        significant = frame[frame["significant"].astype(bool)]
+        return {"condition": self.condition, "method": self.method, "model": self.model, "n": self.n,
+                "seconds": self.seconds, "sender_at": self.sender_at, "receiver_at": self.receiver_at,
+                "edges": len(frame), "pair_ids": self.pair_ids, "prompt_format": self.prompt_format,
+                "top_edges": [_edge_label(r) for r in frame.head(10).itertuples()],
+                "significant_edges": [_edge_label(r) for r in significant.itertuples()],
+                "uncertainty": UNCERTAINTY_METHOD.replace("per head", "per edge").replace("all heads", "all edges")}
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Write ``edges.csv``, ``circuit.html`` and ``summary.json`` atomically."""
+        out = Path(out)
+        write_text_atomic(self.to_frame().to_csv(index=False), out / "edges.csv")
+        write_html_atomic(self.figure(), out / "circuit.html")
+        write_json_atomic(self.summary(), out / "summary.json")
+        return out
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Circuit:
+        """The edges saved in ``directory``: their means, intervals and counts (the per-pair scores are not
+        saved)."""
+        directory = Path(directory)
+        frame = read_csv_columns(directory / "edges.csv", EDGE_COLUMNS, text_columns=("sender", "receiver"))
+        summary = read_json_object(directory / "summary.json")
+        require_keys(summary, ("condition", "method", "model", "n"), directory / "summary.json")
+        edges = [parse_edge(s, r, c) for s, r, c in zip(frame["sender"], frame["receiver"], frame["channel"])]
+        return cls(condition=summary["condition"], method=summary["method"], model=summary["model"], edges=edges,
+                   per_pair=None, sender_at=summary.get("sender_at", "all"),
+                   receiver_at=summary.get("receiver_at", "all"), seconds=summary.get("seconds", 0.0),
+                   pair_ids=summary.get("pair_ids", []), prompt_format=summary.get("prompt_format", "raw"),
+                   table=frame)
+
+
+def _edge_label(row: Any) -> str:
+    return f"{row.sender} -> {row.receiver}" + ("" if row.receiver == LOGITS else f" ({row.channel})")
+
+
+def circuit(vlm: Any, pairs: Any, *, method: str = "exact", heads: Any = None, layers: Sequence[int] | None = None,
+            channels: Sequence[str] = CHANNELS, logits: bool = True, sender_at: str = "all",
+            receiver_at: str = "all", progress: bool = False, checkpoint: str | os.PathLike | None = None,
+            prompt_format: str | None = None, **method_kwargs: Any) -> Circuit:
+    """Score every edge between heads (or those among ``heads`` / in ``layers``) by path patching on ``pairs``.
+
+    Args:
+        vlm: a loaded VLM.
+        pairs: counterfactual pairs of one condition (a :class:`~vlmbind.stimuli.PairSet` or a list).
+        method: ``exact`` (fast) or ``naive`` (the four-forward reference, same numbers).
+        heads: restrict senders and receivers to these heads (``"1.0,2.3"`` or pairs).
+        layers: restrict senders and receivers to these layers.
+        channels: the receiver inputs to score (``q``, ``k``, ``v``).
+        logits: also score each sender's direct edge into the logits.
+        sender_at, receiver_at: position classes (:func:`vlmbind.core.checks.check_position_class`).
+        progress: show a progress bar.
+        checkpoint: a file the per-pair scores are written to after every pair; one from the same run is continued
+            from (another run's is refused), and it is removed when the run completes.
+        prompt_format: ``raw`` or ``chat`` (None: the model's).
+        method_kwargs: passed to the engine (``exact``: ``max_tokens``, ``layout``, ...).
+
+    Raises:
+        InputError: unknown method or position class, no pairs, pairs of several conditions, heads or layers
+            outside the model, or a selection that leaves no edge.
+    """
+    if method not in CIRCUIT_FUNCTIONS:
+        raise InputError(f"unknown circuit method {method!r}; methods: {', '.join(CIRCUIT_FUNCTIONS)}")
+    check_position_class(sender_at)
+    check_position_class(receiver_at)
+    pairs = list(pairs)
+    if not pairs:
+        raise InputError("a circuit needs at least one counterfactual pair")
+    conditions = {getattr(p, "condition", None) for p in pairs}
+    if len(conditions) != 1:
+        raise InputError(f"pairs mix conditions {sorted(map(str, conditions))}; score one condition at a time")
+    chosen = [(l, h) for l in vlm.adapter.head_layers() for h in range(vlm.n_heads)]
+    if heads is not None:
+        wanted = check_head_list(heads, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
+        chosen = [lh for lh in chosen if lh in set(wanted)]
+    if layers is not None:
+        bad = [l for l in layers if not 0 <= int(l) < vlm.n_layers]
+        if bad:
+            raise InputError(f"layers {bad} are out of range; the model has layers 0..{vlm.n_layers - 1}")
+        chosen = [lh for lh in chosen if lh[0] in {int(l) for l in layers}]
+    edges = all_edges(vlm, chosen, chosen, channels, logits)
+    if not edges:
+        raise InputError("the chosen heads and layers leave no edge: a receiver must sit in a later layer than its "
+                         "sender (or pass logits=True for the direct edges)")
+    fmt = vlm.prompt_format(prompt_format)
+    sender_layers = sorted({e.sender[0] for e in edges})
+    per_pair = np.zeros((len(pairs), len(edges)))
+    run_key = {"model": vlm.name, "method": method, "condition": str(next(iter(conditions))),
+               "edges": [e.label for e in edges], "sender_at": sender_at, "receiver_at": receiver_at,
+               "pairs": [p.id for p in pairs], "content": pairs_digest(pairs), "prompt_format": fmt}
+    done = _resume(checkpoint, run_key, per_pair)
+    start = time.perf_counter()
+    compute = CIRCUIT_FUNCTIONS[method]
+    for i, pair in enumerate(tqdm(pairs, desc=f"circuit ({method})", disable=not progress)):
+        if i < done:
+            continue
+        clean, counterfactual, patch, a, a_star = aligned_scene_pair(vlm, pair, fmt)
+        index = clean.index[0]
+        task = PathTask.from_counterfactual(vlm, clean, counterfactual, class_positions(index, sender_at, patch),
+                                            class_positions(index, receiver_at, patch), sender_layers, a, a_star)
+        base, patched = compute(vlm, task, edges, **method_kwargs)
+        per_pair[i] = patched - base
+        if checkpoint is not None:
+            _save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
+    if checkpoint is not None:
+        Path(checkpoint).unlink(missing_ok=True)
+    return Circuit(condition=next(iter(conditions)), method=method, model=vlm.name, edges=edges, per_pair=per_pair,
+                   sender_at=sender_at, receiver_at=receiver_at, seconds=time.perf_counter() - start,
+                   pair_ids=[p.id for p in pairs], prompt_format=fmt)
+
+
+def _save_checkpoint(path: str | os.PathLike, run_key: dict[str, Any], done: np.ndarray) -> None:
+    write_bytes_atomic(save({"per_pair": np.ascontiguousarray(done)}, metadata={"run": json.dumps(run_key)}), path)
+
+
+def _resume(path: str | os.PathLike | None, run_key: dict[str, Any], per_pair: np.ndarray) -> int:
+    if path is None or not Path(path).is_file():
+        return 0
+    with safe_open(str(path), framework="numpy") as f:
+        saved = json.loads(f.metadata()["run"])
+        done = f.get_tensor("per_pair")
+    diff = [k for k in run_key if saved.get(k) != run_key[k]]
+    if diff:
+        raise InputError(f"checkpoint {path} is from another run ({', '.join(diff)} differ); remove it or use another "
+                         "output directory")
+    per_pair[: len(done)] = done
+    return len(done)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scoring a circuit against declared edges
+# ----------------------------------------------------------------------------------------------------------------
+def declared_edges(record: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The ``planted_edges`` of a training record: ``[{"sender", "receiver", "channel", ...}]`` (empty when it
+    declares none)."""
+    return [dict(e) for e in ((record or {}).get("planted_edges") or [])]
+
+
+def edge_rank_metrics(frame: pd.DataFrame, declared: Sequence[Mapping[str, Any]],
+                      score: str = "score") -> dict[str, Any]:
+    """How an edge table ranks the declared edges among all head-to-head edges (direct edges into the logits are
+    left out): each declared edge's 1-based rank (highest ``score`` first), recall@k (k = how many are declared)
+    and the AUROC of declared vs every other head-to-head edge."""
+    heads = frame[frame["receiver"] != LOGITS].reset_index(drop=True)
+    values = heads[score].to_numpy(float)
+    order = np.argsort(-values, kind="stable")
+    rank = np.empty(len(values), dtype=int)
+    rank[order] = np.arange(1, len(values) + 1)
+    keys = list(zip(heads["sender"].astype(str), heads["receiver"].astype(str), heads["channel"].astype(str)))
+    labels = np.zeros(len(values), dtype=int)
+    ranks = []
+    for edge in declared:
+        key = (str(edge["sender"]), str(edge["receiver"]), str(edge["channel"]))
+        if key not in keys:
+            ranks.append(None)
+            continue
+        i = keys.index(key)
+        labels[i] = 1
+        ranks.append(int(rank[i]))
+    k = len(declared)
+    found = [r for r in ranks if r is not None]
+    return {"edges": len(values), "declared_ranks": ranks,
+            "recall_at_k": float(np.mean([r is not None and r <= k for r in ranks])) if k else None,
+            "auroc": float(roc_auc_score(labels, values)) if 0 < labels.sum() < len(values) else None,
+            "declared_scored": len(found)}
