@@ -170,7 +170,8 @@ def prefix_end(vlm: Any, batch: Any, inputs: dict[str, Any], first_patch: int) -
     return first_patch if first_patch > barrier else 0
 
 
-def _sequence_keys(inputs: dict[str, Any]) -> list[str]:
+def sequence_keys(inputs: dict[str, Any]) -> list[str]:
+    """The per-token inputs (``input_ids`` and the family's token inputs), not the attention mask."""
     shape = inputs["input_ids"].shape
     return [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.shape == shape and k != "attention_mask"]
 
@@ -180,7 +181,7 @@ def _suffix_inputs(inputs: dict[str, Any], position_ids: torch.Tensor | None, st
     """Model kwargs running positions ``[start, P)`` of the one-row ``inputs`` as ``rows`` identical rows on
     ``cache`` (the prefix's)."""
     seq = inputs["input_ids"].shape[1]
-    out: dict[str, Any] = {k: inputs[k][:, start:].expand(rows, -1) for k in _sequence_keys(inputs)}
+    out: dict[str, Any] = {k: inputs[k][:, start:].expand(rows, -1) for k in sequence_keys(inputs)}
     out["attention_mask"] = inputs["attention_mask"].expand(rows, -1)
     if position_ids is not None:
         sliced = position_ids[..., start:]
@@ -330,7 +331,7 @@ def _packed_inputs(vlm: Any, inputs: dict[str, Any], position_ids: torch.Tensor 
     seq = inputs["input_ids"].shape[1]
     suffix = seq - start
     device = inputs["input_ids"].device
-    out: dict[str, Any] = {k: inputs[k][:, start:].repeat(1, blocks) for k in _sequence_keys(inputs)}
+    out: dict[str, Any] = {k: inputs[k][:, start:].repeat(1, blocks) for k in sequence_keys(inputs)}
     if position_ids is None:
         position_ids = torch.arange(seq, device=device)[None]
     out["position_ids"] = position_ids[..., start:].repeat(*([1] * (position_ids.ndim - 1)), blocks)
@@ -358,8 +359,8 @@ def _single_pass(vlm: Any, task: PatchTask, inputs: dict[str, Any], position_ids
     seq = inputs["input_ids"].shape[1]
     suffix, n = seq - start, len(heads)
     device = inputs["input_ids"].device
-    kwargs = {k: v for k, v in inputs.items() if k not in _sequence_keys(inputs) and k != "attention_mask"}
-    for key in _sequence_keys(inputs):
+    kwargs = {k: v for k, v in inputs.items() if k not in sequence_keys(inputs) and k != "attention_mask"}
+    for key in sequence_keys(inputs):
         kwargs[key] = torch.cat([inputs[key], inputs[key][:, start:].repeat(1, n)], 1)
     if position_ids is None:
         position_ids = torch.arange(seq, device=device)[None]
@@ -440,6 +441,9 @@ def exact_diffs(
     position_ids = adapter.position_ids(inputs)
     start = prefix_end(vlm, task.batch, inputs, int(task.positions.min()))
     if start == 0:
+        if rows_without_prefix(vlm):
+            with torch.no_grad():
+                return _rows_without_prefix(vlm, task, heads, inputs, position_ids, max_rows, memory_budget)
         return _exact_without_prefix(vlm, task, heads)
     keep = seq - task.score_position
     if not 1 <= keep <= seq - start:
@@ -513,6 +517,49 @@ def exact_diffs(
             else:
                 scored = logits[:, 0]
             out[chunk] = _diff(scored, task.a, task.a_star).cpu().numpy()
+    return clean, out
+
+
+def rows_without_prefix(vlm: Any) -> bool:
+    """Whether patches with no reusable prefix may run as batch rows on the sequence's tokens alone: the image's
+    features enter the text model only at its input, which the skipped layers never read (no cross-attention layers
+    reading the image's keys, no DeepStack injections into later layers, no recurrent state)."""
+    adapter = vlm.adapter
+    return adapter.reuses_prefix_cache() and not adapter.n_deepstack
+
+
+def _rows_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], inputs: dict[str, Any],
+                         position_ids: torch.Tensor | None, max_rows: int, memory_budget: int
+                         ) -> tuple[float, np.ndarray]:
+    """Patches at or before an image block, one batch row per head: the whole sequence runs from the chunk's lowest
+    patched layer, fed the clean residual there, so the vision tower runs once (in the clean forward) and the rows
+    need only the tokens and position ids."""
+    adapter, model = vlm.adapter, vlm.model
+    seq = inputs["input_ids"].shape[1]
+    keep = seq - task.score_position
+    layers = sorted({layer for layer, _ in heads})
+    sites = [f"blocks.{l}.hook_resid_pre" for l in range(layers[0], vlm.n_layers)]
+    session = HookSession(adapter, vlm.sites(sites + [adapter.z_site(l) for l in layers]))
+    with session:
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        full = model(**inputs, **extra, use_cache=False, logits_to_keep=keep)
+    clean = float(_diff(full.logits[0, 0], task.a, task.a_star))
+    captured = {name: vals[0] for name, vals in session.captured.items()}
+    clean_z = {l: captured[adapter.z_site(l)][0, task.positions] for l in layers}
+    todo = [i for i, (l, h) in enumerate(heads)
+            if not torch.equal(task.values[l][:, h].to(clean_z[l]), clean_z[l][:, h])]
+    out = np.full(len(heads), clean)
+    tokens = {k: v for k, v in inputs.items() if k in sequence_keys(inputs) or k == "attention_mask"}
+    for part in _chunks([heads[i] for i in todo], _rows_per_chunk(vlm, seq, max_rows, memory_budget)):
+        chunk = [todo[i] for i in part]
+        chunk_heads = [heads[i] for i in chunk]
+        low, n = chunk_heads[0][0], len(chunk)
+        hidden = captured[f"blocks.{low}.hook_resid_pre"].expand(n, -1, -1)
+        kwargs = _suffix_inputs(tokens, position_ids, 0, n, DynamicCache(), keep)
+        interventions = _entries(task, chunk_heads, [task.positions] * n, list(range(n)))
+        with start_at_layer(adapter, low, hidden), HookSession(adapter, (), interventions):
+            logits = model(**kwargs).logits
+        out[chunk] = _diff(logits[:, 0], task.a, task.a_star).cpu().numpy()
     return clean, out
 
 

@@ -37,7 +37,7 @@ from ..core.choices import PATH_CHANNELS as CHANNELS
 from ..core.errors import InputError
 from .hooks import HookSession
 from .interventions import PatchHeads
-from .patching import PatchTask, _diff, exact_diffs, start_at_layer
+from .patching import PatchTask, _diff, exact_diffs, rows_without_prefix, sequence_keys, start_at_layer
 
 LOGITS = "logits"
 
@@ -254,10 +254,22 @@ def _sender_run(vlm: Any, task: PathTask, clean: _CleanRun, sender: tuple[int, i
     sites = vlm.sites([adapter.z_site(l) for l in z_layers]) if z_layers else []
     with start_at_layer(adapter, layer, clean.resid[layer]), _hooks(hooks), \
             HookSession(adapter, sites, [patch]) as session:
-        logits = vlm.model(**vlm.model_inputs(task.batch), use_cache=False,
+        logits = vlm.model(**_inputs_from_layer(vlm, task.batch), use_cache=False,
                            logits_to_keep=torch.tensor([task.score_position])).logits
     z = {l: session.captured[adapter.z_site(l)][0][0] for l in z_layers}
     return float(_diff(logits[0, 0], task.a, task.a_star)), z
+
+
+def _inputs_from_layer(vlm: Any, batch: Any) -> dict[str, Any]:
+    """The forward's inputs for a run that starts at a later layer: where the image enters the text model only at
+    its input (:func:`~vlmbind.engine.patching.rows_without_prefix`), the tokens and position ids alone, so the
+    vision tower does not run again; else everything."""
+    inputs = vlm.model_inputs(batch)
+    if not rows_without_prefix(vlm):
+        return inputs
+    position_ids = vlm.adapter.position_ids(inputs)
+    out = {k: v for k, v in inputs.items() if k in sequence_keys(inputs) or k == "attention_mask"}
+    return out if position_ids is None else {**out, "position_ids": position_ids}
 
 
 def exact_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], **exact_kwargs: Any
