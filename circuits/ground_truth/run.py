@@ -27,7 +27,11 @@ them), and what each writes under ``--out``:
 - ``edit_control_geometry``: validate's position-ID edit call with more evaluation scenes (validate's are the first
   of them): where the empty-cell control's answers land -> ``edit_control_geometry.json``;
 - ``edit_alpha_sweep``: the same edit on a fine alpha grid, the alpha chosen on one seed by a rule fixed before the
-  run and measured again on another -> ``edit_alpha_sweep.json``.
+  run and measured again on another -> ``edit_alpha_sweep.json``;
+- ``edges``: every head-to-head edge scored by exact path patching (``vlmbind circuit``'s defaults) on validate's
+  first ``--n`` id_selection pairs, and by the product of its heads' best exact node scores in the saved
+  validation, each against organism-vsm's declared edges -> ``<model>/circuit/`` (edges.csv, summary.json) and
+  ``edges.json``.
 
 At the default ``--out`` the README's tables are rendered again from the results (``tables.py``).
 """
@@ -52,7 +56,14 @@ import vlmbind as vb
 from vlmbind.analysis.ablation import ablation_study, wilson_interval
 from vlmbind.analysis.edits import edit_studies
 from vlmbind.analysis.evaluation import training_defaults
-from vlmbind.analysis.validate import ValidationResult, held_out_objects, recorded_planted, validate
+from vlmbind.analysis.validate import (
+    ValidationResult,
+    held_out_objects,
+    recorded_edges,
+    recorded_planted,
+    score_edges,
+    validate,
+)
 from vlmbind.core.io import write_json_atomic, write_text_atomic
 from vlmbind.core.sites import parse_heads
 from vlmbind.organisms.data import BatchBuilder, training_canvas
@@ -424,6 +435,32 @@ def run_edit_alpha_sweep(run: Run, alphas: tuple[float, ...] = SWEEP_ALPHAS, con
 
 # --- the parts and the command line ---------------------------------------------------------------------------------
 
+# --- edges ------------------------------------------------------------------------------------------------------------
+
+def best_node_scores(result: ValidationResult, n_layers: int, n_heads: int) -> np.ndarray:
+    """Each head's largest mean exact score over the validated conditions."""
+    best = np.full((n_layers, n_heads), -np.inf)
+    for r in result.scores:
+        if r["method"] == "exact":
+            best[r["layer"], r["head"]] = max(best[r["layer"], r["head"]], r["score"])
+    return best
+
+
+def run_edges(run: Run) -> None:
+    declared = recorded_edges(PLANTED)
+    results = []
+    for name in run.models:
+        vlm = vb.load(name)
+        kwargs = training_defaults(vlm, "scene", {"n_objects": held_out_objects(vlm), "entropy": "high"})
+        pairs = list(scene_pairs(run.n, "id_selection", run.seed, **kwargs))
+        node = best_node_scores(ValidationResult.load(run.out / name), vlm.n_layers, vlm.n_heads)
+        rows, found = score_edges(vlm, declared, pairs, node, progress=True)
+        found.save(run.out / name / "circuit", figure=False)  # `vlmbind export` draws it
+        results.append({"model": name, "reference": REFERENCES.get(name), "rows": rows})
+        print(f"{name}: edges in {rows[0]['seconds']:.0f} s", file=sys.stderr)
+    write_json_atomic({"command": run.command, "declared": declared, "results": results}, run.out / "edges.json")
+
+
 class Part(NamedTuple):
     run: Callable[[Run], None]
     models: tuple[str, ...]
@@ -439,6 +476,7 @@ PARTS = {
     "random_k_draws": Part(run_random_k_draws, (PLANTED,), n=64, seed=1000),
     "edit_control_geometry": Part(run_edit_control_geometry, (PLANTED,), n=512, seed=1000),
     "edit_alpha_sweep": Part(run_edit_alpha_sweep, (PLANTED,), n=512, seed=1000),
+    "edges": Part(run_edges, TWINS, n=24, seed=1000),
 }
 
 

@@ -286,6 +286,33 @@ def alpha_sweep_table(record: dict) -> str:
     return "\n".join(out)
 
 
+def edges_table(document: dict, results: Path = RESULTS) -> str:
+    """The declared edges against every head-to-head edge: their ranks, recall@k and AUROC per method, and, from
+    each model's saved circuit, the declared edges' path-patching scores with their intervals beside the largest
+    |score| of any other head-to-head edge."""
+    keys = [(e["sender"], e["receiver"], e["channel"]) for e in document["declared"]]
+    out = ["| model | method | declared ranks | of edges | recall@3 | AUROC | top 4 edges | pairs | seconds |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    scores = ["| model | " + " | ".join(f"{s} -> {r} ({c})" for s, r, c in keys) + " | largest other, absolute |",
+              "|---|" + "---|" * (len(keys) + 1)]
+    for result in document["results"]:
+        model = result["model"] + (f" (against {result['reference']})" if result["reference"] else "")
+        for row in result["rows"]:
+            out.append(f"| {model} | {row['method'].replace('_', ' ')} | {' '.join(map(str, row['declared_ranks']))} "
+                       f"| {row['edges']} | {_cell(row['recall_at_k'])} | {_cell(row['auroc'], 3)} | "
+                       f"{', '.join(row['top_edges'])} | {row['n_pairs']} | {row['seconds']:.0f} |")
+        frame = pd.read_csv(results / result["model"] / "circuit" / "edges.csv",
+                            dtype={"sender": str, "receiver": str})
+        frame = frame[frame["receiver"] != "logits"]
+        is_declared = [k in keys for k in zip(frame["sender"], frame["receiver"], frame["channel"])]
+        found = frame[is_declared].set_index(["sender", "receiver", "channel"])
+        cells = [f"{found.loc[k, 'score']:+.2f} [{found.loc[k, 'ci_low']:+.2f}, {found.loc[k, 'ci_high']:+.2f}]"
+                 for k in keys]
+        other = frame[[not d for d in is_declared]]["score"].abs().max()
+        scores.append(f"| {model} | " + " | ".join(cells) + f" | {other:.3f} |")
+    return "\n".join(out) + "\n\n" + "\n".join(scores)
+
+
 def _load(name: str, results: Path) -> dict:
     return json.loads((results / name).read_text())
 
@@ -301,7 +328,8 @@ def render(results: Path = RESULTS) -> str:
         "### Random-k over many draws", random_k_table(_load("random_k_draws.json", results)),
         "### Where the edit's empty-cell control lands",
         edit_geometry_table(_load("edit_control_geometry.json", results)),
-        alpha_sweep_table(_load("edit_alpha_sweep.json", results))])
+        alpha_sweep_table(_load("edit_alpha_sweep.json", results)),
+        "### Edges: path patching against the planted pipeline", edges_table(_load("edges.json", results), results)])
 
 
 def main(argv: list[str] | None = None) -> int:

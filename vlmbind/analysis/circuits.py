@@ -176,11 +176,13 @@ class Circuit(Result):
                 "significant_edges": [_edge_label(r) for r in significant.itertuples()],
                 "uncertainty": UNCERTAINTY_METHOD.replace("per head", "per edge").replace("all heads", "all edges")}
 
-    def save(self, out: str | os.PathLike) -> Path:
-        """Write ``edges.csv``, ``circuit.html`` and ``summary.json`` atomically."""
+    def save(self, out: str | os.PathLike, figure: bool = True) -> Path:
+        """Write ``edges.csv``, ``summary.json`` and (with ``figure``) ``circuit.html`` atomically; ``vlmbind export``
+        draws the figure from the saved table later."""
         out = Path(out)
         write_text_atomic(self.to_frame().to_csv(index=False), out / "edges.csv")
-        write_html_atomic(self.figure(), out / "circuit.html")
+        if figure:
+            write_html_atomic(self.figure(), out / "circuit.html")
         write_json_atomic(self.summary(), out / "summary.json")
         return out
 

@@ -182,7 +182,7 @@ class ValidationResult(Result):
 
     kind = "validate"
     reproduced_files = ("validation.json", "methods.csv", "scores.csv", "ablation.csv",
-                        "edit.csv", "probes.csv", "edges.csv", "validation.html")
+                        "edit.csv", "probes.csv", "edge_methods.csv", "validation.html")
     marker_files = ("validation.json",)
     figure_name = "validation"
     table_name = "methods.csv"
@@ -260,7 +260,7 @@ class ValidationResult(Result):
                                              "ablation.csv": pd.DataFrame(self.ablation),
                                              "edit.csv": pd.DataFrame(self.edit),
                                              "probes.csv": pd.DataFrame(self.probes),
-                                             "edges.csv": pd.DataFrame(self.edges)}
+                                             "edge_methods.csv": pd.DataFrame(self.edges)}
 
     def save(self, out: str | os.PathLike, figure: bool = True) -> Path:
         """``validation.json`` (everything), the tables as CSV and (with ``figure``) ``validation.html``, each written

@@ -245,5 +245,5 @@ def render_text(result: Any, out: Any) -> str:
                      f"n={r['n_test']})")
     for what, why in result.skipped.items():
         lines.append(f"  {what} not run: {why}")
-    lines.append(f"  wrote {out}/validation.json, methods.csv, edges.csv, validation.html")
+    lines.append(f"  wrote {out}/validation.json, methods.csv, edge_methods.csv, validation.html")
     return "\n".join(lines)
