@@ -439,3 +439,26 @@ def test_locate_prints_an_estimate_beside_its_exact_score_as_saved(tmp_path, cap
         assert f"{'-' if score < 0 else '+'}{head}" in significance
     if not summary["significant_heads"]:
         assert significance.strip() == summary["significance_note"]
+
+
+def test_locate_scores_only_the_chosen_heads_and_counts_heads_as_it_goes(tmp_path, capsys):
+    from vlmbind.app.commands import main
+
+    vlm = get_tiny("tiny-qwen2_vl")
+    pairs = vb.stimuli.scene_pairs(2, "id_selection", 0, n_objects=3)
+    every = vb.locate(vlm, pairs)
+    some = vb.locate(vlm, pairs, heads="1.0,2.3", layers=[1, 2, 3])
+    assert some.scored_heads == ["1.0", "2.3"] and every.scored_heads is None
+    for l, h in ((1, 0), (2, 3)):
+        np.testing.assert_allclose(some.per_pair[:, l, h], every.per_pair[:, l, h], atol=1e-5)
+    assert np.count_nonzero(some.per_pair) == np.count_nonzero(every.per_pair[:, [1, 2], [0, 3]])
+    with pytest.raises(vb.InputError, match="lies in the layers"):
+        vb.locate(vlm, pairs, heads="0.1", layers=[2])
+    for method in ("naive", "exact"):  # one step per head and pair
+        vb.locate(vlm, pairs, method=method, layers=[3], progress=True)
+        assert "8/8" in capsys.readouterr().err.replace(" ", "")
+    out = tmp_path / "l"
+    assert main(["locate", "--model", "tiny-qwen2_vl", "--condition", "id_selection", "--n-pairs", "2", "--layers",
+                 "2-3", "--heads", "2.3,3.1,0.0", "--out", str(out)]) == 0
+    assert "scored 2 of 16 heads (--layers / --heads)" in capsys.readouterr().out
+    assert vb.HeadScores.load(out).scored_heads == ["2.3", "3.1"]

@@ -301,3 +301,25 @@ def test_object_attention_equals_output_attentions():
         assert row["target_share"] == pytest.approx(np.mean([t for _, t in shares]), abs=1e-5)
     with pytest.raises(vb.InputError, match="scene-description"):
         object_attention(vlm, list(S.counting(1, 0)), heads)
+
+
+def test_logits_are_computed_only_where_scored():
+    """No run of locate (any method), capture or generation takes the unembedding over the whole prompt: a real
+    vocabulary's logits at 1,300 positions are ~0.4-0.8 GB a row."""
+    vlm = get_tiny("tiny-qwen2_5_vl")
+    pairs = S.scene_pairs(1, "id_selection", 0, n_objects=3)
+    clean = vlm.prepare([pairs[0].clean.image], [pairs[0].clean.prompt])
+    widths: list[int] = []
+    handle = vlm.model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: widths.append(output.shape[1]))
+    try:
+        vlm.capture(clean, "blocks.*.attn.hook_z")
+        assert widths == [1]
+        vlm.generate(clean, 2)
+        assert widths[1:] == [1, 1]
+        for method in ("exact", "naive", "attribution", "integrated_gradients"):
+            widths.clear()
+            vb.locate(vlm, pairs, method=method, verify_top=2)
+            assert widths and max(widths) < clean.seq_len // 2, (method, widths)
+    finally:
+        handle.remove()

@@ -58,7 +58,6 @@ from .position_ids import (
     target_cell,
 )
 
-
 EDIT_ARMS = ("edit", "control", "random_direction")
 REPAIR_ARMS = ("repair", "control")
 RANDOM_DIRECTION_STREAM = 7  # the random-direction control's own random stream

@@ -37,13 +37,14 @@ from safetensors.numpy import save
 from scipy.stats import false_discovery_control, spearmanr, ttest_1samp
 from tqdm.auto import tqdm
 
+from ..core.checks import check_head_list
 from ..core.choices import CONDITIONS, METHODS  # noqa: F401  (CONDITIONS: public here too)
 from ..core.choices import LOCATE_CHECKPOINT as CHECKPOINT  # noqa: F401  (public here too)
 from ..core.errors import InputError
 from ..core.io import write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
-from ..engine.patching import METHOD_FUNCTIONS, PatchTask
 from ..engine.alignment import check_alignment
+from ..engine.patching import METHOD_FUNCTIONS, PatchTask
 from ..viz import head_heatmap, write_html_atomic
 
 # first-order and path estimates, reported beside exact scores of their top candidates
@@ -158,6 +159,8 @@ class HeadScores(Result):
             (:func:`vlmbind.analysis.evaluation.stimulus_defaults`), or None where it was not recorded.
         answer_casing: :func:`answer_casing` of the pairs, where it was measured (the scores use the answers'
             lower-case tokens; this says how often the model would rather start with a capital).
+        scored_heads: the heads scored when ``--layers`` / ``--heads`` restricted the run (the others hold 0, not a
+            measurement); None when every head was scored.
         table: a result loaded from its files (:meth:`load`): the saved per-head table; ``per_pair`` is then None
             and the means, standard errors and counts come from the table.
     """
@@ -181,6 +184,7 @@ class HeadScores(Result):
     predictions: dict[str, Any] | None = None
     pairs_file: str | None = None
     canvas: dict[str, Any] | None = None
+    scored_heads: list[str] | None = None
     table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -195,7 +199,8 @@ class HeadScores(Result):
                    seconds=summary.get("seconds", 0.0), pair_ids=summary.get("pair_ids", []),
                    skipped=summary.get("skipped_examples", []), prompt_format=summary.get("prompt_format", "raw"),
                    answer_casing=summary.get("answer_casing"), predictions=summary.get("predictions"),
-                   pairs_file=summary.get("pairs_file"), canvas=summary.get("canvas"), table=frame)
+                   pairs_file=summary.get("pairs_file"), canvas=summary.get("canvas"),
+                   scored_heads=summary.get("scored_heads"), table=frame)
 
     def _saved(self, column: str) -> np.ndarray:
         """``L H`` of one column of the loaded table (NaN where a head has no row)."""
@@ -411,6 +416,8 @@ class HeadScores(Result):
             out["pairs_file"] = self.pairs_file
         if self.canvas is not None:
             out["canvas"] = self.canvas
+        if self.scored_heads is not None:
+            out["scored_heads"] = self.scored_heads
         if self.verified is not None:
             exact, (low, high) = self.verified_scores, self.verified_intervals()
             heads = [tuple(int(v) for v in idx) for idx in np.argwhere(~np.isnan(exact))]
@@ -432,7 +439,8 @@ class HeadScores(Result):
                    per_pair=np.concatenate([p.per_pair for p in parts]), seconds=seconds,
                    pair_ids=[i for p in parts for i in p.pair_ids], verified=verified, skipped=list(skipped),
                    prompt_format=first.prompt_format, answer_casing=first.answer_casing,
-                   predictions=first.predictions, pairs_file=first.pairs_file, canvas=first.canvas)
+                   predictions=first.predictions, pairs_file=first.pairs_file, canvas=first.canvas,
+                   scored_heads=first.scored_heads)
 
     def recall(self, reference: HeadScores, k: int = 10) -> float:
         """Share of ``reference``'s top-``k`` heads that are also in this result's top-``k``."""
@@ -576,7 +584,7 @@ def scene_task(vlm: Any, pair: Any, layers: Sequence[int], prompt_format: str | 
 
 
 def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | None = None,
-           progress: bool = False, verify_top: int = 10, checkpoint: str | os.PathLike | None = None,
+           heads: Any = None, progress: bool = False, verify_top: int = 10, checkpoint: str | os.PathLike | None = None,
            gather: Callable[[np.ndarray], np.ndarray] | None = None, prompt_format: str | None = None,
            **method_kwargs: Any) -> HeadScores:
     """Score every head (or those of ``layers``) on counterfactual pairs.
@@ -589,8 +597,9 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
             ``"attribution"`` (first-order estimate, AtP: one forward-backward per pair) or
             ``"integrated_gradients"`` (the gradient averaged along the path from the clean to the counterfactual
             head outputs, EAP-IG style: ``steps`` forward-backward passes per pair, ``steps=8`` by default).
-        layers: restrict to these layers (others score 0).
-        progress: show a progress bar.
+        layers: restrict to these layers (others score 0, unmeasured: the summary's ``scored_heads`` says which).
+        heads: restrict to these heads (``"2.3,3.1"`` or pairs; with ``layers``, those of them in ``layers``).
+        progress: show a progress bar (``naive`` and ``exact``: one step per head and pair).
         verify_top: ``attribution`` and ``integrated_gradients``: also run ``exact`` on this many top candidates (``verified``), so the estimate
             is always reported beside its exact counterpart; 0 skips it.
         checkpoint: a file the per-pair scores are written to (atomically) after every pair; an existing one from
@@ -620,20 +629,32 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     bad = [l for l in layers if not 0 <= l < n_layers]
     if bad:
         raise InputError(f"layers {bad} are out of range; the model has layers 0..{n_layers - 1}")
+    only = heads
     heads = [(l, h) for l in layers for h in range(n_heads)]
+    if only is not None:
+        wanted = set(check_head_list(only, n_layers=n_layers, n_heads=n_heads))
+        heads = [lh for lh in heads if lh in wanted]
+        if not heads:
+            raise InputError(f"none of the heads {sorted(wanted)} lies in the layers {layers}")
     fmt = vlm.prompt_format(prompt_format)
     compute = METHOD_FUNCTIONS[method]
     per_pair = np.zeros((len(pairs), n_layers, n_heads))
     start = time.perf_counter()
     run_key = {"model": vlm.name, "method": method, "condition": str(next(iter(conditions))), "layers": layers,
+               **({} if only is None else {"heads": [f"{l}.{h}" for l, h in heads]}),
                "pairs": [p.id for p in pairs], "content": pairs_digest(pairs), "prompt_format": fmt}
     done = _resume(checkpoint, run_key, per_pair)
     tasks: dict[int, Any] = {}
-    for i, pair in enumerate(tqdm(pairs, desc=f"locate ({method})", disable=not progress)):
+    by_head = method in ("naive", "exact")  # a real checkpoint's pair can take minutes: count heads, not pairs
+    bar = tqdm(total=(len(pairs) - done) * (len(heads) if by_head else 1), desc=f"locate ({method})",
+               unit="head" if by_head else "pair", disable=not progress)
+    for i, pair in enumerate(pairs):
         if i < done:
             continue
         task = pair.task(vlm, layers) if hasattr(pair, "task") else scene_task(vlm, pair, layers, fmt)
-        clean, patched = compute(vlm, task, heads, **method_kwargs)
+        clean, patched = compute(vlm, task, heads, **method_kwargs, **({"progress": bar.update} if by_head else {}))
+        if not by_head:
+            bar.update(1)
         for (layer, head), value in zip(heads, patched):
             per_pair[i, layer, head] = value - clean
         if method in ESTIMATES and verify_top > 0:
@@ -644,11 +665,13 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     if method in ESTIMATES and verify_top > 0:
         candidates = top_candidates(per_pair if gather is None else gather(per_pair), heads, verify_top)
         verified = verify_heads(vlm, pairs, layers, candidates, per_pair.shape[1:], tasks, fmt)
+    bar.close()
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
     return HeadScores(condition=next(iter(conditions)), method=method, model=vlm.name, per_pair=per_pair,
                       seconds=time.perf_counter() - start, pair_ids=[p.id for p in pairs], verified=verified,
-                      skipped=list(getattr(pairs_in, "skipped", [])), prompt_format=fmt)
+                      skipped=list(getattr(pairs_in, "skipped", [])), prompt_format=fmt,
+                      scored_heads=(None if len(heads) == n_layers * n_heads else [f"{l}.{h}" for l, h in heads]))
 
 
 def top_candidates(per_pair: np.ndarray, heads: Sequence[tuple[int, int]], k: int) -> list[tuple[int, int]]:

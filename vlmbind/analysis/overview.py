@@ -61,7 +61,7 @@ def object_attention(vlm: Any, examples: Any, heads: list[tuple[int, int]]) -> p
     for ex in examples:
         batch = vlm.prepare([ex.image], [ex.prompt])
         index = batch.index[0]
-        run = vlm.run(batch, sites=[f"blocks.{l}.attn.hook_pattern" for l in layers])
+        run = vlm.run(batch, sites=[f"blocks.{l}.attn.hook_pattern" for l in layers], logits_at=[0])
         objects = object_token_positions(index, ex.objects)
         image, last = index.image_positions, index.last_position
         for layer, head in heads:

@@ -28,6 +28,7 @@ from safetensors.numpy import save
 
 from ..core.errors import InputError
 from ..core.io import write_bytes_atomic, write_json_atomic
+from ..core.sites import parse_heads
 from ..engine.activations import MANIFEST, ActivationSet
 from ..engine.activations import capture as capture_one
 from ..engine.decoding import GREEDY
@@ -39,7 +40,7 @@ from .mediation import locate as locate_one
 
 
 def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method: str = "exact",
-           layers: list[int] | None = None, verify_top: int = 10, progress: bool = False,
+           layers: list[int] | None = None, heads: Any = None, verify_top: int = 10, progress: bool = False,
            **method_kwargs: Any) -> HeadScores | None:
     """:func:`vlmbind.analysis.locate` over the ranks of ``group``: each rank runs it on its block of pairs, rank 0
     concatenates the parts into the :class:`~vlmbind.analysis.HeadScores` a single process would give (same per-pair
@@ -53,7 +54,7 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
         vlm: the model, loaded by this rank.
         pairs: all pairs (every rank builds the same list).
         out: the output directory (parts and checkpoints go to ``OUT/.parts``).
-        method, layers, verify_top, progress: as in :func:`~vlmbind.analysis.locate`.
+        method, layers, heads, verify_top, progress: as in :func:`~vlmbind.analysis.locate`.
 
     Returns:
         Rank 0: the merged scores. Other ranks: None.
@@ -69,7 +70,8 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
     blocks = [pairs[b.start : b.stop] for b in (block(len(pairs), r, group.world) for r in range(group.world))]
     mine = blocks[group.rank]
     layer_list = list(range(vlm.n_layers)) if layers is None else [int(l) for l in layers]
-    key = {"model": vlm.name, "method": method, "layers": layer_list, "verify_top": verify_top,
+    key = {"model": vlm.name, "method": method, "layers": layer_list, "heads": None if heads is None else str(heads),
+           "verify_top": verify_top,
            "pairs": [p.id for p in mine], "content": pairs_digest(mine),
            "prompt_format": method_kwargs.get("prompt_format")}
     verify = method in ESTIMATES and verify_top > 0
@@ -85,7 +87,8 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
         return np.concatenate([_read_part(p) for p in everyone])
 
     if any(_read_part(path(group.rank, name), key) is None for name in rounds):
-        scores = locate_one(vlm, mine, method=method, layers=layers, verify_top=verify_top, progress=progress,
+        scores = locate_one(vlm, mine, method=method, layers=layers, heads=heads, verify_top=verify_top,
+                            progress=progress,
                             checkpoint=part_path(out, "locate", group.rank, group.world, ".partial.safetensors"),
                             gather=gather, **method_kwargs)
         _write_part(path(group.rank, "scores"), key, scores.per_pair)
@@ -94,7 +97,12 @@ def locate(group: Group, vlm: Any, pairs: Any, out: str | os.PathLike, *, method
     if not group.is_main:
         return None
     group.wait_for([path(r, name) for name in rounds for r in range(group.world)])
-    parts = [HeadScores(condition=pairs[0].condition, method=method, model=vlm.name,
+    scored = None
+    if heads is not None or layers is not None:
+        chosen = set(parse_heads(heads)) if heads is not None else None
+        scored = [f"{l}.{h}" for l in layer_list for h in range(vlm.n_heads) if chosen is None or (l, h) in chosen]
+        scored = None if len(scored) == vlm.n_layers * vlm.n_heads else scored
+    parts = [HeadScores(condition=pairs[0].condition, method=method, model=vlm.name, scored_heads=scored,
                         per_pair=_read_part(path(r, "scores")), pair_ids=[p.id for p in blocks[r]],
                         verified=_read_part(path(r, "verified")) if verify else None,
                         prompt_format=vlm.prompt_format(method_kwargs.get("prompt_format")))

@@ -74,7 +74,8 @@ def greedy_decode(vlm: Any, batch: Any, interventions: Sequence[Any] = (), max_n
     for step in range(max_new_tokens):
         step_batch = Batch(inputs=inputs, index=batch.index, prompts=batch.prompts, images=batch.images)
         active = list(interventions) + (list(step_interventions(step)) if step_interventions else [])
-        nxt = vlm.run(step_batch, interventions=active).logits[:, -1].argmax(-1).cpu()
+        last = inputs["input_ids"].shape[1] - 1  # the logits of the last column only, never over the sequence
+        nxt = vlm.run(step_batch, interventions=active, logits_at=[last]).logits[:, -1].argmax(-1).cpu()
         if eos:
             nxt = torch.where(done, torch.tensor(eos[0]), nxt)
             done |= torch.isin(nxt, torch.tensor(eos))

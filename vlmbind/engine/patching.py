@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +119,11 @@ def check_task(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> N
                              f"{want}, got {got}")
 
 
+def _tick(progress: Callable[[int], Any] | None, done: int) -> None:
+    if progress is not None and done:
+        progress(done)
+
+
 def _diff(logits: torch.Tensor, a: int, a_star: int) -> torch.Tensor:
     """``...`` logit difference a* - a of ``... V`` logits, in float32."""
     logits = logits.float()
@@ -133,8 +138,10 @@ def _values(task: PatchTask, layer: int, heads: Sequence[int]) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # naive: one full forward per head
 # ----------------------------------------------------------------------------------------------------------------
-def naive_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> tuple[float, np.ndarray]:
-    """The reference: one full forward of the clean prompt per head, that head patched.
+def naive_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], *,
+                progress: Callable[[int], Any] | None = None) -> tuple[float, np.ndarray]:
+    """The reference: one full forward of the clean prompt per head, that head patched; ``progress`` (e.g. a tqdm
+    bar's ``update``) is called with 1 after each head.
 
     Returns:
         ``(clean difference, len(heads) patched differences)``.
@@ -147,6 +154,7 @@ def naive_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> 
         patch = PatchHeads(layer=layer, heads=[head], positions=task.positions,
                            values=task.values[layer][:, [head]][None])
         out[i] = float(_diff(vlm.logits(task.batch, [patch], at=at)[0, 0], task.a, task.a_star))
+        _tick(progress, 1)
     return clean, out
 
 
@@ -403,6 +411,7 @@ def exact_diffs(
     max_rows: int = 64,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     layout: str = "auto",
+    progress: Callable[[int], Any] | None = None,
 ) -> tuple[float, np.ndarray]:
     """The naive numbers, fast (see the module docstring).
 
@@ -420,6 +429,7 @@ def exact_diffs(
             by side in one row after the clean forward, a block mask keeping them apart; the prefix cache is
             shared, never copied), ``batched`` (one batch row per experiment; any attention implementation) or
             ``auto`` (single, else packed, else batched, whichever applies).
+        progress: called with the number of heads each forward finished (e.g. a tqdm bar's ``update``).
 
     Returns:
         ``(clean difference, len(heads) patched differences)``.
@@ -443,8 +453,9 @@ def exact_diffs(
     if start == 0:
         if rows_without_prefix(vlm):
             with torch.no_grad():
-                return _rows_without_prefix(vlm, task, heads, inputs, position_ids, max_rows, memory_budget)
-        return _exact_without_prefix(vlm, task, heads)
+                return _rows_without_prefix(vlm, task, heads, inputs, position_ids, max_rows, memory_budget,
+                                            progress)
+        return _exact_without_prefix(vlm, task, heads, progress)
     keep = seq - task.score_position
     if not 1 <= keep <= seq - start:
         raise InputError(f"score position {task.score_position} must lie at or after the first patched position")
@@ -466,6 +477,7 @@ def exact_diffs(
             # patching a head with its own clean value is the identity: exactly the clean difference
             same = torch.equal(task.values[l][:, h].to(clean_z[l]), clean_z[l][:, h])
             out[i] = clean if same else patched[i]
+        _tick(progress, len(heads))
         return clean, out
     with torch.no_grad():
         # One clean forward gives the clean logits, the residual entering every layer, and every layer's keys and
@@ -485,6 +497,7 @@ def exact_diffs(
         todo = [i for i, (l, h) in enumerate(heads)
                 if not torch.equal(task.values[l][:, h].to(clean_z[l]), clean_z[l][:, h])]
         out[:] = clean
+        _tick(progress, len(heads) - len(todo))
         cache = full.past_key_values
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
@@ -517,6 +530,7 @@ def exact_diffs(
             else:
                 scored = logits[:, 0]
             out[chunk] = _diff(scored, task.a, task.a_star).cpu().numpy()
+            _tick(progress, len(chunk))
     return clean, out
 
 
@@ -529,8 +543,8 @@ def rows_without_prefix(vlm: Any) -> bool:
 
 
 def _rows_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], inputs: dict[str, Any],
-                         position_ids: torch.Tensor | None, max_rows: int, memory_budget: int
-                         ) -> tuple[float, np.ndarray]:
+                         position_ids: torch.Tensor | None, max_rows: int, memory_budget: int,
+                         progress: Callable[[int], Any] | None = None) -> tuple[float, np.ndarray]:
     """Patches at or before an image block, one batch row per head: the whole sequence runs from the chunk's lowest
     patched layer, fed the clean residual there, so the vision tower runs once (in the clean forward) and the rows
     need only the tokens and position ids."""
@@ -549,6 +563,7 @@ def _rows_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, i
     todo = [i for i, (l, h) in enumerate(heads)
             if not torch.equal(task.values[l][:, h].to(clean_z[l]), clean_z[l][:, h])]
     out = np.full(len(heads), clean)
+    _tick(progress, len(heads) - len(todo))
     tokens = {k: v for k, v in inputs.items() if k in sequence_keys(inputs) or k == "attention_mask"}
     for part in _chunks([heads[i] for i in todo], _rows_per_chunk(vlm, seq, max_rows, memory_budget)):
         chunk = [todo[i] for i in part]
@@ -560,10 +575,12 @@ def _rows_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, i
         with start_at_layer(adapter, low, hidden), HookSession(adapter, (), interventions):
             logits = model(**kwargs).logits
         out[chunk] = _diff(logits[:, 0], task.a, task.a_star).cpu().numpy()
+        _tick(progress, len(chunk))
     return clean, out
 
 
-def _exact_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> tuple[float, np.ndarray]:
+def _exact_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]],
+                          progress: Callable[[int], Any] | None = None) -> tuple[float, np.ndarray]:
     """Patches at or before an image block: no prefix to reuse; each head runs the whole prompt, from its layer."""
     adapter = vlm.adapter
     layers = sorted({layer for layer, _ in heads})
@@ -578,6 +595,7 @@ def _exact_without_prefix(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, 
         with start_at_layer(adapter, layer, run.cache[f"blocks.{layer}.hook_resid_pre"]):
             logits = vlm.logits(task.batch, [patch], at=at)
         out[i] = float(_diff(logits[0, 0], task.a, task.a_star))
+        _tick(progress, 1)
     return clean, out
 
 

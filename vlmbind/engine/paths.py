@@ -341,7 +341,8 @@ def naive_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge]) -> tuple[f
             before = vlm.capture(task.batch, [attn_site])[attn_site]
             patch = PatchHeads(layer=s_layer, heads=[s_head], positions=task.sender_positions,
                                values=task.values[s_layer][:, [s_head]][None])
-            written = vlm.run(task.batch, sites=[attn_site], interventions=[patch]).cache[attn_site] - before
+            written = vlm.run(task.batch, sites=[attn_site], interventions=[patch], logits_at=[0]).cache[attn_site]
+            written = written - before
             if edge.receiver is None:
                 with _hooks([(adapter.layer(vlm.n_layers - 1), _add_to_output(written))]):
                     out[i] = float(_diff(vlm.logits(task.batch, at=at)[0, 0], task.a, task.a_star))

@@ -306,8 +306,9 @@ class VLM:
         return self.run(batch, interventions=interventions, logits_at=at).logits
 
     def capture(self, batch: Batch, sites: str | Sequence[str | Site]) -> dict[str, torch.Tensor]:
-        """Captured activations for ``sites`` (site name -> tensor)."""
-        return self.run(batch, sites=sites).cache
+        """Captured activations for ``sites`` (site name -> tensor). The unembedding runs at one position only: the
+        logits are not returned, and over every position of a real vocabulary they would take ~0.8 GB a row."""
+        return self.run(batch, sites=sites, logits_at=[0]).cache
 
     def head_means(self, batch: Batch, layer: int, heads: Sequence[int], per_position: bool = False,
                    by_role: bool = False) -> Any:

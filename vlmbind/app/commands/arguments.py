@@ -79,6 +79,22 @@ def parse_range(text: str) -> int | tuple[int, int]:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count or a range like 2-4") from None
+def parse_layers(text: str | None) -> list[int] | None:
+    """``0-3`` or ``1,2,5`` as a list of layers (None stays None)."""
+    if text is None:
+        return None
+    layers: list[int] = []
+    try:
+        for part in str(text).split(","):
+            low, _, high = part.strip().partition("-")
+            layers += list(range(int(low), int(high) + 1)) if high else [int(low)]
+    except ValueError:
+        raise InputError(f"--layers {text!r}: give layers as 0-3 or 1,2,5") from None
+    if not layers:
+        raise InputError(f"--layers {text!r} names no layer")
+    return sorted(set(layers))
+
+
 def one_line(text: str) -> str:
     return " ".join(str(text).split())
 

@@ -8,7 +8,16 @@ from typing import Any
 
 from ...core.choices import CIRCUIT_CHECKPOINT, CIRCUIT_METHODS, CONDITIONS, PATH_CHANNELS
 from ...core.errors import InputError
-from .arguments import add_plugin, add_prompt_format, check_model, int_at_least, model_session, out_dir, parse_range
+from .arguments import (
+    add_plugin,
+    add_prompt_format,
+    check_model,
+    int_at_least,
+    model_session,
+    out_dir,
+    parse_layers,
+    parse_range,
+)
 
 # its place in `vlmbind --help`
 HELP_ORDER = 55
@@ -61,22 +70,6 @@ def add_parser(sub: Any, common: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help=f"continue an interrupted run from OUT/{CIRCUIT_CHECKPOINT} (same arguments)")
     p.set_defaults(func=cmd_circuit, trace_task=None)
-
-
-def parse_layers(text: str | None) -> list[int] | None:
-    """``0-3`` or ``1,2,5`` as a list of layers (None stays None)."""
-    if text is None:
-        return None
-    layers: list[int] = []
-    try:
-        for part in str(text).split(","):
-            low, _, high = part.strip().partition("-")
-            layers += list(range(int(low), int(high) + 1)) if high else [int(low)]
-    except ValueError:
-        raise InputError(f"--layers {text!r}: give layers as 0-3 or 1,2,5") from None
-    if not layers:
-        raise InputError(f"--layers {text!r} names no layer")
-    return sorted(set(layers))
 
 
 def cmd_circuit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:

@@ -18,6 +18,7 @@ from .arguments import (
     load_plugins,
     model_session,
     out_dir,
+    parse_layers,
     parse_range,
     rank_done,
 )
@@ -120,6 +121,10 @@ def add_parser(sub: Any, common: Any) -> None:
                    help="attribution, integrated_gradients: run exact on this many top candidates")
     p.add_argument("--ig-steps", type=int_at_least(1, "--ig-steps 1"), default=IG_STEPS,
                    help=f"integrated_gradients: points on the path from clean to counterfactual (default {IG_STEPS})")
+    p.add_argument("--layers", default=None, help="score only the heads of these layers, e.g. 0-3 or 1,2,5 (the others "
+                   "are written as 0 and listed as unscored)")
+    p.add_argument("--heads", default=None, help="score only these heads, e.g. 2.3,3.1 (with --layers: those of them "
+                   "in its layers)")
     p.add_argument("--trace-task", choices=("count", "search"), default=None,
                    help="attention_swap: displays the traces are generated on (default count)")
     p.add_argument("--out", default=None, help="output directory (default runs/locate/<model>-<condition>)")
@@ -188,6 +193,9 @@ def pairs_source(path: Any) -> str:
 
 def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    from ...core.checks import check_head_list
+    layers = parse_layers(args.layers)
+    heads = check_head_list(args.heads, flag="--heads") if args.heads is not None else None
     user_pairs = check_pairs_arguments(args)
     from ...analysis import sweeps
     from ...analysis.evaluation import outside_training, stimulus_defaults
@@ -231,9 +239,10 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
             pairs = make_pairs(args.condition, args.n_pairs, args.seed, **kwargs)
         if group.world == 1:
             scores = locate(vlm, pairs, method=args.method, progress=not args.json, verify_top=args.verify_top,
-                            checkpoint=checkpoint, **method_kwargs)
+                            checkpoint=checkpoint, layers=layers, heads=heads, **method_kwargs)
         else:
             scores = sweeps.locate(group, vlm, pairs, out, method=args.method, verify_top=args.verify_top,
+                                   layers=layers, heads=heads,
                                    progress=group.is_main and not args.json, **method_kwargs)
             if not group.is_main:
                 return rank_done(group, out)
@@ -258,6 +267,9 @@ def cmd_locate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]
                 f"capitalised answer token (mean gap {casing['mean_logit_gap']:+.2f}); the scores use the lower-case "
                 f"tokens\n")
     note += prediction_lines(scores.predictions)
+    if scores.scored_heads is not None:
+        note += (f"  scored {len(scores.scored_heads)} of {vlm.n_layers * vlm.n_heads} heads (--layers / --heads); the "
+                 "others are written as 0, not measured\n")
     text = (f"{vlm.name}, {args.condition}, {scores.n} pairs, {args.method}, {scores.prompt_format} prompts: "
             f"{scores.seconds:.1f} s\n"
             f"  top heads ({scores.ranking_legend()}): {top}\n  {significance}\n{note}"
