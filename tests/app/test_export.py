@@ -30,7 +30,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     assert cli.main(["edit", "--model", MODEL, "--heads", "2.1", "--alpha", "0,1", "--n-estimate", "256",
                      "--n-eval", "8", "--repair", "--out", str(edit)]) == 0
     assert cli.main(["eval", "--model", MODEL, "--task", "scene", "--n", "6", "--out", str(evaluation)]) == 0
-    return {"demo": demo, "edit": edit, "eval": evaluation}
+    circuit = base / "circuit"
+    assert cli.main(["circuit", "--model", MODEL, "--condition", "id_selection", "--n-pairs", "2", "--heads",
+                     "0.1,1.2,2.1", "--out", str(circuit)]) == 0
+    return {"demo": demo, "edit": edit, "eval": evaluation, "circuit": circuit}
 
 
 def _figure_json(html: str) -> list:

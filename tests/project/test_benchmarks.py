@@ -171,6 +171,9 @@ def test_training_benchmark_compares_strictness_per_head_with_per_set():
 SMALL_RUNS = {
     "capture": (["--n", "4", "--repeats", "1", "--batch-size", "2", "--threads", "1", "--json", "tiny-qwen2_5_vl"],
                 None, lambda rows: rows[0]["overhead"] > 0 and rows[0]["bytes_written"] > 0),
+    "circuit": (["--pairs", "1", "--sender-layers", "5", "--cases", "text -> last", "--json"], None,
+                lambda rows: rows[0]["edges"] == 4 * (1 + 3 * 4) and rows[0]["max_abs_difference"] < 1e-4
+                and rows[0]["speedup"] > 0),
     "hooks": (["--repeats", "1", "--json", "{tmp}/hooks.json", "tiny-qwen2_5_vl"], "hooks.json",
               lambda rows: rows[0]["vlmbind_overhead_ratio"] > 0 and rows[0]["nnsight_over_vlmbind_ratio"] > 0),
     "precision": (["--pairs", "1", "--threads", "1", "--families", "qwen2_5_vl", "--out", "{tmp}/precision.json"],

@@ -269,7 +269,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         planted = loading.load(args.validate_model, **placement(args))
         validation = validate(planted, n_pairs=args.pairs // 2 or 1, seed=1000 + args.seed, ig_steps=4,
                               naive_heads=3, modes=("image_attention",), n_eval=max(8, args.eval_n // 2),
-                              n_estimate=2 * args.eval_n, n_probe=max(64, args.probe_n // 2))
+                              n_estimate=2 * args.eval_n, n_probe=max(64, args.probe_n // 2), edge_pairs=2)
         summary["validation"] = validation.summary()
     causal = None
     if not args.no_causal:
