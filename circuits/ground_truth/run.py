@@ -31,7 +31,9 @@ them), and what each writes under ``--out``:
 - ``edges``: every head-to-head edge scored by exact path patching (``vlmbind circuit``'s defaults) on validate's
   first ``--n`` id_selection pairs, and by the product of its heads' best exact node scores in the saved
   validation, each against organism-vsm's declared edges -> ``<model>/circuit/`` (edges.csv, summary.json) and
-  ``edges.json``.
+  ``edges.json``;
+- ``atp_star``: on validate's first ``--n`` id_selection pairs, AtP, its magnitude alone, AtP* with the QK fix alone
+  and AtP* (QK fix and GradDrop), each scored against the planted ID-selection heads -> ``atp_star.json``.
 
 At the default ``--out`` the README's tables are rendered again from the results (``tables.py``).
 """
@@ -46,6 +48,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -56,9 +59,11 @@ import vlmbind as vb
 from vlmbind.analysis.ablation import ablation_study, wilson_interval
 from vlmbind.analysis.edits import edit_studies
 from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.analysis.mediation import scene_task
 from vlmbind.analysis.validate import (
     ValidationResult,
     held_out_objects,
+    rank_metrics,
     recorded_edges,
     recorded_planted,
     score_edges,
@@ -66,6 +71,7 @@ from vlmbind.analysis.validate import (
 )
 from vlmbind.core.io import write_json_atomic, write_text_atomic
 from vlmbind.core.sites import parse_heads
+from vlmbind.engine.patching import atp_star_diffs, attribution_diffs
 from vlmbind.organisms.data import BatchBuilder, training_canvas
 from vlmbind.organisms.siit.evaluation import answer_changes_per_set, interchange_accuracy, unpatched_accuracy
 from vlmbind.organisms.siit.interchange import HeadInterchange
@@ -461,6 +467,38 @@ def run_edges(run: Run) -> None:
     write_json_atomic({"command": run.command, "declared": declared, "results": results}, run.out / "edges.json")
 
 
+def run_atp_star(run: Run) -> None:
+    planted = [tuple(h) for h in parse_heads(recorded_planted(PLANTED)["id_selection"])]
+    results = []
+    for name in run.models:
+        vlm = vb.load(name)
+        kwargs = training_defaults(vlm, "scene", {"n_objects": held_out_objects(vlm), "entropy": "high"})
+        pairs = list(scene_pairs(run.n, "id_selection", run.seed, **kwargs))
+        heads = [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads)]
+        shape = (vlm.n_layers, vlm.n_heads)
+        scores: dict[str, list[np.ndarray]] = defaultdict(list)
+        seconds: dict[str, float] = defaultdict(float)
+        variants = {"atp": partial(attribution_diffs), "atp_qk_fix": partial(atp_star_diffs, grad_drop=False),
+                    "atp_star": partial(atp_star_diffs)}
+        for pair in pairs:
+            task = scene_task(vlm, pair, range(vlm.n_layers))
+            for method, compute in variants.items():
+                start = time.perf_counter()
+                clean, patched = compute(vlm, task, heads)
+                seconds[method] += time.perf_counter() - start
+                scores[method].append((patched - clean).reshape(shape))
+        means = {m: np.mean(v, 0) for m, v in scores.items()}
+        means["atp_magnitude"] = np.mean(np.abs(scores["atp"]), 0)
+        seconds["atp_magnitude"] = seconds["atp"]
+        rows = [{"method": m, **rank_metrics(means[m], planted),
+                 "planted_scores": [float(means[m][h]) for h in planted], "seconds": seconds[m]}
+                for m in ("atp", "atp_magnitude", "atp_qk_fix", "atp_star")]
+        results.append({"model": name, "reference": REFERENCES.get(name), "n_pairs": len(pairs), "rows": rows})
+        print(f"{name}: AtP variants in {sum(seconds.values()):.0f} s", file=sys.stderr)
+    write_json_atomic({"command": run.command, "heads": [f"{l}.{h}" for l, h in planted], "results": results},
+                      run.out / "atp_star.json")
+
+
 class Part(NamedTuple):
     run: Callable[[Run], None]
     models: tuple[str, ...]
@@ -477,6 +515,7 @@ PARTS = {
     "edit_control_geometry": Part(run_edit_control_geometry, (PLANTED,), n=512, seed=1000),
     "edit_alpha_sweep": Part(run_edit_alpha_sweep, (PLANTED,), n=512, seed=1000),
     "edges": Part(run_edges, TWINS, n=24, seed=1000),
+    "atp_star": Part(run_atp_star, TWINS, n=24, seed=1000),
 }
 
 

@@ -286,6 +286,11 @@ def alpha_sweep_table(record: dict) -> str:
     return "\n".join(out)
 
 
+def _model(result: dict) -> str:
+    """A model's name in a table, with the model whose planted heads or edges it is scored against."""
+    return result["model"] + (f" (against {result['reference']})" if result["reference"] else "")
+
+
 def edges_table(document: dict, results: Path = RESULTS) -> str:
     """The declared edges against every head-to-head edge: their ranks, recall@k and AUROC per method, and, from
     each model's saved circuit, the declared edges' path-patching scores with their intervals beside the largest
@@ -296,7 +301,7 @@ def edges_table(document: dict, results: Path = RESULTS) -> str:
     scores = ["| model | " + " | ".join(f"{s} -> {r} ({c})" for s, r, c in keys) + " | largest other, absolute |",
               "|---|" + "---|" * (len(keys) + 1)]
     for result in document["results"]:
-        model = result["model"] + (f" (against {result['reference']})" if result["reference"] else "")
+        model = _model(result)
         for row in result["rows"]:
             out.append(f"| {model} | {row['method'].replace('_', ' ')} | {' '.join(map(str, row['declared_ranks']))} "
                        f"| {row['edges']} | {_cell(row['recall_at_k'])} | {_cell(row['auroc'], 3)} | "
@@ -311,6 +316,24 @@ def edges_table(document: dict, results: Path = RESULTS) -> str:
         other = frame[[not d for d in is_declared]]["score"].abs().max()
         scores.append(f"| {model} | " + " | ".join(cells) + f" | {other:.3f} |")
     return "\n".join(out) + "\n\n" + "\n".join(scores)
+
+
+ATP_NAMES = {"atp": "AtP", "atp_magnitude": "AtP, magnitude", "atp_qk_fix": "AtP* QK fix alone (signed)",
+             "atp_star": "AtP* (QK fix and GradDrop)"}
+
+
+def atp_star_table(document: dict) -> str:
+    """AtP and its fixes against the planted ID-selection heads, per model."""
+    heads = " ".join(document["heads"])
+    out = [f"| model | method | ranks of {heads} | AUROC | scores of {heads} | largest other, absolute | pairs | seconds |",
+           "|---|---|---|---|---|---|---|---|"]
+    for result in document["results"]:
+        model = _model(result)
+        for r in result["rows"]:
+            out.append(f"| {model} | {ATP_NAMES[r['method']]} | {' '.join(map(str, r['planted_ranks']))} | "
+                       f"{_cell(r['auroc'], 3)} | {' '.join(f'{v:+.3f}' for v in r['planted_scores'])} | "
+                       f"{r['unplanted_max_abs']:.3f} | {result['n_pairs']} | {r['seconds']:.0f} |")
+    return "\n".join(out)
 
 
 def _load(name: str, results: Path) -> dict:
@@ -329,7 +352,8 @@ def render(results: Path = RESULTS) -> str:
         "### Where the edit's empty-cell control lands",
         edit_geometry_table(_load("edit_control_geometry.json", results)),
         alpha_sweep_table(_load("edit_alpha_sweep.json", results)),
-        "### Edges: path patching against the planted pipeline", edges_table(_load("edges.json", results), results)])
+        "### Edges: path patching against the planted pipeline", edges_table(_load("edges.json", results), results),
+        "### AtP and AtP* on the ID-selection heads", atp_star_table(_load("atp_star.json", results))])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,7 +70,8 @@ def test_path_patching_finds_the_planted_pipeline_and_nothing_in_the_twin():
     pairs = organism_pairs(vlm, 2)
     node = vb.locate(vlm, pairs).scores
     rows, found = score_edges(vlm, declared, pairs, node_scores=np.abs(node))
-    exact, product = rows
+    exact, product = rows[0], rows[-1]
+    assert [r["method"] for r in rows] == ["exact", "eap", "eap_ig", "node_product"]
     assert exact["declared_ranks"] == sorted(exact["declared_ranks"]) or set(exact["declared_ranks"]) == {1, 2, 3}
     assert set(exact["declared_ranks"]) == {1, 2, 3} and exact["auroc"] == 1.0 and exact["edges"] == 1008
     frame = found.to_frame()
@@ -82,6 +83,14 @@ def test_path_patching_finds_the_planted_pipeline_and_nothing_in_the_twin():
     assert len(wrong) == 2 and wrong["score"].abs().max() < 0.1
     # a ranking that knows nodes only puts the planted heads' edges first but cannot tell the channel
     assert product["recall_at_k"] < 1.0 and exact["recall_at_k"] == 1.0
+    # the estimates are reported beside exact path patching on their top edges, which it scores as above
+    estimate = circuit(vlm, pairs, method="eap", verify_top=3).to_frame()
+    checked = estimate[estimate["exact_score"].notna()]
+    assert len(checked) == 3 and list(checked["rank"]) == [1, 2, 3]
+    keys = list(zip(frame["sender"], frame["receiver"], frame["channel"]))
+    for row in checked.itertuples():
+        assert row.exact_score == pytest.approx(frame["score"][keys.index((row.sender, row.receiver, row.channel))],
+                                                abs=1e-4)
     twin = shared_organism("organism-vsm-natural")
     found = circuit(twin, organism_pairs(twin, 1))
     twin_frame = found.to_frame()

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import get_tiny
+from helpers import get_tiny, shared_organism
 
 import vlmbind as vb
 from vlmbind.analysis import HeadScores, answer_token_ids, locate
@@ -462,3 +462,23 @@ def test_locate_scores_only_the_chosen_heads_and_counts_heads_as_it_goes(tmp_pat
                  "2-3", "--heads", "2.3,3.1,0.0", "--out", str(out)]) == 0
     assert "scored 2 of 16 heads (--layers / --heads)" in capsys.readouterr().out
     assert vb.HeadScores.load(out).scored_heads == ["2.3", "3.1"]
+
+
+def test_atp_star_finds_the_id_selection_heads_attp_misses_and_says_which_fix_does_it():
+    """On organism-vsm, AtP ranks the planted ID-selection heads last; AtP* puts them first. The QK fix alone (signed)
+    recovers 3.1, whose effect passes through 5.2's saturated query, but not 2.3, whose effect passes through two
+    saturated softmaxes in turn; GradDrop's magnitudes lift 2.3 (as the magnitude of AtP alone would)."""
+    from vlmbind.analysis.evaluation import stimulus_defaults
+    from vlmbind.analysis.mediation import scene_task
+    from vlmbind.engine.patching import atp_star_diffs
+
+    vlm = shared_organism("organism-vsm")
+    scenes, _ = stimulus_defaults(vlm, "scene", {"n_objects": 3})
+    pairs = vb.stimuli.make_pairs("id_selection", 2, 1000, **scenes)
+    star = vb.locate(vlm, pairs, method="atp_star", verify_top=2)
+    assert set(star.top(2)) == {(2, 3), (3, 1)}
+    assert set(vb.locate(vlm, pairs, method="attribution", verify_top=0).top(26)).isdisjoint({(2, 3), (3, 1)})
+    heads = [(2, 3), (3, 1)]
+    qk = np.array([np.subtract(*reversed(atp_star_diffs(vlm, scene_task(vlm, p, range(vlm.n_layers)), heads,
+                                                        grad_drop=False))) for p in pairs]).mean(0)
+    assert qk[1] > 1.0 and qk[0] < 0

@@ -8,7 +8,7 @@ from helpers import PROMPT, draw_scene
 
 import vlmbind as vb
 from vlmbind.core.errors import NoImageTokensError
-from vlmbind.engine.hooks import _PROB_EDITS, ATTENTION_IMPL, HookSession
+from vlmbind.engine.hooks import PROB_EDITS, ATTENTION_IMPL, HookSession
 from vlmbind.engine.interventions import PatchHeadsWhere
 
 
@@ -23,7 +23,7 @@ def _hook_count(model: torch.nn.Module) -> int:
 
 def _clean_state(vlm) -> None:
     assert _hook_count(vlm.model) == 0
-    assert not any(hasattr(m, _PROB_EDITS) for m in vlm.model.modules())
+    assert not any(hasattr(m, PROB_EDITS) for m in vlm.model.modules())
     assert vlm.adapter.text_config._attn_implementation != ATTENTION_IMPL
     assert vlm.active == []
 

@@ -323,3 +323,29 @@ def test_logits_are_computed_only_where_scored():
             assert widths and max(widths) < clean.seq_len // 2, (method, widths)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2_5_vl", "tiny-gemma3", "tiny-mllama"])
+def test_atp_star_is_attribution_to_first_order_and_a_magnitude_with_graddrop(name):
+    """The QK fix replaces the linear change of later attention patterns by the exact one: for counterfactual values a
+    small step from the clean ones the two agree (bidirectional image block and post-norms, cross-attention layers);
+    with GradDrop the score is a mean of magnitudes."""
+    from vlmbind.engine.patching import atp_star_diffs
+
+    vlm = get_tiny(name)
+    task = strong_task(vlm, "id_selection")
+    z = vlm.capture(task.batch, [vlm.adapter.z_site(l) for l in range(vlm.n_layers)])
+    gen = torch.Generator().manual_seed(2)
+    small = {l: z[vlm.adapter.z_site(l)][0, task.positions] + 1e-2 * torch.randn(v.shape, generator=gen)
+             for l, v in task.values.items()}
+    task = replace(task, values=small)
+    heads = [h for h in all_heads(vlm) if h[0] in vlm.adapter.head_layers() and h[0] not in
+             vlm.adapter.cross_attention_layers()][:10]
+    clean, linear = attribution_diffs(vlm, task, heads)
+    c, fixed = atp_star_diffs(vlm, task, heads, grad_drop=False)
+    assert c == pytest.approx(clean, abs=1e-6)
+    effects = linear - clean
+    assert np.abs(effects).max() > 1e-5
+    np.testing.assert_allclose(fixed - c, effects, atol=0.05 * np.abs(effects).max() + 1e-7)
+    _, dropped = atp_star_diffs(vlm, task, heads)
+    assert np.all(dropped - c >= 0) and np.abs(dropped - c).max() > 0

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,29 @@ from sklearn.metrics import roc_auc_score
 from tqdm.auto import tqdm
 
 from ..core.checks import check_head_list, check_position_class
+from ..core.choices import IG_STEPS
 from ..core.errors import InputError
 from ..core.io import write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
-from ..engine.paths import CHANNELS, LOGITS, Edge, PathTask, all_edges, exact_path_diffs, naive_path_diffs
+from ..engine.paths import (
+    CHANNELS,
+    LOGITS,
+    Edge,
+    PathTask,
+    all_edges,
+    attribution_path_diffs,
+    exact_path_diffs,
+    naive_path_diffs,
+)
 from ..viz.circuits import circuit_figure
 from ..viz.figures import write_html_atomic
 from .mediation import UNCERTAINTY_COLUMNS, UNCERTAINTY_METHOD, aligned_scene_pair, head_uncertainty, pairs_digest
 
-CIRCUIT_FUNCTIONS: dict[str, Callable[..., tuple[float, np.ndarray]]] = {"exact": exact_path_diffs,
-                                                                        "naive": naive_path_diffs}
+CIRCUIT_FUNCTIONS: dict[str, Callable[..., tuple[float, np.ndarray]]] = {
+    "exact": exact_path_diffs, "naive": naive_path_diffs, "eap": attribution_path_diffs,
+    "eap_ig": partial(attribution_path_diffs, steps=IG_STEPS)}
+# the estimates, verified by exact path patching on their top edges
+ESTIMATED = ("eap", "eap_ig")
 EDGE_COLUMNS = ("sender", "receiver", "channel", "sender_at", "receiver_at", "score", "stderr", "n")
 
 
@@ -97,6 +111,8 @@ class Circuit(Result):
         seconds: wall time of the computation.
         pair_ids: the pairs, in order.
         prompt_format: how the scene pairs were prompted.
+        verified: an estimate's (``eap``, ``eap_ig``) top edges scored again by exact path patching on every pair:
+            ``N E`` with NaN at the edges not verified.
         table: a result loaded from its files.
     """
 
@@ -116,6 +132,7 @@ class Circuit(Result):
     seconds: float = 0.0
     pair_ids: list[str] = field(default_factory=list)
     prompt_format: str = "raw"
+    verified: np.ndarray | None = None
     table: pd.DataFrame | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -143,6 +160,15 @@ class Circuit(Result):
             "receiver_at": self.receiver_at, "score": self.scores,
             "stderr": self.per_pair.std(0, ddof=1) / np.sqrt(n) if n > 1 else np.nan, "n": n,
             **{c: u[c][:, 0] for c in UNCERTAINTY_COLUMNS}})
+        if self.verified is not None:
+            checked = ~np.isnan(self.verified).any(0)
+            exact = np.full(len(self.edges), np.nan)
+            low, high = exact.copy(), exact.copy()
+            exact[checked] = self.verified[:, checked].mean(0)
+            if checked.any():
+                v = head_uncertainty(self.verified[:, checked][:, :, None])
+                low[checked], high[checked] = v["ci_low"][:, 0], v["ci_high"][:, 0]
+            frame["exact_score"], frame["exact_ci_low"], frame["exact_ci_high"] = exact, low, high
         frame = frame.sort_values("score", ascending=False, kind="stable").reset_index(drop=True)
         frame["rank"] = np.arange(1, len(frame) + 1)
         return frame
@@ -163,7 +189,11 @@ class Circuit(Result):
         for row in frame.itertuples():
             target = "logits" if row.receiver == LOGITS else f"{row.receiver} ({row.channel})"
             interval = "" if np.isnan(row.ci_low) else f" [{row.ci_low:+.3f}, {row.ci_high:+.3f}]"
-            lines.append(f"  {row.rank}. {row.sender} -> {target}  {row.score:+.3f}{interval}")
+            exact = getattr(row, "exact_score", np.nan)
+            beside = "" if np.isnan(exact) else (
+                f" (exact {exact:+.3f}" + ("" if np.isnan(row.exact_ci_low) else
+                                           f" [{row.exact_ci_low:+.3f}, {row.exact_ci_high:+.3f}]") + ")")
+            lines.append(f"  {row.rank}. {row.sender} -> {target}  {row.score:+.3f}{interval}{beside}")
         return "\n".join(lines)
 
     def summary(self) -> dict[str, Any]:
@@ -174,7 +204,11 @@ class Circuit(Result):
                 "edges": len(frame), "pair_ids": self.pair_ids, "prompt_format": self.prompt_format,
                 "top_edges": [_edge_label(r) for r in frame.head(10).itertuples()],
                 "significant_edges": [_edge_label(r) for r in significant.itertuples()],
-                "uncertainty": UNCERTAINTY_METHOD.replace("per head", "per edge").replace("all heads", "all edges")}
+                "uncertainty": UNCERTAINTY_METHOD.replace("per head", "per edge").replace("all heads", "all edges"),
+                **({"verified": [{"edge": _edge_label(r), self.method: r.score, "exact": r.exact_score,
+                                  "exact_ci": [r.exact_ci_low, r.exact_ci_high]}
+                                 for r in frame[frame["exact_score"].notna()].itertuples()]}
+                   if "exact_score" in frame.columns else {})}
 
     def save(self, out: str | os.PathLike, figure: bool = True) -> Path:
         """Write ``edges.csv``, ``summary.json`` and (with ``figure``) ``circuit.html`` atomically; ``vlmbind export``
@@ -209,13 +243,15 @@ def _edge_label(row: Any) -> str:
 def circuit(vlm: Any, pairs: Any, *, method: str = "exact", heads: Any = None, layers: Sequence[int] | None = None,
             channels: Sequence[str] = CHANNELS, logits: bool = True, sender_at: str = "all",
             receiver_at: str = "all", progress: bool = False, checkpoint: str | os.PathLike | None = None,
-            prompt_format: str | None = None, **method_kwargs: Any) -> Circuit:
+            prompt_format: str | None = None, verify_top: int = 10, **method_kwargs: Any) -> Circuit:
     """Score every edge between heads (or those among ``heads`` / in ``layers``) by path patching on ``pairs``.
 
     Args:
         vlm: a loaded VLM.
         pairs: counterfactual pairs of one condition (a :class:`~vlmbind.stimuli.PairSet` or a list).
-        method: ``exact`` (fast) or ``naive`` (the four-forward reference, same numbers).
+        method: ``exact`` (fast), ``naive`` (the four-forward reference, same numbers), ``eap`` (first-order
+            estimates of every edge from one forward and backward per pair) or ``eap_ig`` (the gradient averaged over
+            8 points between the clean and the counterfactual sender outputs).
         heads: restrict senders and receivers to these heads (``"1.0,2.3"`` or pairs).
         layers: restrict senders and receivers to these layers.
         channels: the receiver inputs to score (``q``, ``k``, ``v``).
@@ -225,6 +261,8 @@ def circuit(vlm: Any, pairs: Any, *, method: str = "exact", heads: Any = None, l
         checkpoint: a file the per-pair scores are written to after every pair; one from the same run is continued
             from (another run's is refused), and it is removed when the run completes.
         prompt_format: ``raw`` or ``chat`` (None: the model's).
+        verify_top: ``eap``, ``eap_ig``: also score this many top edges (by mean estimate) by exact path patching
+            on every pair, reported beside the estimate; 0 skips it.
         method_kwargs: passed to the engine (``exact``: ``max_tokens``, ``layout``, ...).
 
     Raises:
@@ -263,22 +301,38 @@ def circuit(vlm: Any, pairs: Any, *, method: str = "exact", heads: Any = None, l
     done = _resume(checkpoint, run_key, per_pair)
     start = time.perf_counter()
     compute = CIRCUIT_FUNCTIONS[method]
+    tasks: dict[int, PathTask] = {}
     for i, pair in enumerate(tqdm(pairs, desc=f"circuit ({method})", disable=not progress)):
         if i < done:
             continue
-        clean, counterfactual, patch, a, a_star = aligned_scene_pair(vlm, pair, fmt)
-        index = clean.index[0]
-        task = PathTask.from_counterfactual(vlm, clean, counterfactual, class_positions(index, sender_at, patch),
-                                            class_positions(index, receiver_at, patch), sender_layers, a, a_star)
+        task = _task(vlm, pair, fmt, sender_at, receiver_at, sender_layers)
         base, patched = compute(vlm, task, edges, **method_kwargs)
         per_pair[i] = patched - base
+        if method in ESTIMATED and verify_top > 0:
+            tasks[i] = task
         if checkpoint is not None:
             _save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
+    verified = None
+    if method in ESTIMATED and verify_top > 0:
+        top = np.argsort(-per_pair.mean(0), kind="stable")[:verify_top]
+        verified = np.full(per_pair.shape, np.nan)
+        for i, pair in enumerate(pairs):
+            task = tasks.get(i) or _task(vlm, pair, fmt, sender_at, receiver_at, sender_layers)
+            base, patched = exact_path_diffs(vlm, task, [edges[j] for j in top])
+            verified[i, top] = patched - base
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
     return Circuit(condition=next(iter(conditions)), method=method, model=vlm.name, edges=edges, per_pair=per_pair,
                    sender_at=sender_at, receiver_at=receiver_at, seconds=time.perf_counter() - start,
-                   pair_ids=[p.id for p in pairs], prompt_format=fmt)
+                   pair_ids=[p.id for p in pairs], prompt_format=fmt, verified=verified)
+
+
+def _task(vlm: Any, pair: Any, fmt: str, sender_at: str, receiver_at: str, sender_layers: Sequence[int]) -> PathTask:
+    """The :class:`~vlmbind.engine.paths.PathTask` of one scene pair at the two position classes."""
+    clean, counterfactual, patch, a, a_star = aligned_scene_pair(vlm, pair, fmt)
+    index = clean.index[0]
+    return PathTask.from_counterfactual(vlm, clean, counterfactual, class_positions(index, sender_at, patch),
+                                        class_positions(index, receiver_at, patch), sender_layers, a, a_star)
 
 
 def _save_checkpoint(path: str | os.PathLike, run_key: dict[str, Any], done: np.ndarray) -> None:

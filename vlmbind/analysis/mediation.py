@@ -48,7 +48,7 @@ from ..engine.patching import METHOD_FUNCTIONS, PatchTask
 from ..viz import head_heatmap, write_html_atomic
 
 # first-order and path estimates, reported beside exact scores of their top candidates
-ESTIMATES = ("attribution", "integrated_gradients")
+ESTIMATES = ("attribution", "integrated_gradients", "atp_star")
 
 
 def answer_token_ids(tokenizer: Any, answer: str, answer_cf: str, separator: str = " ") -> tuple[list[int], int, int]:
@@ -87,7 +87,7 @@ UNCERTAINTY_METHOD = (f"95% percentile bootstrap interval of the mean over pairs
                       f"significant: q < {SIGNIFICANCE} and at least {MIN_PAIRS_FOR_SIGNIFICANCE} pairs (below that "
                       f"an exact sign-flip test cannot reach p < {SIGNIFICANCE})")
 # how an estimate is named beside its exact score in the ranking text
-ESTIMATE_LABELS = {"attribution": "attribution", "integrated_gradients": "ig"}
+ESTIMATE_LABELS = {"attribution": "attribution", "integrated_gradients": "ig", "atp_star": "atp*"}
 
 
 def head_uncertainty(per_pair: np.ndarray, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> dict[str, np.ndarray]:

@@ -60,7 +60,7 @@ from ..stimuli import scene_description, scene_pairs
 from ..viz import write_html_atomic
 from ..viz.validation import validation_figure
 from .ablation import MODES, ablation_study, layers_short_of_heads
-from .circuits import Circuit, circuit, declared_edges, edge_rank_metrics
+from .circuits import ESTIMATED, Circuit, circuit, declared_edges, edge_rank_metrics
 from .edits import EDIT_POSITIONS, edit_studies
 from .evaluation import training_defaults
 from .mediation import HeadScores, locate, scene_task
@@ -156,7 +156,8 @@ class ValidationResult(Result):
         probes: one row per (head, target): held-out accuracy, chance (the majority class), train / test sizes.
         edges: one row per edge-scoring method against the declared edges of the planted pipeline (the training
             record's ``planted_edges``, or the reference model's): each declared edge's rank among all head-to-head
-            edges, recall@k, AUROC, seconds; ``exact`` is path patching, ``node_product`` the simpler strategy of
+            edges, recall@k, AUROC, seconds; ``exact`` is path patching, ``eap`` and ``eap_ig`` its gradient
+            estimates, ``node_product`` the simpler strategy of
             ranking an edge by the product of its two heads' best exact node scores (no channel, no path).
         pca: per reference head, the first two principal components of its last-token output with labels.
         params: pairs, seeds, object count, entropy, alphas, ig steps.
@@ -537,7 +538,7 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
 def score_edges(vlm: Any, declared: Sequence[Mapping[str, Any]], pairs: Sequence[Any],
                 node_scores: np.ndarray | None = None, progress: bool = False) -> tuple[list[dict[str, Any]], Circuit]:
     """Every head-to-head edge scored on ``pairs`` by exact path patching (:func:`~vlmbind.analysis.circuits.circuit`
-    with its default position classes) and, given ``node_scores`` (``L H``, e.g. each head's best exact node score
+    with its default position classes), by its estimates (EAP, EAP-IG) and, given ``node_scores`` (``L H``, e.g. each head's best exact node score
     over the conditions), by the product of its two heads' node scores (a ranking that knows nodes only: no channel,
     no path), each against the ``declared`` edges.
 
@@ -559,6 +560,11 @@ def score_edges(vlm: Any, declared: Sequence[Mapping[str, Any]], pairs: Sequence
 
     rows = [{**common, "method": "exact", **edge_rank_metrics(frame, declared), "top_edges": top(frame),
              "seconds": seconds}]
+    for method in ESTIMATED:
+        begin = time.perf_counter()
+        estimate = circuit(vlm, pairs, method=method, verify_top=0, progress=progress).to_frame()
+        rows.append({**common, "method": method, **edge_rank_metrics(estimate, declared), "top_edges": top(estimate),
+                     "seconds": time.perf_counter() - begin})
     if node_scores is not None:
         product = frame.copy()
         product["score"] = [node_scores[check_head_list(s)[0]] * node_scores[check_head_list(r)[0]]

@@ -43,7 +43,7 @@ PROMPT_FORMATS = ("raw", "chat")
 
 # --- locate (vlmbind.analysis.mediation, vlmbind.engine.patching) -----------------------------------------------------
 # the mediation methods (the keys of vlmbind.engine.patching.METHOD_FUNCTIONS)
-METHODS = ("naive", "exact", "attribution", "integrated_gradients")
+METHODS = ("naive", "exact", "attribution", "integrated_gradients", "atp_star")
 CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval", "attention_swap")
 # the conditions whose counterfactual the ui patches at the last token (vlmbind.app.ui)
 UI_CONDITIONS = ("id_selection", "feature_retrieval")
@@ -52,7 +52,7 @@ IG_STEPS = 8
 
 # --- circuit (vlmbind.analysis.circuits, vlmbind.engine.paths) ------------------------------------------------------
 # the path-patching methods (the keys of vlmbind.analysis.circuits.CIRCUIT_METHODS) and the receiver channels
-CIRCUIT_METHODS = ("exact", "naive")
+CIRCUIT_METHODS = ("exact", "naive", "eap", "eap_ig")
 PATH_CHANNELS = ("q", "k", "v")
 CIRCUIT_CHECKPOINT = "circuit.partial.safetensors"
 
@@ -67,7 +67,7 @@ ABLATION_MODES = ("image_attention", "zero", "mean", "role_mean")
 TEXT_POSITION_CONDITIONS = ("id_retrieval", "id_selection")
 # where random-k draws its heads: every head, the heads outside the top-k, or other heads of the top-k's layers
 ABLATION_RANDOM_POOLS = ("all", "rest", "same_layers")
-VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients")
+VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients", "atp_star")
 DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
 # where a position-ID edit is added: the prompt's last position (VSM's), or also every answer position
 EDIT_POSITIONS = ("last", "answer")

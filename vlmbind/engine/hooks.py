@@ -55,7 +55,10 @@ ATTENTION_IMPL = "vlmbind_eager"
 # per-head outputs and attention probabilities, of self-attention and of a cross-attention layer
 Z_HOOKS = ("attn.hook_z", "cross_attn.hook_z")
 PATTERN_HOOKS = ("attn.hook_pattern", "cross_attn.hook_pattern")
-_PROB_EDITS = "_vlmbind_prob_edits"
+PROB_EDITS = "_vlmbind_prob_edits"
+# callables (query, key, value) -> (query, key, value) applied to the per-query-head states (keys and values repeated
+# over each group): the point where path attribution reads one head's own query, key and value
+STATE_EDITS = "_vlmbind_state_edits"
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -84,6 +87,8 @@ def vlmbind_eager_attention(
     n_rep = query.shape[1] // key.shape[1]
     key_states = _repeat_kv(key, n_rep)
     value_states = _repeat_kv(value, n_rep)
+    for edit in getattr(module, STATE_EDITS, ()):
+        query, key_states, value_states = edit(query, key_states, value_states)
     weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
     if softcap is not None:
         weights = torch.tanh(weights / softcap) * softcap
@@ -91,7 +96,7 @@ def vlmbind_eager_attention(
         weights = weights + attention_mask[:, :, :, : key_states.shape[-2]]
     weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    for edit in getattr(module, _PROB_EDITS, ()):
+    for edit in getattr(module, PROB_EDITS, ()):
         weights = edit(weights)
     out = torch.matmul(weights, value_states).transpose(1, 2).contiguous()
     return out, weights
@@ -186,8 +191,8 @@ class HookSession:
             handle.remove()
         self._handles.clear()
         for module in self._prob_modules:
-            if hasattr(module, _PROB_EDITS):
-                delattr(module, _PROB_EDITS)
+            if hasattr(module, PROB_EDITS):
+                delattr(module, PROB_EDITS)
         self._prob_modules.clear()
         if self._stack is not None:
             self._stack.close()
@@ -221,7 +226,7 @@ class HookSession:
         for layer, edits in prob_edits.items():
             module = a.attention_module(layer)
             index = self.index
-            setattr(module, _PROB_EDITS, [lambda w, e=e: e.edit_probs(w, index) for e in edits])
+            setattr(module, PROB_EDITS, [lambda w, e=e: e.edit_probs(w, index) for e in edits])
             self._prob_modules.append(module)
 
         for site in self.sites:

@@ -41,7 +41,7 @@ from transformers import DynamicCache
 
 from ..core.choices import IG_STEPS
 from ..core.errors import InputError
-from .hooks import ATTENTION_IMPL, HookSession
+from .hooks import ATTENTION_IMPL, PROB_EDITS, HookSession, attention_implementation
 from .interventions import PatchHeadEntries, PatchHeads
 
 DEFAULT_MEMORY_BUDGET = 2 * 1024**3
@@ -701,5 +701,201 @@ def integrated_gradients_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[
     return clean, _estimates(vlm, task, heads, clean, clean_z, grads)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# AtP*: attribution with the QK fix and GradDrop (Kramar et al. 2024)
+# ----------------------------------------------------------------------------------------------------------------
+def _layer_kwargs(vlm: Any, layers: Sequence[int]) -> Any:
+    """A context recording the keyword arguments each of ``layers`` is called with (masks, position embeddings)."""
+    kwargs: dict[int, dict[str, Any]] = {}
+
+    def remember(layer: int) -> Any:
+        def hook(module: Any, args: tuple, kw: dict) -> None:
+            kwargs[layer] = {k: v for k, v in kw.items() if k != "hidden_states"}
+        return hook
+
+    handles = [vlm.adapter.layer(l).register_forward_pre_hook(remember(l), with_kwargs=True) for l in layers]
+    return kwargs, handles
+
+
+def _atp_star_pass(vlm: Any, task: PatchTask, layers: Sequence[int], drop: int | None
+                   ) -> tuple[float, dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor],
+                              dict[int, torch.Tensor], dict[int, dict[str, Any]]]:
+    """One forward and backward of the clean prompt under vlmbind's eager attention, with the gradient through layer
+    ``drop``'s attention and MLP outputs cut (None: no cut). Returns the logit difference, per scored layer the clean
+    z at the patch positions and the metric's gradient there (AtP's), per layer the clean attention pattern, its
+    gradient, the residual entering it and its call's keyword arguments."""
+    adapter = vlm.adapter
+    pos = torch.as_tensor(task.positions)
+    inputs = vlm.model_inputs(task.batch)
+    z: dict[int, torch.Tensor] = {}
+    patterns: dict[int, torch.Tensor] = {}
+    resid: dict[int, torch.Tensor] = {}
+
+    def open_z(layer: int) -> Any:
+        def hook(module: Any, args: tuple) -> tuple:
+            x = args[0] + torch.zeros_like(args[0], requires_grad=True)
+            z[layer] = x
+            return (x, *args[1:])
+        return hook
+
+    def keep_pattern(layer: int) -> Any:
+        def edit(weights: torch.Tensor) -> torch.Tensor:
+            patterns[layer] = weights
+            return weights
+        return edit
+
+    def keep_resid(layer: int) -> Any:
+        def hook(module: Any, args: tuple, kw: dict) -> None:
+            resid[layer] = (args[0] if args else kw["hidden_states"]).detach()
+        return hook
+
+    def cut(module: Any, args: tuple, kw: dict, output: Any) -> Any:
+        hidden = args[0] if args else kw["hidden_states"]
+        out = _first_output(output)
+        return _with_first(output, hidden + (out - hidden).detach())
+
+    every = list(range(vlm.n_layers))
+    kwargs, handles = _layer_kwargs(vlm, every)
+    handles += [adapter.o_proj_module(l).register_forward_pre_hook(open_z(l)) for l in layers]
+    handles += [adapter.layer(l).register_forward_pre_hook(keep_resid(l), with_kwargs=True) for l in every]
+    if drop is not None:
+        handles.append(adapter.layer(drop).register_forward_hook(cut, with_kwargs=True))
+    softmax_layers = [l for l in adapter.pattern_layers() if l not in adapter.cross_attention_layers()]
+    modules = [adapter.attention_module(l) for l in softmax_layers]
+    for layer, module in zip(softmax_layers, modules):
+        setattr(module, PROB_EDITS, [keep_pattern(layer)])
+    keep = torch.tensor([task.score_position], device=vlm.device)
+    try:
+        with torch.enable_grad(), attention_implementation(adapter, ATTENTION_IMPL):
+            metric = _diff(vlm.model(**inputs, use_cache=False, logits_to_keep=keep).logits[0, 0], task.a, task.a_star)
+            tracked = [l for l in softmax_layers if l in patterns and patterns[l].requires_grad]
+            grads = torch.autograd.grad(metric, [z[l] for l in layers] + [patterns[l] for l in tracked],
+                                        allow_unused=True)
+            z_grads, grads = grads[:len(layers)], grads[len(layers):]
+            pattern_grads = {l: (torch.zeros_like(patterns[l]) if g is None else g).detach()
+                             for l, g in zip(tracked, grads)}
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in modules:
+            module.__dict__.pop(PROB_EDITS, None)
+    clean_z = {l: z[l].detach()[0, pos] for l in layers}
+    fixed_grads = {l: (torch.zeros_like(z[l]) if g is None else g)[0, pos].float() for l, g in zip(layers, z_grads)}
+    clean_patterns = {l: patterns[l].detach() for l in pattern_grads}
+    return float(metric.detach()), clean_z, fixed_grads, clean_patterns, pattern_grads, resid, kwargs
+
+
+def atp_star_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], *, grad_drop: bool = True
+                   ) -> tuple[float, np.ndarray]:
+    """AtP* (Kramar et al. 2024) estimate of every head's patched difference. Two fixes to AtP:
+
+    - **QK fix**: a head's change reaches later heads' attention patterns through their queries and keys, where a
+      saturated softmax makes the gradient near zero. For each later self-attention layer, the linear change of its
+      patterns when the head's write into the residual stream (at the patch positions) is added to the layer's
+      input is replaced by the exact change, both times the metric's gradient with respect to those patterns; every
+      other path stays AtP's. To first order the estimate is AtP's.
+    - **GradDrop**: cancelling paths can hide an effect, so the estimate is computed again with the gradient through
+      each layer's attention and MLP outputs cut in turn, and the head's score is the mean of the absolute values
+      over the layers other than its own (a magnitude: AtP* ranks heads, it does not sign them).
+
+    ``grad_drop=False`` gives the QK-fixed estimate alone, signed (one pass). Costs two forward-backward passes per
+    layer (one without GradDrop) plus one call of each later layer per head. The QK fix looks one attention layer
+    ahead: an effect that passes through two saturated softmaxes in turn is still underestimated by it.
+
+    Returns:
+        ``(clean difference, len(heads) clean + score)``.
+    """
+    check_task(vlm, task, heads)
+    adapter = vlm.adapter
+    layers = sorted({l for l, _ in heads})
+    n, h, d = task.positions.size, vlm.n_heads, adapter.d_head
+    pos = torch.as_tensor(task.positions)
+    per_drop = []
+    clean = None
+    writes: dict[int, torch.Tensor] = {}
+    changes: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+    for drop in (range(vlm.n_layers) if grad_drop else [None]):
+        diff, clean_z, fixed_grads, patterns, pattern_grads, resid, kwargs = _atp_star_pass(vlm, task, layers, drop)
+        clean = diff if clean is None else clean
+        if not changes:  # the exact pattern changes are forward quantities: the same for every cut
+            with torch.no_grad():
+                for layer in layers:
+                    z = clean_z[layer].reshape(n, h, d)
+                    writes[layer] = head_writes(vlm, layer, z, task.values[layer])
+                for layer, head in heads:
+                    later = {}
+                    for m in patterns:
+                        if m <= layer:
+                            continue
+                        direction = torch.zeros_like(resid[m])
+                        direction[0, pos] = writes[layer][head].to(direction)
+                        exact = _pattern_of(vlm, m, resid[m] + direction, kwargs[m]) - patterns[m]
+                        with torch.enable_grad():
+                            _, linear = torch.autograd.functional.jvp(
+                                lambda hidden, m=m: _pattern_of(vlm, m, hidden, kwargs[m]), resid[m], direction)
+                        later[m] = exact - linear
+                    changes[(layer, head)] = later
+        out = np.zeros(len(heads))
+        for i, (layer, head) in enumerate(heads):
+            z = clean_z[layer].reshape(n, h, d).float()
+            g = fixed_grads[layer].reshape(n, h, d)
+            value = float(((task.values[layer].to(z) - z)[:, head] * g[:, head]).sum())
+            value += sum(float((change.float() * pattern_grads[m].float()).sum())
+                         for m, change in changes[(layer, head)].items())
+            out[i] = value
+        per_drop.append(out)
+    if not grad_drop:
+        return float(clean), clean + per_drop[0]
+    drops = np.array(per_drop)
+    own = np.array([[l == drop for l, _ in heads] for drop in range(vlm.n_layers)])
+    score = np.where(own, 0.0, np.abs(drops)).sum(0) / max(vlm.n_layers - 1, 1)
+    return float(clean), clean + score
+
+
+def head_writes(vlm: Any, layer: int, clean_z: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``H n d_model``: what each head adds to the residual stream at the patch positions when it alone takes its
+    value, through ``o_proj``, the family's post-norm and gate."""
+    adapter = vlm.adapter
+    n, h, d = clean_z.shape
+    variants = clean_z[None].repeat(h, 1, 1, 1)
+    index = torch.arange(h)
+    variants[index, :, index] = values.to(clean_z).permute(1, 0, 2)
+    o_proj = adapter.o_proj_module(layer)
+    after = adapter.attn_out_module(layer)
+    post = after if after is not adapter.attention_module(layer) else (lambda x: x)
+    out = post(o_proj(variants.reshape(h, n, h * d))) - post(o_proj(clean_z.reshape(1, n, h * d)))
+    gate = adapter.output_gate(layer, "attn", {})
+    return out if gate is None else gate.to(out) * out
+
+
+def _pattern_of(vlm: Any, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Layer ``layer``'s attention pattern (``1 H P K``) when it reads ``hidden``, under vlmbind's eager attention."""
+    adapter = vlm.adapter
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(weights: torch.Tensor) -> torch.Tensor:
+        seen["p"] = weights
+        return weights
+
+    module = adapter.attention_module(layer)
+    setattr(module, PROB_EDITS, [keep])
+    try:
+        with attention_implementation(adapter, ATTENTION_IMPL):
+            adapter.layer(layer)(hidden, **kwargs)
+    finally:
+        module.__dict__.pop(PROB_EDITS, None)
+    return seen["p"]
+
+
+def _first_output(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _with_first(output: Any, value: torch.Tensor) -> Any:
+    if isinstance(output, tuple):
+        return (value, *output[1:])
+    return value
+
+
 METHOD_FUNCTIONS = {"naive": naive_diffs, "exact": exact_diffs, "attribution": attribution_diffs,
-                    "integrated_gradients": integrated_gradients_diffs}
+                    "integrated_gradients": integrated_gradients_diffs, "atp_star": atp_star_diffs}

@@ -35,9 +35,17 @@ import torch
 
 from ..core.choices import PATH_CHANNELS as CHANNELS
 from ..core.errors import InputError
-from .hooks import HookSession
+from .hooks import ATTENTION_IMPL, STATE_EDITS, HookSession, attention_implementation
 from .interventions import PatchHeads
-from .patching import PatchTask, _diff, exact_diffs, rows_without_prefix, sequence_keys, start_at_layer
+from .patching import (
+    PatchTask,
+    _diff,
+    exact_diffs,
+    head_writes,
+    rows_without_prefix,
+    sequence_keys,
+    start_at_layer,
+)
 
 LOGITS = "logits"
 
@@ -386,3 +394,159 @@ def all_edges(vlm: Any, senders: Sequence[tuple[int, int]] | None = None,
         if logits:
             edges.append(Edge(sender, None, LOGITS))
     return edges
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attribution: first-order estimates of every edge from one forward and backward (EAP), or averaged along the path
+# from the clean to the counterfactual sender outputs (EAP-IG)
+# ----------------------------------------------------------------------------------------------------------------
+def _head_of(state: torch.Tensor, channel: str, head: int, n_heads: int) -> torch.Tensor:
+    """One query head's slice of a receiver state: the query projection's output is ``B P (H X)`` head-major, the
+    per-head keys and values ``B H P D``."""
+    return state.view(*state.shape[:2], n_heads, -1)[:, :, head] if channel == "q" else state[:, head]
+
+
+def _receiver_gradients(vlm: Any, task: PathTask, receivers: dict[int, tuple[str, ...]], sender_layers: list[int],
+                        alpha: float) -> tuple[float, dict[tuple[int, int, str], torch.Tensor], torch.Tensor,
+                                            dict[int, torch.Tensor]]:
+    """One forward and backward of the clean prompt, every sender layer's heads moved ``alpha`` of the way to their
+    counterfactual outputs at the sender positions. Returns the logit difference, per ``(layer, head, channel)`` the
+    gradient of the metric, through that head's output at the receiver positions and that channel alone, with respect
+    to the residual stream the layer reads (``P d_model``), the metric's gradient with respect to the last layer's
+    output (the direct path), and each sender layer's z at the sender positions."""
+    adapter = vlm.adapter
+    inputs = vlm.model_inputs(task.batch)
+    pos = torch.as_tensor(task.sender_positions)
+    received = torch.as_tensor(task.receiver_positions)
+    seen_z: dict[int, torch.Tensor] = {}
+    deltas: dict[int, torch.Tensor] = {}
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    last = vlm.n_layers - 1
+
+    def shift_senders(layer: int) -> Any:
+        def hook(module: Any, args: tuple) -> tuple | None:
+            x = args[0]
+            seen_z[layer] = x
+            if layer not in sender_layers or not alpha:
+                return None
+            target = task.values[layer].reshape(len(pos), -1).to(x)
+            x = x.clone()
+            x[0, pos] = x[0, pos] + alpha * (target - x[0, pos].detach())
+            seen_z[layer] = x
+            return (x, *args[1:])
+        return hook
+
+    def open_input(layer: int) -> Any:
+        def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            deltas[layer] = torch.zeros_like(hidden, requires_grad=True)
+            hidden = hidden + deltas[layer]
+            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+        return hook
+
+    def open_output(module: Any, args: tuple, output: Any) -> Any:
+        deltas[-1] = torch.zeros_like(_first(output), requires_grad=True)
+        return _replace_first(output, _first(output) + deltas[-1])
+
+    def keep_states(layer: int) -> Any:
+        def edit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # each query head's own key and value (repeated over its group): B H P D
+            states[layer] = {**states.get(layer, {}), "k": k, "v": v}
+            return q, k, v
+        return edit
+
+    def keep_queries(layer: int) -> Any:
+        def hook(module: Any, args: tuple, output: torch.Tensor) -> None:
+            # the query projection's output (B P H*X, head-major: a head's query, and its output gate where the family
+            # gates heads by a second half of the projection, Qwen3.5)
+            states[layer] = {**states.get(layer, {}), "q": output}
+        return hook
+
+    z_layers = sorted(set(receivers) | set(sender_layers))
+    handles = [adapter.o_proj_module(l).register_forward_pre_hook(shift_senders(l)) for l in z_layers]
+    handles += [adapter.layer(l).register_forward_pre_hook(open_input(l), with_kwargs=True) for l in receivers]
+    handles.append(adapter.layer(last).register_forward_hook(open_output))
+    handles += [adapter.channel_module(l, "q").register_forward_hook(keep_queries(l)) for l in receivers
+                if "q" in receivers[l]]
+    modules = [adapter.attention_module(l) for l in receivers]
+    for layer, module in zip(receivers, modules):
+        setattr(module, STATE_EDITS, [keep_states(layer)])
+    try:
+        with torch.enable_grad(), attention_implementation(adapter, ATTENTION_IMPL):
+            keep = torch.tensor([task.score_position], device=vlm.device)
+            logits = vlm.model(**inputs, use_cache=False, logits_to_keep=keep).logits
+            metric = _diff(logits[0, 0], task.a, task.a_star)
+            layers = sorted(receivers)
+            grads = torch.autograd.grad(metric, [seen_z[l] for l in layers] + [deltas[-1]], retain_graph=True)
+            out: dict[tuple[int, int, str], torch.Tensor] = {}
+            for layer, dz in zip(layers, grads):
+                # the metric through this layer's outputs at the receiver positions only; downstream runs freely
+                mask = torch.zeros_like(dz)
+                mask[0, received] = 1.0
+                channels = receivers[layer]
+                state = states[layer]
+                by_state = torch.autograd.grad(seen_z[layer], [state[c] for c in channels],
+                                               grad_outputs=dz * mask, retain_graph=True)
+                for channel, g in zip(channels, by_state):
+                    for head in range(vlm.n_heads):
+                        (gx,) = torch.autograd.grad(_head_of(state[channel], channel, head, vlm.n_heads),
+                                                    deltas[layer], grad_outputs=_head_of(g, channel, head, vlm.n_heads),
+                                                    retain_graph=True)
+                        out[(layer, head, channel)] = gx[0].detach().float()
+            direct = grads[-1][0].detach().float()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in modules:
+            module.__dict__.pop(STATE_EDITS, None)
+    return float(metric.detach()), out, direct, {l: seen_z[l].detach()[0, pos] for l in sender_layers}
+
+
+def attribution_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], *, steps: int | None = None
+                           ) -> tuple[float, np.ndarray]:
+    """First-order estimates of the path-patched differences (EAP; with ``steps``, EAP-IG): an edge's estimate is
+    what its sender writes into the residual stream at the sender positions (exactly, through ``o_proj``, post-norm
+    and gate) times the gradient of ``logit[a*] - logit[a]`` with respect to the residual stream its receiver reads
+    through the edge's channel, through the receiver's output at the receiver positions (the direct edge: with
+    respect to the last layer's output). EAP takes the gradient at the clean run (one forward and backward); EAP-IG
+    averages it over ``steps`` points ``alpha = (k + 1/2) / steps`` on the path where every sender layer's heads move
+    together from their clean to their counterfactual outputs.
+
+    Returns:
+        ``(clean difference, len(edges) estimated differences)``.
+
+    Raises:
+        InputError: ``steps`` is not None or an int >= 1, or an edge does not fit the model and task.
+    """
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise InputError(f"integrated gradients steps must be an int >= 1, got {steps!r}")
+    check_edges(vlm, task, edges)
+    receivers: dict[int, tuple[str, ...]] = {}
+    for edge in edges:
+        if edge.receiver is not None:
+            receivers[edge.receiver[0]] = vlm.adapter.path_channels(edge.receiver[0])
+    sender_layers = sorted({e.sender[0] for e in edges})
+    alphas = [0.0] if steps is None else [(k + 0.5) / steps for k in range(steps)]
+    total: dict[tuple[int, int, str], torch.Tensor] = {}
+    direct_total = None
+    clean, clean_z = None, None
+    for alpha in ([0.0] if 0.0 in alphas else [0.0, *alphas]):
+        diff, grads, direct, z = _receiver_gradients(vlm, task, receivers, sender_layers, alpha)
+        if alpha == 0.0 and clean is None:
+            clean, clean_z = diff, z
+        if alpha not in alphas:
+            continue
+        for key, g in grads.items():
+            total[key] = g if key not in total else total[key] + g
+        direct_total = direct if direct_total is None else direct_total + direct
+    at = torch.as_tensor(task.sender_positions)
+    with torch.no_grad():
+        writes = {l: head_writes(vlm, l, clean_z[l].reshape(len(at), vlm.n_heads, -1), task.values[l]).float()
+                  for l in sender_layers}
+    out = np.zeros(len(edges))
+    for i, edge in enumerate(edges):
+        layer, head = edge.sender
+        written = writes[layer][head]
+        gradient = direct_total if edge.receiver is None else total[(*edge.receiver, edge.channel)]
+        out[i] = clean + float((written * gradient[at].to(written) / len(alphas)).sum())
+    return clean, out

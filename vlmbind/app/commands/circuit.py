@@ -19,6 +19,8 @@ from .arguments import (
     parse_range,
 )
 
+METHOD_WORDS = {"exact": "exact path patching", "naive": "naive path patching", "eap": "EAP estimates",
+                "eap_ig": "EAP-IG estimates"}
 # its place in `vlmbind --help`
 HELP_ORDER = 55
 DEFAULT_N_PAIRS = 16
@@ -54,7 +56,10 @@ def add_parser(sub: Any, common: Any) -> None:
     add_prompt_format(p)
     add_plugin(p, "conditions")
     p.add_argument("--method", choices=CIRCUIT_METHODS, default="exact",
-                   help="exact (fast) or naive (four forwards per edge; the same numbers)")
+                   help="exact (fast), naive (four forwards per edge; the same numbers), eap (first-order estimate: "
+                        "one forward and backward per pair) or eap_ig (the gradient averaged along the path)")
+    p.add_argument("--verify-top", type=int_at_least(0, "--verify-top 10"), default=10,
+                   help="eap, eap_ig: score this many top edges again by exact path patching (default 10)")
     p.add_argument("--from", dest="sender_at", default="all", metavar="CLASS",
                    help="where senders are patched: all (default), image, text, last, patch (the pairs' own patch), "
                         "span:TEXT or box:X0,Y0,X1,Y1")
@@ -92,6 +97,8 @@ def cmd_circuit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int
     if checkpoint.is_file() and not args.resume:
         raise InputError(f"{out} holds an interrupted run ({CIRCUIT_CHECKPOINT}); pass --resume to continue it, or "
                          "choose another --out")
+    if args.verify_top != 10 and args.method not in ("eap", "eap_ig"):
+        raise InputError(f"--verify-top applies to the estimates (eap, eap_ig); --method {args.method} is exact")
     args.processes = 1
     from ...analysis.circuits import circuit
     from ...analysis.evaluation import outside_training, stimulus_defaults
@@ -115,13 +122,13 @@ def cmd_circuit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int
             pairs = make_pairs(args.condition, args.n_pairs, args.seed, **kwargs)
         result = circuit(vlm, pairs, heads=heads, layers=layers, channels=channels, logits=args.logits,
                          sender_at=args.sender_at, receiver_at=args.receiver_at, method=args.method,
-                         progress=not args.json, checkpoint=checkpoint, prompt_format=fmt)
+                         progress=not args.json, checkpoint=checkpoint, prompt_format=fmt, verify_top=args.verify_top)
         predictions = prediction_check(vlm, pairs, fmt)
     result.save(out)
     summary = {**result.summary(), "predictions": predictions, "out": str(out), "command": " ".join(command)}
     from .locate import prediction_lines
 
-    text = (f"{vlm.name}, {result.condition}, {result.n} pairs, {result.method} path patching, {result.sender_at} -> "
+    text = (f"{vlm.name}, {result.condition}, {result.n} pairs, {METHOD_WORDS[result.method]}, {result.sender_at} -> "
             f"{result.receiver_at}, {len(result.edges)} edges: {result.seconds:.1f} s\n"
             f"  top edges (mean change of logit[a*] - logit[a], 95% CI):\n{result.ranking_text(5)}\n"
             f"  significant edges: {len(summary['significant_edges'])}\n{prediction_lines(predictions)}"

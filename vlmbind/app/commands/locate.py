@@ -116,9 +116,10 @@ def add_parser(sub: Any, common: Any) -> None:
     add_plugin(p, "conditions")
     p.add_argument("--method", choices=METHODS, default="exact",
                    help="exact (fast, equal to naive), naive (one forward per head), attribution (first-order "
-                        "estimate), integrated_gradients (path estimate)")
+                        "estimate), integrated_gradients (path estimate), atp_star (AtP with the QK fix and GradDrop: "
+                        "magnitudes)")
     p.add_argument("--verify-top", type=int_at_least(0, "--verify-top 10"), default=10,
-                   help="attribution, integrated_gradients: run exact on this many top candidates")
+                   help="attribution, integrated_gradients, atp_star: run exact on this many top candidates")
     p.add_argument("--ig-steps", type=int_at_least(1, "--ig-steps 1"), default=IG_STEPS,
                    help=f"integrated_gradients: points on the path from clean to counterfactual (default {IG_STEPS})")
     p.add_argument("--layers", default=None, help="score only the heads of these layers, e.g. 0-3 or 1,2,5 (the others "
