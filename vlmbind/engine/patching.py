@@ -1,4 +1,5 @@
-"""Single-head activation patching, three ways: the naive reference, an exact fast path, and attribution patching.
+"""Single-head activation patching: the naive reference, an exact fast path, and attribution estimates (AtP,
+integrated gradients, AtP*).
 
 A :class:`PatchTask` is one clean prompt, the positions to patch, the counterfactual head outputs z for every layer
 at those positions, and the two answer tokens. Each method returns, per head, the patched run's logit difference
@@ -33,6 +34,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -751,8 +753,8 @@ def _atp_star_pass(vlm: Any, task: PatchTask, layers: Sequence[int], drop: int |
 
     def cut(module: Any, args: tuple, kw: dict, output: Any) -> Any:
         hidden = args[0] if args else kw["hidden_states"]
-        out = _first_output(output)
-        return _with_first(output, hidden + (out - hidden).detach())
+        out = first_output(output)
+        return with_first_output(output, hidden + (out - hidden).detach())
 
     every = list(range(vlm.n_layers))
     kwargs, handles = _layer_kwargs(vlm, every)
@@ -829,10 +831,10 @@ def atp_star_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], 
                             continue
                         direction = torch.zeros_like(resid[m])
                         direction[0, pos] = writes[layer][head].to(direction)
-                        exact = _pattern_of(vlm, m, resid[m] + direction, kwargs[m]) - patterns[m]
+                        exact = _pattern_of(vlm, m, resid[m] + direction, kwargs=kwargs[m]) - patterns[m]
                         with torch.enable_grad():
                             _, linear = torch.autograd.functional.jvp(
-                                lambda hidden, m=m: _pattern_of(vlm, m, hidden, kwargs[m]), resid[m], direction)
+                                partial(_pattern_of, vlm, m, kwargs=kwargs[m]), resid[m], direction)
                         later[m] = exact - linear
                     changes[(layer, head)] = later
         out = np.zeros(len(heads))
@@ -868,7 +870,7 @@ def head_writes(vlm: Any, layer: int, clean_z: torch.Tensor, values: torch.Tenso
     return out if gate is None else gate.to(out) * out
 
 
-def _pattern_of(vlm: Any, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+def _pattern_of(vlm: Any, layer: int, hidden: torch.Tensor, *, kwargs: dict[str, Any]) -> torch.Tensor:
     """Layer ``layer``'s attention pattern (``1 H P K``) when it reads ``hidden``, under vlmbind's eager attention."""
     adapter = vlm.adapter
     seen: dict[str, torch.Tensor] = {}
@@ -887,13 +889,17 @@ def _pattern_of(vlm: Any, layer: int, hidden: torch.Tensor, kwargs: dict[str, An
     return seen["p"]
 
 
-def _first_output(output: Any) -> torch.Tensor:
+def first_output(output: Any) -> torch.Tensor:
+    """The hidden states of a module's output (a tensor, or the first of a tuple or list)."""
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _with_first(output: Any, value: torch.Tensor) -> Any:
+def with_first_output(output: Any, value: torch.Tensor) -> Any:
+    """``output`` with its hidden states replaced by ``value`` (the rest of a tuple or list kept)."""
     if isinstance(output, tuple):
         return (value, *output[1:])
+    if isinstance(output, list):
+        return [value, *output[1:]]
     return value
 
 

@@ -18,6 +18,8 @@ Two implementations give the same numbers:
   effects are then node patches, run by :func:`vlmbind.engine.patching.exact_diffs` (prefix-cache reuse, many
   receivers packed in one pass, receivers whose z did not change skipped exactly).
 
+:func:`attribution_path_diffs` estimates the same numbers to first order (EAP, or EAP-IG with ``steps``).
+
 A receiver's other heads in the same layer and grouped-query key/value sharing do not matter: a head's z is read
 from its own slice, so patching the shared key of a group into the layer changes only that head's slice that is
 used.
@@ -41,10 +43,12 @@ from .patching import (
     PatchTask,
     _diff,
     exact_diffs,
+    first_output,
     head_writes,
     rows_without_prefix,
     sequence_keys,
     start_at_layer,
+    with_first_output,
 )
 
 LOGITS = "logits"
@@ -149,18 +153,6 @@ def check_edges(vlm: Any, task: PathTask, edges: Sequence[Edge]) -> None:
                              f"got {got}")
 
 
-def _first(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def _replace_first(output: Any, value: torch.Tensor) -> Any:
-    if isinstance(output, tuple):
-        return (value, *output[1:])
-    if isinstance(output, list):
-        return [value, *output[1:]]
-    return value
-
-
 @contextlib.contextmanager
 def _hooks(registrations: Sequence[tuple[torch.nn.Module, Any]]) -> Iterator[None]:
     """Register forward hooks ``(module, hook)``; all removed on exit, also after an error."""
@@ -176,21 +168,21 @@ def _hooks(registrations: Sequence[tuple[torch.nn.Module, Any]]) -> Iterator[Non
 
 def _record(into: dict[Any, torch.Tensor], key: Any) -> Any:
     def hook(module: Any, args: tuple, output: Any) -> None:
-        into[key] = _first(output).detach()
+        into[key] = first_output(output).detach()
     return hook
 
 
 def _hold(value: torch.Tensor) -> Any:
     """A forward hook making a module return ``value`` (its clean output) in place of what it computed."""
     def hook(module: Any, args: tuple, output: Any) -> Any:
-        return _replace_first(output, value)
+        return with_first_output(output, value)
     return hook
 
 
 def _add_to_output(delta: torch.Tensor) -> Any:
     """A forward hook adding ``delta`` to a decoder layer's output hidden states."""
     def hook(module: Any, args: tuple, output: Any) -> Any:
-        return _replace_first(output, _first(output) + delta)
+        return with_first_output(output, first_output(output) + delta)
     return hook
 
 
@@ -445,8 +437,8 @@ def _receiver_gradients(vlm: Any, task: PathTask, receivers: dict[int, tuple[str
         return hook
 
     def open_output(module: Any, args: tuple, output: Any) -> Any:
-        deltas[-1] = torch.zeros_like(_first(output), requires_grad=True)
-        return _replace_first(output, _first(output) + deltas[-1])
+        deltas[-1] = torch.zeros_like(first_output(output), requires_grad=True)
+        return with_first_output(output, first_output(output) + deltas[-1])
 
     def keep_states(layer: int) -> Any:
         def edit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
