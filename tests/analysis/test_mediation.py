@@ -150,9 +150,9 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     vlm = get_tiny("tiny-qwen2_5_vl")
     pairs = S.scene_pairs(2, "id_selection", 0, n_objects=3)
     path = tmp_path / "c.safetensors"
-    from vlmbind.analysis.mediation import _save_checkpoint, pairs_digest
+    from vlmbind.analysis.mediation import save_checkpoint, pairs_digest
 
-    _save_checkpoint(path, {"model": "other", "method": "exact", "condition": "id_selection", "layers": [0, 1, 2, 3],
+    save_checkpoint(path, {"model": "other", "method": "exact", "condition": "id_selection", "layers": [0, 1, 2, 3],
                             "pairs": [p.id for p in pairs]}, np.zeros((1, 4, 4)))
     with pytest.raises(vb.InputError, match="another run"):
         locate(vlm, pairs, checkpoint=path)
@@ -160,10 +160,10 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     partial = tmp_path / "p.safetensors"
     key = {"model": vlm.name, "method": "exact", "condition": "id_selection", "layers": [0, 1, 2, 3],
            "pairs": [p.id for p in pairs], "content": pairs_digest(pairs), "prompt_format": "chat"}
-    _save_checkpoint(partial, key, full.per_pair[:1])
+    save_checkpoint(partial, key, full.per_pair[:1])
     with pytest.raises(vb.InputError, match="prompt_format differ"):  # the tiny model prompts raw by default
         locate(vlm, pairs, checkpoint=partial)
-    _save_checkpoint(partial, {**key, "prompt_format": "raw"}, full.per_pair[:1])
+    save_checkpoint(partial, {**key, "prompt_format": "raw"}, full.per_pair[:1])
     resumed = locate(vlm, pairs, checkpoint=partial)
     np.testing.assert_array_equal(resumed.per_pair, full.per_pair)
     assert not partial.exists()

@@ -190,7 +190,7 @@ def interrupt_after(monkeypatch, module, name: str, calls: int) -> None:
 def test_ctrl_c_in_locate_says_what_is_kept_and_how_to_resume(tmp_path, capsys, monkeypatch):
     out = tmp_path / "locate out"  # a space: the resume line must quote it
     argv = ["locate", "--model", TINY, "--condition", "id_retrieval", "--n-pairs", "3", "--out", str(out), "--json"]
-    interrupt_after(monkeypatch, mediation, "_save_checkpoint", 2)
+    interrupt_after(monkeypatch, mediation, "save_checkpoint", 2)
     code = cli.main(argv)
     captured = capsys.readouterr()
     assert code == 130

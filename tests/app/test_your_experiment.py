@@ -136,12 +136,12 @@ def test_a_checkpoint_is_never_resumed_on_other_pairs_with_the_same_ids(tmp_path
     vlm = get_tiny("tiny-qwen2_vl")
     checkpoint = tmp_path / "locate.partial.safetensors"
     seed0 = vb.stimuli.scene_pairs(2, "id_selection", 0)
-    from vlmbind.analysis.mediation import _save_checkpoint, pairs_digest
+    from vlmbind.analysis.mediation import save_checkpoint, pairs_digest
 
     key = {"model": vlm.name, "method": "exact", "condition": "id_selection", "layers": list(range(vlm.n_layers)),
            "pairs": [p.id for p in seed0], "content": pairs_digest(seed0),
            "prompt_format": vlm.active_prompt_format}
-    _save_checkpoint(checkpoint, key, np.zeros((1, vlm.n_layers, vlm.n_heads)))
+    save_checkpoint(checkpoint, key, np.zeros((1, vlm.n_layers, vlm.n_heads)))
     seed1 = vb.stimuli.scene_pairs(2, "id_selection", 1)
     assert [p.id for p in seed1] == key["pairs"]
     with pytest.raises(vb.InputError, match="content"):

@@ -9,7 +9,6 @@ scores the edges from, say, the image tokens into the last token.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,14 +19,13 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from safetensors.numpy import safe_open, save
 from sklearn.metrics import roc_auc_score
 from tqdm.auto import tqdm
 
 from ..core.checks import check_head_list, check_position_class
 from ..core.choices import IG_STEPS
 from ..core.errors import InputError
-from ..core.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+from ..core.io import write_json_atomic, write_text_atomic
 from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..engine.paths import (
     CHANNELS,
@@ -41,7 +39,15 @@ from ..engine.paths import (
 )
 from ..viz.circuits import circuit_figure
 from ..viz.figures import write_html_atomic
-from .mediation import UNCERTAINTY_COLUMNS, UNCERTAINTY_METHOD, aligned_scene_pair, head_uncertainty, pairs_digest
+from .mediation import (
+    UNCERTAINTY_COLUMNS,
+    UNCERTAINTY_METHOD,
+    aligned_scene_pair,
+    head_uncertainty,
+    pairs_digest,
+    resume_checkpoint,
+    save_checkpoint,
+)
 
 CIRCUIT_FUNCTIONS: dict[str, Callable[..., tuple[float, np.ndarray]]] = {
     "exact": exact_path_diffs, "naive": naive_path_diffs, "eap": attribution_path_diffs,
@@ -298,7 +304,7 @@ def circuit(vlm: Any, pairs: Any, *, method: str = "exact", heads: Any = None, l
     run_key = {"model": vlm.name, "method": method, "condition": str(next(iter(conditions))),
                "edges": [e.label for e in edges], "sender_at": sender_at, "receiver_at": receiver_at,
                "pairs": [p.id for p in pairs], "content": pairs_digest(pairs), "prompt_format": fmt}
-    done = _resume(checkpoint, run_key, per_pair)
+    done = resume_checkpoint(checkpoint, run_key, per_pair)
     start = time.perf_counter()
     compute = CIRCUIT_FUNCTIONS[method]
     tasks: dict[int, PathTask] = {}
@@ -311,7 +317,7 @@ def circuit(vlm: Any, pairs: Any, *, method: str = "exact", heads: Any = None, l
         if method in ESTIMATED and verify_top > 0:
             tasks[i] = task
         if checkpoint is not None:
-            _save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
+            save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
     verified = None
     if method in ESTIMATED and verify_top > 0:
         top = np.argsort(-per_pair.mean(0), kind="stable")[:verify_top]
@@ -333,24 +339,6 @@ def _task(vlm: Any, pair: Any, fmt: str, sender_at: str, receiver_at: str, sende
     index = clean.index[0]
     return PathTask.from_counterfactual(vlm, clean, counterfactual, class_positions(index, sender_at, patch),
                                         class_positions(index, receiver_at, patch), sender_layers, a, a_star)
-
-
-def _save_checkpoint(path: str | os.PathLike, run_key: dict[str, Any], done: np.ndarray) -> None:
-    write_bytes_atomic(save({"per_pair": np.ascontiguousarray(done)}, metadata={"run": json.dumps(run_key)}), path)
-
-
-def _resume(path: str | os.PathLike | None, run_key: dict[str, Any], per_pair: np.ndarray) -> int:
-    if path is None or not Path(path).is_file():
-        return 0
-    with safe_open(str(path), framework="numpy") as f:
-        saved = json.loads(f.metadata()["run"])
-        done = f.get_tensor("per_pair")
-    diff = [k for k in run_key if saved.get(k) != run_key[k]]
-    if diff:
-        raise InputError(f"checkpoint {path} is from another run ({', '.join(diff)} differ); remove it or use another "
-                         "output directory")
-    per_pair[: len(done)] = done
-    return len(done)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -643,7 +643,7 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
     run_key = {"model": vlm.name, "method": method, "condition": str(next(iter(conditions))), "layers": layers,
                **({} if only is None else {"heads": [f"{l}.{h}" for l, h in heads]}),
                "pairs": [p.id for p in pairs], "content": pairs_digest(pairs), "prompt_format": fmt}
-    done = _resume(checkpoint, run_key, per_pair)
+    done = resume_checkpoint(checkpoint, run_key, per_pair)
     tasks: dict[int, Any] = {}
     by_head = method in ("naive", "exact")  # a real checkpoint's pair can take minutes: count heads, not pairs
     bar = tqdm(total=(len(pairs) - done) * (len(heads) if by_head else 1), desc=f"locate ({method})",
@@ -660,7 +660,7 @@ def locate(vlm: Any, pairs: Any, *, method: str = "exact", layers: list[int] | N
         if method in ESTIMATES and verify_top > 0:
             tasks[i] = task
         if checkpoint is not None:
-            _save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
+            save_checkpoint(checkpoint, run_key, per_pair[: i + 1])
     verified = None
     if method in ESTIMATES and verify_top > 0:
         candidates = top_candidates(per_pair if gather is None else gather(per_pair), heads, verify_top)
@@ -705,12 +705,12 @@ def verify_heads(vlm: Any, pairs: Sequence[Any], layers: Sequence[int], candidat
     return verified
 
 
-def _save_checkpoint(path: str | os.PathLike, run_key: dict[str, Any], done: np.ndarray) -> None:
+def save_checkpoint(path: str | os.PathLike, run_key: dict[str, Any], done: np.ndarray) -> None:
     """The finished pairs' scores, exactly (float64), with what identifies the run."""
     write_bytes_atomic(save({"per_pair": np.ascontiguousarray(done)}, metadata={"run": json.dumps(run_key)}), path)
 
 
-def _resume(path: str | os.PathLike | None, run_key: dict[str, Any], per_pair: np.ndarray) -> int:
+def resume_checkpoint(path: str | os.PathLike | None, run_key: dict[str, Any], per_pair: np.ndarray) -> int:
     """Fill ``per_pair`` from a checkpoint of the same run; returns how many pairs are done (0 without one).
 
     Raises:
