@@ -29,8 +29,9 @@ them), and what each writes under ``--out``:
 - ``edit_alpha_sweep``: the same edit on a fine alpha grid, the alpha chosen on one seed by a rule fixed before the
   run and measured again on another -> ``edit_alpha_sweep.json``;
 - ``edges``: every head-to-head edge scored by exact path patching (``vlmbind circuit``'s defaults) on validate's
-  first ``--n`` id_selection pairs, and by the product of its heads' best exact node scores in the saved
-  validation, each against organism-vsm's declared edges -> ``<model>/circuit/`` (edges.csv, summary.json) and
+  first ``--n`` id_selection pairs, by EAP, EAP-IG and AtP*, and by the product of its heads' best exact node scores
+  in the saved validation, each against organism-vsm's declared edges, with the faithfulness curve of the exact
+  ranking and of the declared circuit -> ``<model>/circuit/`` (edges.csv, faithfulness.csv, summary.json) and
   ``edges.json``;
 - ``atp_star``: on validate's first ``--n`` id_selection pairs, AtP, its magnitude alone, AtP* with the QK fix alone
   and AtP* (QK fix and GradDrop), each scored against the planted ID-selection heads -> ``atp_star.json``.

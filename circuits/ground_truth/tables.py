@@ -318,6 +318,41 @@ def edges_table(document: dict, results: Path = RESULTS) -> str:
     return "\n".join(out) + "\n\n" + "\n".join(scores)
 
 
+def faithfulness_table(document: dict, results: Path = RESULTS) -> str:
+    """Per model, the faithfulness of exact path patching's top edges (CPR, CMD) and of the declared circuit (its
+    edges and the direct edge of the head they end at), the logit difference of the full model and of the empty
+    circuit and their difference (f's denominator) with its interval; then each model's curve, f of the top-k edges
+    per fraction kept, from its saved circuit."""
+    out = ["| model | declared circuit f | CPR (1 best) | CMD (0 best) | m full | m empty | m full - m empty "
+           "| ablation | pairs | seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
+    curves = {}
+    for result in document["results"]:
+        exact = next((r for r in result["rows"] if r["method"] == "exact"), None)
+        f = exact.get("faithfulness") if exact else None
+        if not f:
+            continue
+        d = f["declared"]
+        out.append(f"| {_model(result)} | {d['f']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] | {f['cpr']:.3f} "
+                   f"[{f['cpr_ci'][0]:.3f}, {f['cpr_ci'][1]:.3f}] | {f['cmd']:.3f} [{f['cmd_ci'][0]:.3f}, "
+                   f"{f['cmd_ci'][1]:.3f}] | {f['m_full']:+.2f} | {f['m_empty']:+.2f} | {f['full_minus_empty']:+.2f} "
+                   f"[{f['full_minus_empty_ci'][0]:+.2f}, {f['full_minus_empty_ci'][1]:+.2f}] | {f['ablation']} | "
+                   f"{f['n']} | {f['seconds']:.0f} |")
+        curves[_model(result)] = pd.read_csv(results / result["model"] / "circuit" / "faithfulness.csv")
+    if not curves:
+        return "\n".join(out)
+    first = next(iter(curves.values()))
+    top = first[first["circuit"] == "top"]
+    rows = ["| fraction kept | edges | " + " | ".join(f"f, {m}" for m in curves) + " |",
+            "|---|---|" + "---|" * len(curves)]
+    for i, (fraction, edges) in enumerate(zip(top["fraction"], top["edges"])):
+        cells = []
+        for curve in curves.values():
+            r = curve[curve["circuit"] == "top"].iloc[i]
+            cells.append(f"{r['f']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]")
+        rows.append(f"| {fraction:g} | {edges} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\n" + "\n".join(rows)
+
+
 ATP_NAMES = {"atp": "AtP", "atp_magnitude": "AtP, magnitude", "atp_qk_fix": "AtP* QK fix alone (signed)",
              "atp_star": "AtP* (QK fix and GradDrop)"}
 
@@ -353,6 +388,8 @@ def render(results: Path = RESULTS) -> str:
         edit_geometry_table(_load("edit_control_geometry.json", results)),
         alpha_sweep_table(_load("edit_alpha_sweep.json", results)),
         "### Edges: path patching against the planted pipeline", edges_table(_load("edges.json", results), results),
+        "### Faithfulness of the planted circuit and of the top edges",
+        faithfulness_table(_load("edges.json", results), results),
         "### AtP and AtP* on the ID-selection heads", atp_star_table(_load("atp_star.json", results))])
 
 

@@ -12,7 +12,15 @@ import pytest
 from helpers import get_tiny, shared_organism
 
 import vlmbind as vb
-from vlmbind.analysis.circuits import Circuit, circuit, class_positions, declared_edges, edge_rank_metrics
+from vlmbind.analysis.circuits import (
+    Circuit,
+    Faithfulness,
+    circuit,
+    class_positions,
+    declared_edges,
+    edge_rank_metrics,
+    faithfulness_curve,
+)
 from vlmbind.analysis.evaluation import stimulus_defaults
 from vlmbind.analysis.mediation import aligned_scene_pair
 from vlmbind.analysis.validate import score_edges
@@ -71,7 +79,9 @@ def test_path_patching_finds_the_planted_pipeline_and_nothing_in_the_twin():
     node = vb.locate(vlm, pairs).scores
     rows, found = score_edges(vlm, declared, pairs, node_scores=np.abs(node))
     exact, product = rows[0], rows[-1]
-    assert [r["method"] for r in rows] == ["exact", "eap", "eap_ig", "node_product"]
+    assert [r["method"] for r in rows] == ["exact", "eap", "eap_ig", "atp_star", "node_product"]
+    # AtP* recomputes the receivers' saturated patterns that EAP linearises: the declared edges come first again
+    assert set(rows[3]["declared_ranks"]) == {1, 2, 3}
     assert exact["declared_ranks"] == sorted(exact["declared_ranks"]) or set(exact["declared_ranks"]) == {1, 2, 3}
     assert set(exact["declared_ranks"]) == {1, 2, 3} and exact["auroc"] == 1.0 and exact["edges"] == 1008
     frame = found.to_frame()
@@ -83,8 +93,17 @@ def test_path_patching_finds_the_planted_pipeline_and_nothing_in_the_twin():
     assert len(wrong) == 2 and wrong["score"].abs().max() < 0.1
     # a ranking that knows nodes only puts the planted heads' edges first but cannot tell the channel
     assert product["recall_at_k"] < 1.0 and exact["recall_at_k"] == 1.0
+    # the planted circuit (its three edges and 5.2's direct edge) keeps the model's behaviour with every other edge
+    # patched; the top one or two edges keep nothing (the pipeline is a chain: every link is needed)
+    faithful = exact["faithfulness"]
+    assert faithful["declared"]["edges"] == ["1.0 -> 2.3 (v)", "2.3 -> 3.1 (q)", "3.1 -> 5.2 (q)", "5.2 -> logits"]
+    assert faithful["declared"]["f"] > 0.9 and faithful["m_empty"] - faithful["m_full"] > 5  # empty: a* wins
+    curve = found.faithfulness.to_frame()
+    top = curve[curve["circuit"] == "top"]
+    assert list(top["edges"][:3]) == [1, 2, 5] and (top["f"][:2].abs() < 0.1).all() and top["f"].iloc[2] > 0.9
+    assert 0.8 < faithful["cpr"] <= 1.2 and faithful["cmd"] < 0.3 and faithful["defined"]
     # the estimates are reported beside exact path patching on their top edges, which it scores as above
-    estimate = circuit(vlm, pairs, method="eap", verify_top=3).to_frame()
+    estimate = circuit(vlm, pairs, method="eap", verify_top=3, faithfulness=False).to_frame()
     checked = estimate[estimate["exact_score"].notna()]
     assert len(checked) == 3 and list(checked["rank"]) == [1, 2, 3]
     keys = list(zip(frame["sender"], frame["receiver"], frame["channel"]))
@@ -92,8 +111,11 @@ def test_path_patching_finds_the_planted_pipeline_and_nothing_in_the_twin():
         assert row.exact_score == pytest.approx(frame["score"][keys.index((row.sender, row.receiver, row.channel))],
                                                 abs=1e-4)
     twin = shared_organism("organism-vsm-natural")
-    found = circuit(twin, organism_pairs(twin, 1))
+    found = circuit(twin, organism_pairs(twin, 1), declared=declared)
     twin_frame = found.to_frame()
+    # in the twin, every head-to-head and direct edge patched at once barely moves the answer: its behaviour is not
+    # carried by these edges, so no circuit of them can be faithful (f would be a ratio of noise)
+    assert abs(found.faithfulness.summary()["full_minus_empty"]) < 1
     keys = {(e["sender"], e["receiver"], e["channel"]) for e in declared}
     mine = twin_frame[[k in keys for k in zip(twin_frame["sender"], twin_frame["receiver"], twin_frame["channel"])]]
     assert len(mine) == 3 and mine["score"].abs().max() < 0.05
@@ -120,6 +142,53 @@ def test_a_circuit_saves_loads_and_exports(tmp_path):
     assert summary["n"] == 3 and summary["sender_at"] == "text" and summary["edges"] == len(found.edges)
     figure = found.figure()
     assert len([t for t in figure.data if t.mode == "lines" and t.x[0] is not None]) == min(20, len(found.edges))
+    # the faithfulness curve: saved, loaded and exported with the edges; every fraction keeps int(fraction * edges)
+    assert {"faithfulness.csv", "faithfulness.html"} <= {p.name for p in tmp_path.iterdir()}
+    curve = found.faithfulness.to_frame()
+    assert list(curve["edges"]) == [int(f * len(found.edges)) for f in curve["fraction"]]
+    assert curve["f"].iloc[-1] == 1.0  # every edge kept is the model itself
+    pd.testing.assert_frame_equal(loaded.faithfulness.to_frame(), curve, check_dtype=False)
+    assert loaded.faithfulness.summary() == json.loads((tmp_path / "summary.json").read_text())["faithfulness"]
+    figures, tables = loaded.exports()
+    assert set(figures) == {"circuit", "faithfulness"} and set(tables) == {"edges.csv", "faithfulness.csv"}
+    assert "CPR" in figures["faithfulness"]().data[1].name
+
+
+def test_faithfulness_and_its_areas_are_the_closed_form_ones():
+    """f = (m(circuit) - m(empty)) / (m(full) - m(empty)) over pair means; CPR and CMD are trapezoid areas over
+    log10(fraction) mapped to [0, 1]: fractions 0.01, 0.1, 1 sit at 0, 0.5, 1."""
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.1, size=(6, 3))
+    noise -= noise.mean(0)  # the pair means are exactly the chosen ones
+    curve = Faithfulness(fractions=[0.01, 0.1, 1.0], counts=[1, 10, 100], circuits=np.array([1.0, 2.0, 2.0]) + noise,
+                         empty=np.zeros(6), full=np.full(6, 2.0), n_edges=100)
+    frame = curve.to_frame()
+    np.testing.assert_allclose(frame["f"], [0.5, 1.0, 1.0])
+    assert (frame["ci_low"] <= frame["f"]).all() and (frame["f"] <= frame["ci_high"]).all()
+    assert frame["ci_high"].iloc[0] > frame["ci_low"].iloc[0]
+    summary = curve.summary()
+    assert summary["cpr"] == pytest.approx(0.5 * (0.5 + 1.0) / 2 + 0.5 * 1.0)
+    assert summary["cmd"] == pytest.approx(0.5 * (0.5 + 0.0) / 2)
+    assert summary["cpr_ci"][0] <= summary["cpr"] <= summary["cpr_ci"][1]
+
+
+def test_mean_ablation_over_one_pair_is_patching_and_bad_settings_are_refused():
+    vlm = get_tiny("tiny-qwen2_vl")
+    pairs = S.scene_pairs(2, "id_selection", 0, n_objects=3)
+    found = circuit(vlm, pairs[:1], heads="0.1,1.2,2.0,3.3", sender_at="text", receiver_at="last")
+    mean = circuit(vlm, pairs[:1], heads="0.1,1.2,2.0,3.3", sender_at="text", receiver_at="last", ablation="mean")
+    np.testing.assert_allclose(mean.faithfulness.circuits, found.faithfulness.circuits, atol=1e-6)
+    assert np.ptp(found.faithfulness.circuits) > 1e-3
+    with pytest.raises(vb.InputError, match="ablation"):
+        circuit(vlm, pairs, heads="0.1,1.2", ablation="zero")
+    from vlmbind.analysis.circuits import _task
+
+    tasks = [_task(vlm, p, "raw", "text", "last", [0, 1, 2, 3]) for p in pairs]
+    tasks[1].sender_positions = tasks[1].sender_positions[1:]
+    with pytest.raises(vb.InputError, match="position by position"):
+        faithfulness_curve(vlm, tasks, found.edges, found.scores, ablation="mean")
+    with pytest.raises(vb.InputError, match="fractions"):
+        faithfulness_curve(vlm, tasks, found.edges, found.scores, fractions=[0.5])
 
 
 def test_edge_rank_metrics_are_the_closed_form_ones():
@@ -141,6 +210,8 @@ def test_the_command_writes_a_circuit_and_resumes_only_its_own_run(tmp_path, cap
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "tiny-qwen2_vl, id_selection, 2 pairs, exact path patching, text -> last" in text
+    assert "faithfulness of the top edges (patch ablation, n = 2): CPR" in text
+    assert (out / "faithfulness.csv").is_file()
     frame = pd.read_csv(out / "edges.csv", dtype={"sender": str, "receiver": str})
     assert set(frame["channel"]) == {"q", "v", "logits"} and len(frame) == 3 + 2 * 3
     assert set(frame["sender_at"]) == {"text"} and (frame["n"] == 2).all()

@@ -13,9 +13,11 @@ from helpers import get_tiny
 import vlmbind as vb
 from vlmbind.analysis.mediation import aligned_scene_pair
 from vlmbind.engine.paths import (
+    LOGITS,
     Edge,
     PathTask,
     all_edges,
+    atp_star_path_diffs,
     attribution_path_diffs,
     exact_path_diffs,
     naive_path_diffs,
@@ -96,6 +98,16 @@ def test_attribution_is_the_first_order_limit_of_path_patching(name, senders_at)
     np.testing.assert_allclose(ig - c, effects, atol=0.15 * np.abs(effects).max() + 1e-6)
     with pytest.raises(vb.InputError, match="steps"):
         attribution_path_diffs(vlm, task, edges, steps=0)
+    # AtP* computes the receiver's change exactly and linearises only what follows: the same limit, signed without
+    # GradDrop; with it, magnitudes, and a direct edge's is its exact effect's
+    _, star = atp_star_path_diffs(vlm, task, edges, grad_drop=False)
+    np.testing.assert_allclose(star - c, effects, atol=0.02 * np.abs(effects).max() + 1e-6)
+    if name != "tiny-qwen2_vl":  # GradDrop costs a backward per layer: one family shows it
+        return
+    _, dropped = atp_star_path_diffs(vlm, task, edges)
+    assert (dropped - c >= 0).all()
+    direct = [i for i, e in enumerate(edges) if e.channel == LOGITS]
+    np.testing.assert_allclose(dropped[direct] - c, np.abs(effects[direct]), atol=1e-6)
 
 
 def test_receivers_through_cross_attention_take_only_queries():

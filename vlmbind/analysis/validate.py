@@ -94,6 +94,19 @@ def recorded_planted(model: str) -> dict[str, list[str]]:
     return {c: list(h) for c, h in planted.items()}
 
 
+def _flat_edge_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An edge-method row for a CSV: the exact row's faithfulness as columns (CPR, CMD, the declared circuit's f,
+    each with its interval) instead of a nested record."""
+    out = {k: v for k, v in row.items() if k != "faithfulness"}
+    f = row.get("faithfulness")
+    if f:
+        declared = f.get("declared") or {}
+        out.update({"cpr": f["cpr"], "cpr_low": f["cpr_ci"][0], "cpr_high": f["cpr_ci"][1], "cmd": f["cmd"],
+                    "cmd_low": f["cmd_ci"][0], "cmd_high": f["cmd_ci"][1], "declared_f": declared.get("f"),
+                    "faithfulness_defined": f.get("defined")})
+    return out
+
+
 def recorded_edges(model: str) -> list[dict[str, Any]]:
     """The ``planted_edges`` of another model's training record (a shipped organism's name or a model directory);
     empty where it declares none."""
@@ -156,9 +169,9 @@ class ValidationResult(Result):
         probes: one row per (head, target): held-out accuracy, chance (the majority class), train / test sizes.
         edges: one row per edge-scoring method against the declared edges of the planted pipeline (the training
             record's ``planted_edges``, or the reference model's): each declared edge's rank among all head-to-head
-            edges, recall@k, AUROC, seconds; ``exact`` is path patching, ``eap`` and ``eap_ig`` its gradient
-            estimates, ``node_product`` the simpler strategy of
-            ranking an edge by the product of its two heads' best exact node scores (no channel, no path).
+            edges, recall@k, AUROC, seconds; ``exact`` is path patching (with the faithfulness of its top edges and
+            of the declared circuit), ``eap``, ``eap_ig`` and ``atp_star`` its estimates, ``node_product`` the simpler
+            strategy of ranking an edge by the product of its two heads' best exact node scores (no channel, no path).
         pca: per reference head, the first two principal components of its last-token output with labels.
         params: pairs, seeds, object count, entropy, alphas, ig steps.
         seconds: wall time per part.
@@ -261,7 +274,7 @@ class ValidationResult(Result):
                                              "ablation.csv": pd.DataFrame(self.ablation),
                                              "edit.csv": pd.DataFrame(self.edit),
                                              "probes.csv": pd.DataFrame(self.probes),
-                                             "edge_methods.csv": pd.DataFrame(self.edges)}
+                                             "edge_methods.csv": pd.DataFrame([_flat_edge_row(r) for r in self.edges])}
 
     def save(self, out: str | os.PathLike, figure: bool = True) -> Path:
         """``validation.json`` (everything), the tables as CSV and (with ``figure``) ``validation.html``, each written
@@ -538,17 +551,19 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
 def score_edges(vlm: Any, declared: Sequence[Mapping[str, Any]], pairs: Sequence[Any],
                 node_scores: np.ndarray | None = None, progress: bool = False) -> tuple[list[dict[str, Any]], Circuit]:
     """Every head-to-head edge scored on ``pairs`` by exact path patching (:func:`~vlmbind.analysis.circuits.circuit`
-    with its default position classes), by its estimates (EAP, EAP-IG) and, given ``node_scores`` (``L H``, e.g. each head's best exact node score
-    over the conditions), by the product of its two heads' node scores (a ranking that knows nodes only: no channel,
-    no path), each against the ``declared`` edges.
+    with its default position classes), by its estimates (EAP, EAP-IG, AtP*) and, given ``node_scores`` (``L H``,
+    e.g. each head's best exact node score over the conditions), by the product of its two heads' node scores (a
+    ranking that knows nodes only: no channel, no path), each against the ``declared`` edges; and the faithfulness
+    curve of the exact ranking's top edges with the declared circuit's f
+    (:class:`~vlmbind.analysis.circuits.Faithfulness`).
 
     Returns:
         ``(rows, circuit)``: one row per method (:func:`~vlmbind.analysis.circuits.edge_rank_metrics` with the top
-        four edges and seconds), and the path-patching result.
+        four edges and seconds; the exact row adds ``faithfulness``: CPR, CMD, the declared circuit's f, seconds),
+        and the path-patching result (with its faithfulness curve).
     """
-    start = time.perf_counter()
-    found = circuit(vlm, pairs, progress=progress)
-    seconds = time.perf_counter() - start
+    found = circuit(vlm, pairs, progress=progress, declared=declared)
+    seconds = found.seconds
     frame = found.to_frame()
     common = {"condition": found.condition, "n_pairs": found.n, "k": len(declared),
               "declared": [f"{e['sender']} -> {e['receiver']} ({e['channel']})" for e in declared],
@@ -559,10 +574,10 @@ def score_edges(vlm: Any, declared: Sequence[Mapping[str, Any]], pairs: Sequence
         return [f"{r.sender} -> {r.receiver} ({r.channel})" for r in ranked.head(4).itertuples()]
 
     rows = [{**common, "method": "exact", **edge_rank_metrics(frame, declared), "top_edges": top(frame),
-             "seconds": seconds}]
+             "seconds": seconds, "faithfulness": found.faithfulness.summary()}]
     for method in ESTIMATED:
         begin = time.perf_counter()
-        estimate = circuit(vlm, pairs, method=method, verify_top=0, progress=progress).to_frame()
+        estimate = circuit(vlm, pairs, method=method, verify_top=0, progress=progress, faithfulness=False).to_frame()
         rows.append({**common, "method": method, **edge_rank_metrics(estimate, declared), "top_edges": top(estimate),
                      "seconds": time.perf_counter() - begin})
     if node_scores is not None:

@@ -52,8 +52,12 @@ IG_STEPS = 8
 
 # --- circuit (vlmbind.analysis.circuits, vlmbind.engine.paths) ------------------------------------------------------
 # the path-patching methods (the keys of vlmbind.analysis.circuits.CIRCUIT_METHODS) and the receiver channels
-CIRCUIT_METHODS = ("exact", "naive", "eap", "eap_ig")
+CIRCUIT_METHODS = ("exact", "naive", "eap", "eap_ig", "atp_star")
 PATH_CHANNELS = ("q", "k", "v")
+# a circuit's faithfulness: the edges outside it take the counterfactual sender values (patch) or their mean over the
+# pairs (mean); the fractions of the scored edges its curve keeps (MIB's)
+CIRCUIT_ABLATIONS = ("patch", "mean")
+FAITHFULNESS_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 CIRCUIT_CHECKPOINT = "circuit.partial.safetensors"
 
 # --- eval (vlmbind.analysis.evaluation) -------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ Two implementations give the same numbers:
   effects are then node patches, run by :func:`vlmbind.engine.patching.exact_diffs` (prefix-cache reuse, many
   receivers packed in one pass, receivers whose z did not change skipped exactly).
 
-:func:`attribution_path_diffs` estimates the same numbers to first order (EAP, or EAP-IG with ``steps``).
+:func:`attribution_path_diffs` estimates the same numbers to first order (EAP, or EAP-IG with ``steps``);
+:func:`atp_star_path_diffs` computes each receiver's change exactly and only what follows it to first order (AtP*'s
+QK fix at edge level, with GradDrop).
 
 A receiver's other heads in the same layer and grouped-query key/value sharing do not matter: a head's z is read
 from its own slice, so patching the shared key of a group into the layer changes only that head's slice that is
@@ -41,6 +43,7 @@ from .hooks import ATTENTION_IMPL, STATE_EDITS, HookSession, attention_implement
 from .interventions import PatchHeads
 from .patching import (
     PatchTask,
+    _atp_star_pass,
     _diff,
     exact_diffs,
     first_output,
@@ -260,6 +263,14 @@ def _sender_run(vlm: Any, task: PathTask, clean: _CleanRun, sender: tuple[int, i
     return float(_diff(logits[0, 0], task.a, task.a_star)), z
 
 
+def _sender_groups(edges: Sequence[Edge]) -> dict[tuple[tuple[int, int], str], list[int]]:
+    """The indices of ``edges`` by sender and channel: one sender run serves each group."""
+    groups: dict[tuple[tuple[int, int], str], list[int]] = {}
+    for i, edge in enumerate(edges):
+        groups.setdefault((edge.sender, edge.channel), []).append(i)
+    return groups
+
+
 def _inputs_from_layer(vlm: Any, batch: Any) -> dict[str, Any]:
     """The forward's inputs for a run that starts at a later layer: where the image enters the text model only at
     its input (:func:`~vlmbind.engine.patching.rows_without_prefix`), the tokens and position ids alone, so the
@@ -283,12 +294,9 @@ def exact_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], **exact_kw
     """
     check_edges(vlm, task, edges)
     out = np.zeros(len(edges))
-    groups: dict[tuple[tuple[int, int], str], list[int]] = {}
-    for i, edge in enumerate(edges):
-        groups.setdefault((edge.sender, edge.channel), []).append(i)
     with torch.no_grad():
         clean = _clean_run(vlm, task, min(e.sender[0] for e in edges) if edges else 0)
-        for (sender, channel), members in groups.items():
+        for (sender, channel), members in _sender_groups(edges).items():
             layer, head = sender
             own = clean.z[layer][task.sender_positions, head]
             if torch.equal(task.values[layer][:, head].to(own), own):
@@ -542,3 +550,58 @@ def attribution_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], *, s
         gradient = direct_total if edge.receiver is None else total[(*edge.receiver, edge.channel)]
         out[i] = clean + float((written * gradient[at].to(written) / len(alphas)).sum())
     return clean, out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# AtP* at edge level: the receiver's change exact (its attention pattern recomputed: the QK fix), what follows it to
+# first order, with GradDrop
+# ----------------------------------------------------------------------------------------------------------------
+def atp_star_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], *, grad_drop: bool = True
+                        ) -> tuple[float, np.ndarray]:
+    """AtP* (Kramar et al. 2024) at edge level. An edge's estimate is the exact change of its receiver's output at the
+    receiver positions when it reads the sender's counterfactual write through the edge's channel (the first stage of
+    :func:`exact_path_diffs`: the receiver's attention pattern, value and gate recomputed, so a saturated softmax is
+    no longer linearised; this is AtP*'s QK fix, applied to the edge's receiver) times the gradient of
+    ``logit[a*] - logit[a]`` with respect to that output (what follows the receiver, to first order). A direct edge
+    into the logits is exact. With ``grad_drop`` the gradient is taken again with the gradient through each decoder
+    layer's attention and MLP outputs cut in turn, and the score is the mean of the absolute estimates over the cuts
+    of the layers other than the receiver's (a magnitude, as AtP* ranks and does not sign; a direct edge's is its
+    absolute exact effect); without it the estimate is signed (one backward).
+
+    Returns:
+        ``(clean difference, len(edges) clean + score)``.
+    """
+    check_edges(vlm, task, edges)
+    adapter = vlm.adapter
+    receiver_layers = sorted({e.receiver[0] for e in edges if e.receiver is not None})
+    node = PatchTask(task.batch, task.receiver_positions, {}, task.score_position, task.a, task.a_star)
+    at = torch.as_tensor(task.receiver_positions)
+    n, h, d = len(at), vlm.n_heads, adapter.d_head
+    changes: dict[int, torch.Tensor] = {}  # edge -> the change of its receiver layer's z, P_r (H D)
+    direct: dict[int, float] = {}
+    with torch.no_grad():
+        clean = _clean_run(vlm, task, min(e.sender[0] for e in edges) if edges else 0)
+        for (sender, channel), members in _sender_groups(edges).items():
+            logits_diff, z = _sender_run(vlm, task, clean, sender, None if channel == LOGITS else channel)
+            for i in members:
+                if channel == LOGITS:
+                    direct[i] = logits_diff - clean.diff
+                else:
+                    layer = edges[i].receiver[0]
+                    changes[i] = (z[layer][at] - clean.z[layer][at]).float()
+    drops: list[int | None] = [l for l in range(vlm.n_layers)] if grad_drop else [None]
+    per_drop = np.zeros((len(drops), len(edges)))
+    for k, drop in enumerate(drops):
+        _, _, grads, *_ = _atp_star_pass(vlm, node, receiver_layers, drop) if receiver_layers else (0, 0, {})
+        for i, edge in enumerate(edges):
+            if edge.receiver is None:
+                per_drop[k, i] = direct[i]
+                continue
+            layer, head = edge.receiver
+            g = grads[layer].reshape(n, h, d)[:, head]
+            per_drop[k, i] = float((changes[i].reshape(n, h, d)[:, head].to(g) * g).sum())
+    if not grad_drop:
+        return clean.diff, clean.diff + per_drop[0]
+    own = np.array([[e.receiver is not None and e.receiver[0] == drop for e in edges] for drop in drops])
+    score = np.where(own, 0.0, np.abs(per_drop)).sum(0) / np.maximum((~own).sum(0), 1)
+    return clean.diff, clean.diff + score

@@ -61,3 +61,47 @@ def circuit_figure(frame: pd.DataFrame, *, model: str | None = None, n: int | No
                       yaxis={"tickvals": list(range(n_layers + 1)), "ticktext": [*map(str, range(n_layers)), "logits"]},
                       xaxis={"dtick": 1}, height=160 + 70 * (n_layers + 1), width=760)
     return fig
+
+
+def faithfulness_figure(frame: pd.DataFrame, summary: dict[str, Any], *, title: str = "Faithfulness",
+                        model: str | None = None) -> Any:
+    """The faithfulness curve: f of the top-k edges against the fraction of scored edges kept (log scale), with its
+    95% interval as a band, f = 1 (the full model) and f = 0 (every scored edge ablated) as dotted lines, and the
+    declared circuit, when measured, as a diamond with its interval. CPR and CMD are in the legend.
+
+    Args:
+        frame: :meth:`vlmbind.analysis.circuits.Faithfulness.to_frame`'s table.
+        summary: :meth:`vlmbind.analysis.circuits.Faithfulness.summary`.
+        title: the figure title.
+        model: shown on the title's second line.
+    """
+    import plotly.graph_objects as go
+
+    top = frame[frame["circuit"] == "top"]
+    n = int(frame["n"].max()) if len(frame) else None
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=list(top["fraction"]) + list(top["fraction"])[::-1],
+                             y=list(top["ci_high"]) + list(top["ci_low"])[::-1], fill="toself",
+                             fillcolor="rgba(31,119,180,0.18)", line={"width": 0}, hoverinfo="skip",
+                             name="95% CI"))
+    fig.add_trace(go.Scatter(
+        x=top["fraction"], y=top["f"], mode="lines+markers", line={"color": "#1f77b4"},
+        customdata=np.column_stack([top["edges"], top["ci_low"], top["ci_high"]]),
+        hovertemplate="%{customdata[0]} edges (%{x:.3%})<br>f = %{y:.3f} [%{customdata[1]:.3f}, "
+                      "%{customdata[2]:.3f}]<extra></extra>",
+        name=f"top edges: CPR {summary['cpr']:.3f}, CMD {summary['cmd']:.3f}"))
+    declared = frame[frame["circuit"] == "declared"]
+    for row in declared.itertuples():
+        fig.add_trace(go.Scatter(
+            x=[row.fraction], y=[row.f], mode="markers", marker={"symbol": "diamond", "size": 12, "color": "#d62728"},
+            error_y={"type": "data", "symmetric": False, "array": [row.ci_high - row.f],
+                     "arrayminus": [row.f - row.ci_low]},
+            hovertemplate=f"declared circuit, {row.edges} edges<br>f = {row.f:.3f}<extra></extra>",
+            name=f"declared circuit: f = {row.f:.3f}"))
+    for level in (0.0, 1.0):
+        fig.add_hline(y=level, line={"dash": "dot", "color": "#888"})
+    fig.update_layout(title=full_title(title, model, n),
+                      xaxis={"type": "log", "title": "fraction of scored edges kept"},
+                      yaxis={"title": "faithfulness f"}, template="plotly_white", width=720, height=440,
+                      legend={"orientation": "h", "y": -0.25})
+    return fig

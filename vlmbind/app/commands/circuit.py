@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...core.choices import CIRCUIT_CHECKPOINT, CIRCUIT_METHODS, CONDITIONS, PATH_CHANNELS
+from ...core.choices import CIRCUIT_ABLATIONS, CIRCUIT_CHECKPOINT, CIRCUIT_METHODS, CONDITIONS, PATH_CHANNELS
 from ...core.errors import InputError
 from .arguments import (
     add_plugin,
@@ -20,7 +20,7 @@ from .arguments import (
 )
 
 METHOD_WORDS = {"exact": "exact path patching", "naive": "naive path patching", "eap": "EAP estimates",
-                "eap_ig": "EAP-IG estimates"}
+                "eap_ig": "EAP-IG estimates", "atp_star": "AtP* estimates"}
 # its place in `vlmbind --help`
 HELP_ORDER = 55
 DEFAULT_N_PAIRS = 16
@@ -36,7 +36,8 @@ def parse_channels(text: str) -> tuple[str, ...]:
 
 
 def add_parser(sub: Any, common: Any) -> None:
-    p = sub.add_parser("circuit", parents=[common], help="edges between heads scored by path patching",
+    p = sub.add_parser("circuit", parents=[common],
+                       help="edges between heads by path patching; faithfulness (CPR, CMD)",
                        description="Score every edge between heads (sender -> receiver's query, key or value, and "
                                    "sender -> logits) by path patching on counterfactual scene pairs.")
     p.add_argument("--model", required=True, help="registered name, model directory or cached hub id")
@@ -57,9 +58,10 @@ def add_parser(sub: Any, common: Any) -> None:
     add_plugin(p, "conditions")
     p.add_argument("--method", choices=CIRCUIT_METHODS, default="exact",
                    help="exact (fast), naive (four forwards per edge; the same numbers), eap (first-order estimate: "
-                        "one forward and backward per pair) or eap_ig (the gradient averaged along the path)")
+                        "one forward and backward per pair), eap_ig (the gradient averaged along the path) or atp_star "
+                        "(each receiver's change exact, what follows it first-order, with GradDrop)")
     p.add_argument("--verify-top", type=int_at_least(0, "--verify-top 10"), default=10,
-                   help="eap, eap_ig: score this many top edges again by exact path patching (default 10)")
+                   help="eap, eap_ig, atp_star: score this many top edges again by exact path patching (default 10)")
     p.add_argument("--from", dest="sender_at", default="all", metavar="CLASS",
                    help="where senders are patched: all (default), image, text, last, patch (the pairs' own patch), "
                         "span:TEXT or box:X0,Y0,X1,Y1")
@@ -71,6 +73,11 @@ def add_parser(sub: Any, common: Any) -> None:
                    help="receiver inputs to score (default q,k,v)")
     p.add_argument("--no-logits", dest="logits", action="store_false",
                    help="leave out each sender's direct edge into the logits")
+    p.add_argument("--no-faithfulness", dest="faithfulness", action="store_false",
+                   help="skip the faithfulness curve of the top edges (CPR, CMD; one forward per fraction and pair)")
+    p.add_argument("--ablation", choices=CIRCUIT_ABLATIONS, default="patch",
+                   help="how the faithfulness curve ablates the edges outside a circuit: patch (each pair's "
+                        "counterfactual sender outputs; default) or mean (their mean over the pairs)")
     p.add_argument("--out", default=None, help="output directory (default runs/circuit/<model>-<condition>)")
     p.add_argument("--resume", action="store_true",
                    help=f"continue an interrupted run from OUT/{CIRCUIT_CHECKPOINT} (same arguments)")
@@ -97,12 +104,17 @@ def cmd_circuit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int
     if checkpoint.is_file() and not args.resume:
         raise InputError(f"{out} holds an interrupted run ({CIRCUIT_CHECKPOINT}); pass --resume to continue it, or "
                          "choose another --out")
-    if args.verify_top != 10 and args.method not in ("eap", "eap_ig"):
-        raise InputError(f"--verify-top applies to the estimates (eap, eap_ig); --method {args.method} is exact")
+    if args.verify_top != 10 and args.method not in ("eap", "eap_ig", "atp_star"):
+        raise InputError(f"--verify-top applies to the estimates (eap, eap_ig, atp_star); --method {args.method} is "
+                         "exact")
+    if args.ablation != "patch" and not args.faithfulness:
+        raise InputError("--ablation sets how the faithfulness curve ablates edges; it has no effect with "
+                         "--no-faithfulness")
     args.processes = 1
     from ...analysis.circuits import circuit
     from ...analysis.evaluation import outside_training, stimulus_defaults
     from ...analysis.mediation import prediction_check
+    from ...analysis.validate import recorded_edges
     from ...stimuli import make_pairs
     from ...stimuli.registry import CONDITIONS as REGISTERED_CONDITIONS
 
@@ -122,7 +134,9 @@ def cmd_circuit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int
             pairs = make_pairs(args.condition, args.n_pairs, args.seed, **kwargs)
         result = circuit(vlm, pairs, heads=heads, layers=layers, channels=channels, logits=args.logits,
                          sender_at=args.sender_at, receiver_at=args.receiver_at, method=args.method,
-                         progress=not args.json, checkpoint=checkpoint, prompt_format=fmt, verify_top=args.verify_top)
+                         progress=not args.json, checkpoint=checkpoint, prompt_format=fmt, verify_top=args.verify_top,
+                         faithfulness=args.faithfulness, ablation=args.ablation,
+                         declared=recorded_edges(args.model) if args.faithfulness else None)
         predictions = prediction_check(vlm, pairs, fmt)
     result.save(out)
     summary = {**result.summary(), "predictions": predictions, "out": str(out), "command": " ".join(command)}
@@ -131,6 +145,8 @@ def cmd_circuit(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int
     text = (f"{vlm.name}, {result.condition}, {result.n} pairs, {METHOD_WORDS[result.method]}, {result.sender_at} -> "
             f"{result.receiver_at}, {len(result.edges)} edges: {result.seconds:.1f} s\n"
             f"  top edges (mean change of logit[a*] - logit[a], 95% CI):\n{result.ranking_text(5)}\n"
-            f"  significant edges: {len(summary['significant_edges'])}\n{prediction_lines(predictions)}"
-            f"  wrote {out}/edges.csv, circuit.html, summary.json")
+            f"  significant edges: {len(summary['significant_edges'])}\n{result.faithfulness_text()}"
+            f"{prediction_lines(predictions)}"
+            f"  wrote {out}/edges.csv, circuit.html, "
+            f"{'faithfulness.csv, faithfulness.html, ' if args.faithfulness else ''}summary.json")
     return summary, text, 0

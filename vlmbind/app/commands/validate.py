@@ -240,6 +240,14 @@ def render_text(result: Any, out: Any) -> str:
                      f"{' '.join(map(str, r['declared_ranks']))} of {r['edges']}; recall@{r['k']} "
                      f"{_number(r['recall_at_k'], '.2f')}, AUROC {_number(r['auroc'])}, {r['seconds']:.1f} s; top "
                      f"{', '.join(r['top_edges'])}")
+        f = r.get("faithfulness")
+        if f:
+            d = f.get("declared")
+            lines.append(f"    faithfulness ({f['ablation']} ablation, n={f['n']}): CPR {f['cpr']:.3f} "
+                         f"[{f['cpr_ci'][0]:.3f}, {f['cpr_ci'][1]:.3f}], CMD {f['cmd']:.3f} [{f['cmd_ci'][0]:.3f}, "
+                         f"{f['cmd_ci'][1]:.3f}]"
+                         + (f"; declared circuit f {d['f']:.3f} [{d['ci'][0]:.3f}, {d['ci'][1]:.3f}]" if d else "")
+                         + ("" if f.get("defined", True) else "; undefined: the edges do not carry the behaviour"))
     for r in result.probes:
         lines.append(f"  probe {r['head']} -> {r['target']}: {r['accuracy']:.3f} held out (chance {r['chance']:.3f}, "
                      f"n={r['n_test']})")
