@@ -577,7 +577,7 @@ def atp_star_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], *, grad
     node = PatchTask(task.batch, task.receiver_positions, {}, task.score_position, task.a, task.a_star)
     at = torch.as_tensor(task.receiver_positions)
     n, h, d = len(at), vlm.n_heads, adapter.d_head
-    changes: dict[int, torch.Tensor] = {}  # edge -> the change of its receiver layer's z, P_r (H D)
+    changes: dict[int, torch.Tensor] = {}  # edge -> the change of its receiver's z, P_r D
     direct: dict[int, float] = {}
     with torch.no_grad():
         clean = _clean_run(vlm, task, min(e.sender[0] for e in edges) if edges else 0)
@@ -587,9 +587,9 @@ def atp_star_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], *, grad
                 if channel == LOGITS:
                     direct[i] = logits_diff - clean.diff
                 else:
-                    layer = edges[i].receiver[0]
-                    changes[i] = (z[layer][at] - clean.z[layer][at]).float()
-    drops: list[int | None] = [l for l in range(vlm.n_layers)] if grad_drop else [None]
+                    layer, head = edges[i].receiver
+                    changes[i] = (z[layer][at, head] - clean.z[layer][at, head]).float()
+    drops: list[int | None] = list(range(vlm.n_layers)) if grad_drop else [None]
     per_drop = np.zeros((len(drops), len(edges)))
     for k, drop in enumerate(drops):
         _, _, grads, *_ = _atp_star_pass(vlm, node, receiver_layers, drop) if receiver_layers else (0, 0, {})
@@ -599,7 +599,7 @@ def atp_star_path_diffs(vlm: Any, task: PathTask, edges: Sequence[Edge], *, grad
                 continue
             layer, head = edge.receiver
             g = grads[layer].reshape(n, h, d)[:, head]
-            per_drop[k, i] = float((changes[i].reshape(n, h, d)[:, head].to(g) * g).sum())
+            per_drop[k, i] = float((changes[i].to(g) * g).sum())
     if not grad_drop:
         return clean.diff, clean.diff + per_drop[0]
     own = np.array([[e.receiver is not None and e.receiver[0] == drop for e in edges] for drop in drops])
