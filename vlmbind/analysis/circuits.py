@@ -584,7 +584,7 @@ def circuit(vlm: Any, pairs: Any, *, method: str = "exact", heads: Any = None, l
     if faithfulness:
         tasks_in_order = (tasks.get(i) or _task(vlm, pair, fmt, sender_at, receiver_at, sender_layers)
                           for i, pair in enumerate(pairs))
-        curve = faithfulness_curve(vlm, list(tasks_in_order), edges, per_pair.mean(0), ablation=ablation,
+        curve = faithfulness_curve(vlm, tasks_in_order, edges, per_pair.mean(0), ablation=ablation,
                                    declared=declared_circuit, progress=progress)
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
