@@ -8,7 +8,7 @@ from helpers import PROMPT, draw_scene
 
 import vlmbind as vb
 from vlmbind.core.errors import NoImageTokensError
-from vlmbind.engine.hooks import PROB_EDITS, ATTENTION_IMPL, HookSession
+from vlmbind.engine.hooks import PROB_EDITS, SCORE_EDITS, ATTENTION_IMPL, HookSession
 from vlmbind.engine.interventions import PatchHeadsWhere
 
 
@@ -23,7 +23,7 @@ def _hook_count(model: torch.nn.Module) -> int:
 
 def _clean_state(vlm) -> None:
     assert _hook_count(vlm.model) == 0
-    assert not any(hasattr(m, PROB_EDITS) for m in vlm.model.modules())
+    assert not any(hasattr(m, PROB_EDITS) or hasattr(m, SCORE_EDITS) for m in vlm.model.modules())
     assert vlm.adapter.text_config._attn_implementation != ATTENTION_IMPL
     assert vlm.active == []
 
@@ -40,6 +40,9 @@ def _all_interventions(vlm, batch):
     image_edits = [
         vb.ZeroImageAttention(layer=1, heads=[0], renormalize=True),
         vb.ZeroImageAttention(layer=1, heads=[0], renormalize=False),
+        vb.SteerAttention(layer=1, heads=[0], keys=[ti.image_positions[:2] for ti in batch.index],
+                          query_positions=[-1]),
+        vb.BlockAttention(layer=1, heads=[0], keys=[ti.image_positions for ti in batch.index]),
     ] if vlm.adapter.image_tokens_in_sequence else []  # refused by name otherwise (see below)
     last = torch.zeros(z.shape[:2], dtype=torch.bool)
     last[:, -1] = True

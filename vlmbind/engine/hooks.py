@@ -38,9 +38,12 @@ from ..core.sites import Site
 from .interventions import (  # noqa: F401  (re-exported: they were defined here before interventions.py)
     AblateHeads,
     AddToHeads,
+    BlockAttention,
     Intervention,
+    KeyScoreEdit,
     PatchHeadEntries,
     PatchHeads,
+    SteerAttention,
     ZeroImageAttention,
 )
 
@@ -48,14 +51,17 @@ if TYPE_CHECKING:
     from ..adapters.base import ModelAdapter
     from ..core.tokens import TokenIndex
 
-__all__ = ["AblateHeads", "AddToHeads", "HookSession", "Intervention", "PatchHeadEntries", "PatchHeads",
-           "ZeroImageAttention", "LastQuerySession", "attention_implementation", "ATTENTION_IMPL"]
+__all__ = ["AblateHeads", "AddToHeads", "BlockAttention", "HookSession", "Intervention", "PatchHeadEntries",
+           "PatchHeads", "SteerAttention", "ZeroImageAttention", "LastQuerySession", "attention_implementation",
+           "ATTENTION_IMPL"]
 
 ATTENTION_IMPL = "vlmbind_eager"
 # per-head outputs and attention probabilities, of self-attention and of a cross-attention layer
 Z_HOOKS = ("attn.hook_z", "cross_attn.hook_z")
 PATTERN_HOOKS = ("attn.hook_pattern", "cross_attn.hook_pattern")
 PROB_EDITS = "_vlmbind_prob_edits"
+# callables on the scores (``B H Q K``, mask added) before the softmax: attention steering
+SCORE_EDITS = "_vlmbind_score_edits"
 # callables (query, key, value) -> (query, key, value) applied to the per-query-head states (keys and values repeated
 # over each group): the point where path attribution reads one head's own query, key and value
 STATE_EDITS = "_vlmbind_state_edits"
@@ -94,6 +100,8 @@ def vlmbind_eager_attention(
         weights = torch.tanh(weights / softcap) * softcap
     if attention_mask is not None:
         weights = weights + attention_mask[:, :, :, : key_states.shape[-2]]
+    for edit in getattr(module, SCORE_EDITS, ()):
+        weights = edit(weights)
     weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     for edit in getattr(module, PROB_EDITS, ()):
@@ -191,8 +199,9 @@ class HookSession:
             handle.remove()
         self._handles.clear()
         for module in self._prob_modules:
-            if hasattr(module, PROB_EDITS):
-                delattr(module, PROB_EDITS)
+            for attribute in (PROB_EDITS, SCORE_EDITS):
+                if hasattr(module, attribute):
+                    delattr(module, attribute)
         self._prob_modules.clear()
         if self._stack is not None:
             self._stack.close()
@@ -210,9 +219,12 @@ class HookSession:
         a = self.adapter
         z_edits: dict[int, list[Intervention]] = {}
         prob_edits: dict[int, list[ZeroImageAttention]] = {}
+        score_edits: dict[int, list[KeyScoreEdit]] = {}
         for intervention in self.interventions:
             if isinstance(intervention, ZeroImageAttention):
                 prob_edits.setdefault(intervention.layer, []).append(intervention)
+            elif isinstance(intervention, KeyScoreEdit):
+                score_edits.setdefault(intervention.layer, []).append(intervention)
             else:
                 z_edits.setdefault(intervention.layer, []).append(intervention)
         z_sites = {s.layer: s for s in self.sites if s.hook in Z_HOOKS}
@@ -227,6 +239,12 @@ class HookSession:
             module = a.attention_module(layer)
             index = self.index
             setattr(module, PROB_EDITS, [lambda w, e=e: e.edit_probs(w, index) for e in edits])
+            self._prob_modules.append(module)
+        cross_layers = set(a.cross_attention_layers())
+        for layer, steers in score_edits.items():
+            module = a.attention_module(layer)
+            cross = layer in cross_layers
+            setattr(module, SCORE_EDITS, [lambda s, e=e, c=cross: e.edit_scores(s, self.index, c) for e in steers])
             self._prob_modules.append(module)
 
         for site in self.sites:

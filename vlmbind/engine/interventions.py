@@ -1,8 +1,9 @@
 """Interventions: frozen keyword-only dataclasses that say what to change in a forward, and check themselves.
 
 Each edits one thing the hook layer (:mod:`vlmbind.engine.hooks`) exposes: per-head outputs ``z`` (the ``o_proj`` input,
-``edit_z``) or attention probabilities after the softmax (``edit_probs``, which needs vlmbind's eager attention:
-``needs_pattern``). Positions are batch positions; negatives count from the end (batches are left-padded).
+``edit_z``), attention probabilities after the softmax (``edit_probs``) or attention scores before it
+(``edit_scores``: steering and knockout); the last two need vlmbind's eager attention (``needs_pattern``).
+Positions are batch positions; negatives count from the end (batches are left-padded).
 :class:`AddToHeadRows` is :class:`AddToHeads` with one vector per batch row (the position-ID edit batches examples
 with it); :class:`PatchHeadsWhere` writes another run's z out of place, so a loss can train through both runs.
 """
@@ -356,6 +357,122 @@ class ZeroImageAttention(Intervention):
         weights = weights.clone()
         weights[:, heads] = sub
         return weights
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyScoreEdit(Intervention):
+    """Base of the edits of heads' attention scores before the softmax, at chosen queries, by a set of keys.
+
+    Positions are absolute: in a cached generation step the query rows are the newest positions (key length minus
+    query length onwards); on a cross-attention layer the keys are the image keys (``TokenIndex.keys_covering``) and
+    the query rows are the forward's own positions.
+
+    Attributes:
+        keys: key positions, one list per batch row (or one list shared by the batch).
+        query_positions: the edited query positions, shared or one list per row (``None``: every query); a position
+            the sequence has not reached yet applies from the generation step that reaches it.
+    """
+
+    keys: Any
+    query_positions: Any = None
+
+    def needs_pattern(self) -> bool:
+        return True
+
+    def key_mask(self, batch: int, n_keys: int, device: torch.device) -> torch.Tensor:
+        """``B K`` bool: the keys named for each row."""
+        name, rows = type(self).__name__, self.keys
+        if len(rows) and isinstance(rows[0], (int, np.integer)):
+            rows = [rows] * batch
+        if len(rows) != batch:
+            raise InterventionError(f"{name}: keys must be one list shared by the batch or one list per row "
+                                    f"({batch} rows), got {len(rows)} lists")
+        mask = torch.zeros(batch, n_keys, dtype=torch.bool, device=device)
+        for row, keys in enumerate(rows):
+            keys = torch.as_tensor(np.asarray(keys, dtype=np.int64).reshape(-1), device=device)
+            if not len(keys):
+                raise InterventionError(f"{name}: row {row} names no key")
+            if keys.min() < 0 or keys.max() >= n_keys:
+                raise InterventionError(f"{name}: row {row}'s keys {keys.tolist()} fall outside the {n_keys} keys "
+                                        f"of layer {self.layer}")
+            mask[row, keys] = True
+        return mask
+
+    def query_mask(self, batch: int, n_queries: int, offset: int, device: torch.device) -> torch.Tensor:
+        """``B Q`` bool: the edited query rows of this forward (absolute position = ``offset`` + row)."""
+        if self.query_positions is None:
+            return torch.ones(batch, n_queries, dtype=torch.bool, device=device)
+        seq = offset + n_queries
+        pos = torch.as_tensor(np.asarray(self.query_positions), dtype=torch.long, device=device)
+        pos = pos[None] if pos.ndim == 0 else pos
+        pos = pos[None].expand(batch, -1) if pos.ndim == 1 else pos
+        if pos.ndim != 2 or pos.shape[0] != batch:
+            raise InterventionError(f"{type(self).__name__}: query_positions must be a list shared by the batch or one "
+                                    f"list per row ({batch} rows), got shape {tuple(pos.shape)}")
+        # negatives count from the end of this forward's sequence; positions past it wait for later steps
+        pos = torch.where(pos < 0, pos + seq, pos) - offset
+        edited = torch.zeros(batch, n_queries, dtype=torch.bool, device=device)
+        inside = (pos >= 0) & (pos < n_queries)  # a cached step holds only the newest queries
+        rows = torch.arange(batch, device=device)[:, None].expand_as(pos)
+        edited[rows[inside], pos[inside]] = True
+        return edited
+
+    def kept(self, named: torch.Tensor, edited: torch.Tensor) -> torch.Tensor:
+        """``B Q K`` bool: the scores left as they are (from ``named`` keys ``B 1 K`` and ``edited`` rows ``B Q 1``)."""
+        raise NotImplementedError
+
+    def edit_scores(self, scores: torch.Tensor, index: Any, cross: bool = False) -> torch.Tensor:
+        """``scores`` (``B H Q K``, the attention mask already added) with the edited heads' dropped keys set to the
+        lowest value."""
+        b, _, q, k = scores.shape
+        offset = 0 if cross else k - q
+        named = self.key_mask(b, k, scores.device)[:, None, :]
+        edited = self.query_mask(b, q, offset, scores.device)[:, :, None]
+        self.check_causal(named, edited, offset, cross)
+        keep = self.kept(named, edited)
+        heads = torch.tensor(self.heads, device=scores.device)
+        sub = scores[:, heads]
+        scores = scores.clone()
+        scores[:, heads] = torch.where(keep[:, None], sub, torch.full_like(sub, torch.finfo(sub.dtype).min))
+        return scores
+
+    def check_causal(self, named: torch.Tensor, edited: torch.Tensor, offset: int, cross: bool) -> None:
+        """Steering needs keys the queries can see; a knockout of unseen keys changes nothing and is allowed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SteerAttention(KeyScoreEdit):
+    """Redirect heads' attention to chosen keys: at the chosen queries every other key's score is set to the lowest
+    value before the softmax, so the heads attend only to the chosen keys, renormalised over them. Steering to every
+    key is the identity, exactly (no score changes); keys after a query stay masked for it (causal attention), and a
+    steered query that sees none of its keys is refused."""
+
+    def kept(self, named: torch.Tensor, edited: torch.Tensor) -> torch.Tensor:
+        return named | ~edited
+
+    def check_causal(self, named: torch.Tensor, edited: torch.Tensor, offset: int, cross: bool) -> None:
+        if cross:
+            return
+        k, q = named.shape[-1], edited.shape[1]
+        query_abs = offset + torch.arange(q, device=named.device)
+        seen = named & (torch.arange(k, device=named.device)[None, None, :] <= query_abs[None, :, None])
+        blind = edited[:, :, 0] & ~seen.any(-1)
+        if bool(blind.any()):
+            row, query = (int(v) for v in torch.nonzero(blind)[0])
+            raise InterventionError(
+                f"SteerAttention: the query at position {offset + query} of row {row} sees none of the keys to steer "
+                "to (they all come after it; attention is causal); steer queries that follow the keys")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockAttention(KeyScoreEdit):
+    """Knock out heads' attention to chosen keys (Geva et al.'s attention knockout): at the chosen queries their
+    scores are set to the lowest value before the softmax, so the rest of the attention is renormalised. A query
+    left with no key (all of its keys blocked) attends uniformly to the masked ones; avoid blocking a query's
+    every key."""
+
+    def kept(self, named: torch.Tensor, edited: torch.Tensor) -> torch.Tensor:
+        return ~(named & edited)
 
 
 @dataclass(frozen=True, kw_only=True)
