@@ -33,7 +33,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     circuit = base / "circuit"
     assert cli.main(["circuit", "--model", MODEL, "--condition", "id_selection", "--n-pairs", "2", "--heads",
                      "0.1,1.2,2.1", "--out", str(circuit)]) == 0
-    return {"demo": demo, "edit": edit, "eval": evaluation, "circuit": circuit}
+    steer = base / "steer"
+    assert cli.main(["steer", "--model", MODEL, "--heads", "2.1", "--n", "4", "--random-draws", "1", "--out",
+                     str(steer)]) == 0
+    return {"demo": demo, "edit": edit, "eval": evaluation, "circuit": circuit, "steer": steer}
 
 
 def _figure_json(html: str) -> list:

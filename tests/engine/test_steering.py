@@ -87,7 +87,7 @@ def test_cached_generation_steers_the_same_positions_as_full_forwards():
 
 
 def test_bad_steering_is_refused_by_name():
-    vlm, batch, layer, keys = _setup("tiny-qwen2_5_vl")
+    vlm, batch, layer, _ = _setup("tiny-qwen2_5_vl")
     late = [[len(ti) - 1] for ti in batch.index]
     with pytest.raises(vb.InterventionError, match="sees none of the keys"):
         vlm.logits(batch, [vb.SteerAttention(layer=layer, heads=[0], keys=late, query_positions=[[1], [1]])])

@@ -63,7 +63,7 @@ REPAIR_ARMS = ("repair", "control")
 RANDOM_DIRECTION_STREAM = 7  # the random-direction control's own random stream
 
 
-def _answer_budget(vlm: Any, examples: Sequence[Any]) -> int:
+def answer_budget(vlm: Any, examples: Sequence[Any]) -> int:
     """Tokens enough to spell any object name of the scenes, plus one that shows the second word has ended."""
     tok = vlm.adapter.tokenizer
     names = {o.name for e in examples for o in e.objects}
@@ -464,7 +464,7 @@ def default_positions(vlm: Any) -> str:
     return "answer" if getattr(vlm, "training", None) is not None else "last"
 
 
-def _positions(vlm: Any, positions: str | None) -> str:
+def edit_positions(vlm: Any, positions: str | None) -> str:
     positions = default_positions(vlm) if positions is None else positions
     if positions not in EDIT_POSITIONS:
         raise InputError(f"positions must be one of {', '.join(EDIT_POSITIONS)}, got {positions!r}")
@@ -535,7 +535,7 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
     if not head_sets:
         raise InputError("head_sets is empty: pass at least one set of heads to edit")
     sets, alphas = [check_heads(vlm, heads) for heads in head_sets], check_alphas(alphas)
-    positions = _positions(vlm, positions)
+    positions = edit_positions(vlm, positions)
     check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
     check_estimates(vlm, n_estimate=n_estimate, n_eval=n_eval, seed=seed, n_objects=n_objects, entropy=entropy,
                     min_count=min_count, stimulus=stimulus)
@@ -567,7 +567,7 @@ def edit_studies(vlm: Any, head_sets: Sequence[Any], alphas: Any, *, n_estimate:
         indices = range(offset, offset + len(chunk))
         offset += len(chunk)
         batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
-        budget = _answer_budget(vlm, [p[0] for p in chunk])
+        budget = answer_budget(vlm, [p[0] for p in chunk])
         clean = greedy_decode(vlm, batch, (), budget)
         for (e, o, k, c), out in zip(chunk, clean):
             t_name = e.objects[k].name
@@ -661,7 +661,7 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
         InputError: bad heads, alphas or sizes, impossible stimuli, or no evaluation example left.
     """
     start = time.perf_counter()
-    positions = _positions(vlm, positions)
+    positions = edit_positions(vlm, positions)
     heads, alphas = check_heads(vlm, heads), check_alphas(alphas)
     check_positive(n_estimate=n_estimate, n_eval=n_eval, min_count=min_count, batch_size=batch_size)
     check_estimates(vlm, n_estimate=n_estimate, n_eval=n_eval, seed=seed, n_objects=n_objects, min_count=min_count,
@@ -689,7 +689,7 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
     high_correct = []
     for chunk in chunks(high[n_estimate:], batch_size):
         batch = vlm.prepare([e.image for e in chunk], [e.prompt for e in chunk])
-        outs = greedy_decode(vlm, batch, (), _answer_budget(vlm, chunk))
+        outs = greedy_decode(vlm, batch, (), answer_budget(vlm, chunk))
         high_correct += [score(e, out)[0] for e, out in zip(chunk, outs)]
 
     records: list[dict[str, Any]] = []
@@ -697,7 +697,7 @@ def entropy_repair(vlm: Any, heads: Any, alphas: Any, *, n_estimate: int = 512, 
     delta_norms = {arm: torch.zeros(len(heads), dtype=torch.float64) for arm in REPAIR_ARMS}
     for chunk in tqdm(chunks(plan, batch_size), desc="repair", disable=not progress):
         batch = vlm.prepare([p[0].image for p in chunk], [p[0].prompt for p in chunk])
-        budget = _answer_budget(vlm, [p[0] for p in chunk])
+        budget = answer_budget(vlm, [p[0] for p in chunk])
         clean = greedy_decode(vlm, batch, (), budget)
         clean_correct += [score(p[0], out)[0] for p, out in zip(chunk, clean)]
         vectors = {

@@ -149,3 +149,34 @@ def check_position_class(value: Any, *, flag: str | None = None) -> tuple[str, A
         raise InputError(f"{where}: a box is box:X0,Y0,X1,Y1 in pixels of the clean image, with X0 < X1 and Y0 < Y1")
     raise InputError(f"{where} is not a position class: use one of {', '.join(POSITION_CLASSES)}, span:TEXT or "
                      "box:X0,Y0,X1,Y1")
+
+
+def check_steer_target(value: Any, *, flag: str | None = None) -> tuple[str, Any]:
+    """Where attention steering sends the heads, parsed: ``described`` (per scene, a uniformly drawn object the prompt
+    names), ``object:K`` (the scene's object K, 0-based in drawing order), ``cell:ROW,COL`` (a cell of the stimulus
+    grid, 0-based) or ``box:X0,Y0,X1,Y1`` (a pixel box of the image).
+
+    Returns:
+        ``(kind, argument)``: None, the object index, the cell ``(row, col)`` or the box as four floats.
+
+    Raises:
+        InputError: anything else.
+    """
+    text = str(value).strip()
+    where = f"{flag} {value!r}" if flag else f"steering target {value!r}"
+    if text == "described":
+        return "described", None
+    kind, _, rest = text.partition(":")
+    try:
+        numbers_ = [float(p) for p in rest.split(",")] if rest else []
+    except ValueError:
+        numbers_ = []
+    whole = all(float(v).is_integer() and v >= 0 for v in numbers_)
+    if kind == "object" and len(numbers_) == 1 and whole:
+        return "object", int(numbers_[0])
+    if kind == "cell" and len(numbers_) == 2 and whole:
+        return "cell", (int(numbers_[0]), int(numbers_[1]))
+    if kind == "box" and len(numbers_) == 4 and numbers_[0] < numbers_[2] and numbers_[1] < numbers_[3]:
+        return "box", tuple(numbers_)
+    raise InputError(f"{where} is not a steering target: use described, object:K (K >= 0), cell:ROW,COL (0-based) "
+                     "or box:X0,Y0,X1,Y1 (pixels, X0 < X1 and Y0 < Y1)")

@@ -50,7 +50,7 @@ from .core import (
 ENTROPIES = ("high", "low")
 CONDITIONS = ("id_retrieval", "id_selection", "feature_retrieval")
 
-_DEFAULT_CANVAS = Canvas(image_size=224, grid=3)
+DEFAULT_CANVAS = Canvas(image_size=224, grid=3)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def scene_description(
     *,
     n_objects: int | tuple[int, int] = (2, 4),
     entropy: str = "high",
-    canvas: Canvas = _DEFAULT_CANVAS,
+    canvas: Canvas = DEFAULT_CANVAS,
     colours: Sequence[str] | None = None,
     shapes: Sequence[str] | None = None,
 ) -> Dataset:
@@ -275,7 +275,7 @@ def scene_pairs(
     *,
     n_objects: int | tuple[int, int] = (3, 4),
     entropy: str = "high",
-    canvas: Canvas = _DEFAULT_CANVAS,
+    canvas: Canvas = DEFAULT_CANVAS,
     colours: Sequence[str] | None = None,
     shapes: Sequence[str] | None = None,
     swap: str = "last",
