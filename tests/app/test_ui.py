@@ -319,11 +319,12 @@ def test_parallel_http_clients_get_the_serial_answers(vlm, ctl, state) -> None:
 
     from werkzeug.serving import make_server
 
-    cases = [(heads, action, mode) for heads in (["0.0"], ["1.1", "0.1"], [])
+    cases = [(heads, action, mode, None) for heads in (["0.0"], ["1.1", "0.1"], [])
              for action, mode in (("ablate", "zero"), ("ablate", "image_attention"))]
-    cases += [(["1.0"], "ablate", "mean"), (["0.1", "1.0", "1.1"], "ablate", "zero")]
-    expected = [{k: v for k, v in ctl.answer(state, heads, action, mode).items() if k != "logits"}
-                for heads, action, mode in cases]
+    cases += [(["1.0"], "ablate", "mean", None), (["0.1", "1.0", "1.1"], "ablate", "zero", None),
+              (["1.1", "2.0"], "steer", "zero", [40.0, 100.0])]
+    expected = [{k: v for k, v in ctl.answer(state, heads, action, mode, steer_point=point).items() if k != "logits"}
+                for heads, action, mode, point in cases]
     app = build_app(vlm, seed=0, controller=ctl)
     server = make_server("127.0.0.1", 0, app.server, threaded=True)
     port = server.server_port
@@ -331,14 +332,15 @@ def test_parallel_http_clients_get_the_serial_answers(vlm, ctl, state) -> None:
     thread.start()
 
     def post(case: tuple) -> dict:
-        heads, action, mode = case
+        heads, action, mode, point = case
         body = {"output": "..result-store.data...answer.children...heads-list.children..",
                 "outputs": [{"id": "result-store", "property": "data"}, {"id": "answer", "property": "children"},
                             {"id": "heads-list", "property": "children"}],
                 "inputs": [{"id": "input-store", "property": "data", "value": state},
                            {"id": "heads-store", "property": "data", "value": heads},
                            {"id": "action", "property": "value", "value": action},
-                           {"id": "mode", "property": "value", "value": mode}],
+                           {"id": "mode", "property": "value", "value": mode},
+                           {"id": "steer-store", "property": "data", "value": point}],
                 "changedPropIds": ["heads-store.data"],
                 "state": [{"id": "scores-store", "property": "data", "value": {"condition": None}}]}
         request = Request(f"http://127.0.0.1:{port}/_dash-update-component", data=json.dumps(body).encode(),
@@ -446,3 +448,22 @@ def test_a_pairs_file_gives_the_pages_inputs_patched_where_each_pair_says(tmp_pa
     finally:
         server.shutdown()
         thread.join(5)
+
+
+def test_steering_a_clicked_cell_equals_steerattention_and_moves_the_planted_answer() -> None:
+    """Steering from the page is SteerAttention at the last prompt token and every answer token; on organism-vsm,
+    sending the selecting head 3.1 to a described object's cell makes the model name that object."""
+    vlm = shared_organism("organism-vsm")
+    ctl = UIController(vlm)
+    example = vb.stimuli.scene_description(1, 7, **training_defaults(vlm, "scene", {"n_objects": 3}))[0]
+    described = next(o for i, o in enumerate(example.objects) if i != example.fields["target"])
+    state = {"image": ui._png_b64(example.image), "prompt": example.prompt}
+    assert "steering needs a target" in ctl.answer(state, ["3.1"], "steer")["error"]
+    result = ctl.answer(state, ["3.1"], "steer", steer_point=[described.x, described.y])
+    assert result["clean_answer"] == example.answer and result["answer"].startswith(described.name)
+    batch = vlm.prepare(example.image, example.prompt)
+    last = batch.index[0].last_position
+    steering = vb.SteerAttention(layer=3, heads=[1], keys=batch.index[0].positions_covering(described.box),
+                                 query_positions=[last + i for i in range(4)])
+    torch.testing.assert_close(torch.tensor(result["logits"]), vlm.logits(batch, [steering])[0, last].float(),
+                               rtol=1e-5, atol=1e-5)

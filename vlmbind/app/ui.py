@@ -1,4 +1,5 @@
-"""``vlmbind ui``: a local Dash app to ablate or patch attention heads by clicking them and see the answer change.
+"""``vlmbind ui``: a local Dash app to ablate, patch or steer attention heads by clicking them and see the answer
+change (steering: click a cell of the attention overlay to send the selected heads' attention there).
 
 Design: all model work lives in :class:`UIController`, whose methods are the callbacks' bodies and take and return
 plain values (so tests call them without a browser); :func:`build_app` only lays out the page and wires Dash
@@ -33,12 +34,12 @@ from ..core.choices import ABLATION_MODES, UI_CONDITIONS
 from ..core.errors import InputError
 from ..core.userfiles import SCORE_COLUMNS, read_json_object, read_scores
 from ..engine.alignment import patch_positions
-from ..engine.hooks import PatchHeads
+from ..engine.hooks import PatchHeads, SteerAttention
 from ..stimuli import scene_pairs
 from ..viz import attention_overlay, head_heatmap
 
 MODES = ABLATION_MODES
-ACTIONS = ("ablate", "patch")
+ACTIONS = ("ablate", "patch", "steer")
 # last-token conditions of scene_pairs: their counterfactual is patched at the last position, as the UI does
 CONDITIONS = UI_CONDITIONS
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024
@@ -301,9 +302,31 @@ class UIController:
             raise InputError("the prompt is empty; type the text that follows the image")
         return self.vlm.prepare(_from_b64(state[image_key]), prompt)
 
+    def _steering(self, batch: Any, heads: list[tuple[int, int]], point: Any) -> list[SteerAttention]:
+        """``heads`` steered, at the prompt's last token and every answer token, to the image token(s) under
+        ``point`` (``[x, y]`` in image pixels, from a click on the overlay)."""
+        if not point:
+            raise InputError("steering needs a target: click a cell of the attention overlay to steer the heads there")
+        x, y = (float(v) for v in point)
+        index = batch.index[0]
+        box = (x, y, x + 1e-3, y + 1e-3)
+        cross = set(self.vlm.adapter.cross_attention_layers())
+        last = index.last_position
+        queries = [last + i for i in range(ANSWER_TOKENS)]
+        items = []
+        for layer in sorted({l for l, _ in heads}):
+            keys = index.keys_covering(box) if layer in cross else index.positions_covering(box)
+            if not len(keys):
+                raise InputError(f"no image token of layer {layer}'s keys lies under ({x:.0f}, {y:.0f}): click a cell "
+                                 "of the image")
+            items.append(SteerAttention(layer=layer, heads=[h for l, h in heads if l == layer], keys=keys,
+                                        query_positions=queries))
+        return items
+
     def _interventions(self, state: dict[str, Any], batch: Any, heads: list[tuple[int, int]], action: str,
-                       mode: str) -> tuple[list[Any], Any]:
-        """The interventions for ``heads``: ``([PatchHeads...], None)`` or ``([], ablate context)``. Lock held."""
+                       mode: str, steer_point: Any = None) -> tuple[list[Any], Any]:
+        """The interventions for ``heads``: ``([PatchHeads...] or [SteerAttention...], None)`` or ``([], ablate
+        context)``. Lock held."""
         if action == "patch":
             if not state.get("cf_image"):
                 raise InputError("patching needs a counterfactual image: generate a scene or upload one")
@@ -325,6 +348,8 @@ class UIController:
                 z = cache[self.vlm.adapter.z_site(layer)]  # B P H D
                 items.append(PatchHeads(layer=layer, heads=hs, positions=where, values=z[:, cf_where][:, :, hs]))
             return items, None
+        if action == "steer":
+            return self._steering(batch, heads, steer_point), None
         if action != "ablate":
             raise InputError(f"action {action!r} is not one of {ACTIONS}")
         means = None
@@ -335,12 +360,15 @@ class UIController:
         return [], self.vlm.ablate(heads, mode=mode, means=means)
 
     def answer(self, state: dict[str, Any] | None, heads: list[str] | None, action: str = "ablate",
-               mode: str = "image_attention", scores_condition: str | None = None) -> dict[str, Any]:
+               mode: str = "image_attention", scores_condition: str | None = None,
+               steer_point: Any = None) -> dict[str, Any]:
         """Clean and intervened answer with the top logits at the last position.
 
         Args:
             scores_condition: the condition of the scores on the page; patching from a generated counterfactual of
                 another condition is refused (the answer would not test what the heatmap ranks).
+            steer_point: ``[x, y]`` in image pixels: where ``action="steer"`` sends the heads' attention (the image
+                token under it), at the prompt's last token and every answer token.
 
         Returns:
             ``{"error": msg}`` on bad input, else ``heads``, ``action``, ``mode``, ``answer`` and ``clean_answer``
@@ -370,10 +398,10 @@ class UIController:
                                         self.vlm.generate(batch, ANSWER_TOKENS)[0][0])
                 clean, clean_text = self._clean[key]
                 if pairs:
-                    items, context = self._interventions(state, batch, pairs, action, mode)
+                    items, context = self._interventions(state, batch, pairs, action, mode, steer_point)
                     if context is None:
                         logits = self.vlm.logits(batch, items)[0, last].float().cpu()
-                        # no KV cache: every step re-runs the prompt, so the patch stays at the prompt's last token
+                        # no KV cache: every step re-runs the prompt, so a patch stays at the prompt's last token
                         text = self.vlm.generate(batch, ANSWER_TOKENS, interventions=items, use_cache=False)[0][0]
                     else:
                         with context:
@@ -531,6 +559,7 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str | N
                                            "condition": loaded_condition,
                                            "source": "loaded" if scores is not None else None}),
         dcc.Store(id="result-store"),
+        dcc.Store(id="steer-store", data=None),
         dcc.ConfirmDialog(id="confirm-locate"),
         html.Div(className="vb-panel", children=[
             html.Div(className="vb-bar", children=[
@@ -631,13 +660,24 @@ def build_app(vlm: Any, *, scores: Any = None, seed: int = 0, condition: str | N
         new, key = ctl.toggle_head(click, heads)
         return new, key or selected, None
 
+    @app.callback(Output("steer-store", "data"), Input("overlay", "clickData"), Input("input-store", "data"),
+                  prevent_initial_call=True)
+    def on_steer_click(click: Any, _current: Any) -> Any:
+        # a new input clears the target; a click on the overlay sets it to the clicked cell's centre
+        if dash.ctx.triggered_id != "overlay" or not click or not click.get("points"):
+            return None
+        point = click["points"][0]
+        return [point["x"], point["y"]]
+
     @app.callback(Output("result-store", "data"), Output("answer", "children"), Output("heads-list", "children"),
                   Input("input-store", "data"), Input("heads-store", "data"), Input("action", "value"),
-                  Input("mode", "value"), State("scores-store", "data"))
-    def on_answer(current: Any, heads: Any, action: Any, mode: Any, store: Any) -> tuple[Any, Any, str]:
-        result = ctl.answer(current, heads, action, mode, scores_condition=(store or {}).get("condition"))
-        verb = "ablated" if action == "ablate" else "patched"
-        listed = f"{verb} heads: {', '.join(heads or []) or 'none'}"
+                  Input("mode", "value"), Input("steer-store", "data"), State("scores-store", "data"))
+    def on_answer(current: Any, heads: Any, action: Any, mode: Any, point: Any, store: Any) -> tuple[Any, Any, str]:
+        result = ctl.answer(current, heads, action, mode, scores_condition=(store or {}).get("condition"),
+                            steer_point=point)
+        verb = {"ablate": "ablated", "patch": "patched"}.get(action, "steered")
+        where = f" to ({point[0]:.0f}, {point[1]:.0f})" if action == "steer" and point else ""
+        listed = f"{verb} heads: {', '.join(heads or []) or 'none'}{where}"
         return {k: v for k, v in result.items() if k != "logits"}, _answer_view(result), listed
 
     @app.callback(Output("overlay", "figure"), Input("input-store", "data"), Input("selected-store", "data"))
