@@ -86,6 +86,9 @@ class ModelAdapter:
     # attention module inside a vision block (tests silence it to make the tower local, for the TokenIndex check)
     vision_attention: ClassVar[str] = "self_attn"
     projector: ClassVar[str] = "model.multi_modal_projector"
+    # the language model's final norm (what the residual stream passes through before the unembedding), a module of
+    # the decoder that holds ``text_layers`` (the logit lens decodes through it)
+    final_norm: ClassVar[str] = "norm"
     # the attribute of the projector module's output holding the features (None: the output itself / its first
     # tensor), and whether its rows are the language model's image tokens in sequence order
     projector_output: ClassVar[str | None] = None
@@ -282,6 +285,20 @@ class ModelAdapter:
     def vision_block(self, layer: int) -> nn.Module:
         return get_module(self.model, self.vision_blocks)[layer]
 
+    def final_norm_module(self) -> nn.Module:
+        """The language model's final norm: :attr:`final_norm` inside the decoder whose layers are
+        :attr:`text_layers` (``model.language_model.norm`` for ``model.language_model.layers``). The unembedding
+        (``model.get_output_embeddings()``) reads its output; the logit lens decodes a residual stream through both."""
+        decoder = self.text_layers.rpartition(".")[0]
+        return get_module(self.model, f"{decoder}.{self.final_norm}" if decoder else self.final_norm)
+
+    def final_logit_softcap(self) -> float | None:
+        """The cap ``c`` of the tanh softcapping the family's forward applies to the final logits
+        (``c * tanh(logits / c)``), or None: the text config's ``final_logit_softcapping`` (PaliGemma 2's Gemma-2);
+        a family whose forward ignores that setting overrides this."""
+        cap = getattr(self.text_config, "final_logit_softcapping", None)
+        return None if cap is None else float(cap)
+
     def projector_module(self) -> nn.Module:
         return get_module(self.model, self.projector)
 
@@ -304,6 +321,7 @@ class ModelAdapter:
             "mlp": self.mlp_module(0),
             "vision_blocks": get_module(self.model, self.vision_blocks),
             "projector": self.projector_module(),
+            "final_norm": self.final_norm_module(),
         }
 
     # ---- tokens ---------------------------------------------------------------------------------------------

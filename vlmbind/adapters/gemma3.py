@@ -50,6 +50,11 @@ class Gemma3Adapter(ModelAdapter):
     token_inputs = ("token_type_ids",)
     transformer_lens_bridge = True
 
+    def final_logit_softcap(self) -> float | None:
+        """None: ``Gemma3ForConditionalGeneration``'s forward applies no final logit softcapping, whatever the text
+        config's ``final_logit_softcapping`` says (only the text-only ``Gemma3ForCausalLM`` reads it)."""
+        return None
+
     @property
     def tokens_per_side(self) -> int:
         """Side of the pooled image-token grid, ``sqrt(mm_tokens_per_image)``."""

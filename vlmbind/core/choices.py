@@ -89,6 +89,19 @@ FRAMES = {
 TRACK_QUERIES = ("emit", "self")
 TRACK_TASKS = ("count", "search")
 
+# --- lens (vlmbind.analysis.lens) -------------------------------------------------------------------------------------
+# tasks whose examples carry objects with a colour and a shape (the lens reads both words at their image tokens)
+LENS_TASKS = ("scene", "query")
+
+# --- relevancy (vlmbind.analysis.relevancy) ---------------------------------------------------------------------------
+RELEVANCY_METHODS = ("gradient_attention", "rollout", "input_x_gradient")
+# tasks whose examples name the object asked about (fields["target"]) and have one answer
+RELEVANCY_TASKS = ("query", "scene")
+# the scored token: the example's expected answer's first token, or the model's own greedy first token
+RELEVANCY_TARGETS = ("answer", "greedy")
+# the knockout's blocked queries: every non-image position, the last prompt position, or every position
+RELEVANCY_KNOCKOUT_QUERIES = ("text", "last", "all")
+
 # --- stimuli (vlmbind.stimuli.tasks, vlmbind.stimuli.colorshape) ------------------------------------------------------
 # the data sets `vlmbind stimuli` writes (the keys of vlmbind.stimuli.tasks.TASKS)
 STIMULI_TASKS = ("scene", "query", "search", "count", "rsa", "colorshape")
