@@ -34,7 +34,15 @@ them), and what each writes under ``--out``:
   ranking and of the declared circuit -> ``<model>/circuit/`` (edges.csv, faithfulness.csv, summary.json) and
   ``edges.json``;
 - ``atp_star``: on validate's first ``--n`` id_selection pairs, AtP, its magnitude alone, AtP* with the QK fix alone
-  and AtP* (QK fix and GradDrop), each scored against the planted ID-selection heads -> ``atp_star.json``.
+  and AtP* (QK fix and GradDrop), each scored against the planted ID-selection heads -> ``atp_star.json``;
+- ``steering``: ``vlmbind steer``'s defaults (a described object, the last prompt token and every answer position)
+  on ``--n`` fresh scenes, for each planted head alone and the two ID-selection heads together, beside as many random
+  heads (five draws), and every head's gaze -> ``<model>/steer/<heads>/`` and ``steering.json``;
+- ``lens``: ``vlmbind lens``'s defaults on ``--n`` scene-description scenes: per layer the share of objects whose colour
+  and shape word decodes at their own image tokens, beside background tokens -> ``lens.json``;
+- ``relevancy``: ``vlmbind relevancy``'s defaults on organism-p2a's query task (``--n`` examples): each map's
+  deletion / insertion AUC against random maps, the knockout of its top cells against random cells, and its mass on
+  the object asked about -> ``relevancy.json``.
 
 At the default ``--out`` the README's tables are rendered again from the results (``tables.py``).
 """
@@ -60,7 +68,10 @@ import vlmbind as vb
 from vlmbind.analysis.ablation import ablation_study, wilson_interval
 from vlmbind.analysis.edits import edit_studies
 from vlmbind.analysis.evaluation import training_defaults
+from vlmbind.analysis.lens import lens, lens_dataset
 from vlmbind.analysis.mediation import scene_task
+from vlmbind.analysis.relevancy import relevancy, relevancy_dataset
+from vlmbind.analysis.steering import steer
 from vlmbind.analysis.validate import (
     ValidationResult,
     held_out_objects,
@@ -500,6 +511,51 @@ def run_atp_star(run: Run) -> None:
                       run.out / "atp_star.json")
 
 
+def run_steering(run: Run) -> None:
+    planted = recorded_planted(PLANTED)
+    head_sets = [*(h for heads in planted.values() for h in heads), ",".join(planted["id_selection"])]
+    results = []
+    for name in run.models:
+        vlm = vb.load(name)
+        rows = []
+        for heads in head_sets:
+            found = steer(vlm, heads, "described", n=run.n, seed=run.seed)
+            found.save(run.out / name / "steer" / heads.replace(",", "_"), figure=False)  # `vlmbind export` draws
+            gaze = found.gaze.assign(excess=found.gaze["gaze"] - found.gaze["chance"])
+            order = gaze.sort_values("excess", ascending=False, kind="stable").reset_index(drop=True)
+            ranks = {f"{int(r['layer'])}.{int(r['head'])}": i + 1 for i, r in order.iterrows()}
+            rows.append({**found.summary(), "gaze_ranks": {h: ranks[h] for h in heads.split(",")},
+                         "gaze": {h: float(gaze.set_index(["layer", "head"]).loc[tuple(map(int, h.split("."))), "gaze"])
+                                  for h in heads.split(",")}})
+            print(f"{name} {heads}: efficacy {rows[-1]['efficacy']:.3f}, random heads "
+                  f"{rows[-1]['random_heads_efficacy']:.3f} ({found.seconds:.0f} s)", file=sys.stderr)
+        results.append({"model": name, "reference": REFERENCES.get(name), "rows": rows})
+    write_json_atomic({"command": run.command, "planted": planted, "results": results}, run.out / "steering.json")
+
+
+def run_lens(run: Run) -> None:
+    results = []
+    for name in run.models:
+        vlm = vb.load(name)
+        found = lens(vlm, lens_dataset(vlm, "scene", run.n, run.seed))
+        summary = found.summary()
+        results.append({"model": name, "n_examples": summary["n_examples"], "n_objects": summary["n_objects"],
+                        "seconds": summary["seconds"], "decodable": found.decodable.to_dict("records")})
+        print(f"{name}: lens in {summary['seconds']:.0f} s", file=sys.stderr)
+    write_json_atomic({"command": run.command, "results": results}, run.out / "lens.json")
+
+
+def run_relevancy(run: Run) -> None:
+    results = []
+    for name in run.models:
+        vlm = vb.load(name)
+        found = relevancy(vlm, relevancy_dataset(vlm, "query", run.n, run.seed), seed=run.seed)
+        results.append({"model": name, "summary": found.summary(),
+                        "scores": found.scores().to_dict("records")})
+        print(f"{name}: relevancy in {found.seconds:.0f} s", file=sys.stderr)
+    write_json_atomic({"command": run.command, "results": results}, run.out / "relevancy.json")
+
+
 class Part(NamedTuple):
     run: Callable[[Run], None]
     models: tuple[str, ...]
@@ -517,6 +573,9 @@ PARTS = {
     "edit_alpha_sweep": Part(run_edit_alpha_sweep, (PLANTED,), n=512, seed=1000),
     "edges": Part(run_edges, TWINS, n=24, seed=1000),
     "atp_star": Part(run_atp_star, TWINS, n=24, seed=1000),
+    "steering": Part(run_steering, TWINS, n=64, seed=1000),
+    "lens": Part(run_lens, (*TWINS, "organism-p2a"), n=32, seed=1000),
+    "relevancy": Part(run_relevancy, ("organism-p2a",), n=64, seed=1),
 }
 
 

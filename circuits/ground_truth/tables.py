@@ -371,6 +371,79 @@ def atp_star_table(document: dict) -> str:
     return "\n".join(out)
 
 
+def _interval_of(value, interval) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
+def steering_table(document: dict) -> str:
+    """Steering each planted head (and the ID-selection pair) to a described object: how often the answer names it,
+    beside as many random heads, and where the head stands by gaze."""
+    roles = {h: role for role, heads in document["planted"].items() for h in heads}
+    out = ["| model | heads steered | planted as | names the described object | random heads, same push | "
+           "still names the missing object | gaze (rank of 28) | scenes | seconds |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for result in document["results"]:
+        model = _model(result)
+        for r in result["rows"]:
+            heads = r["heads"]
+            role = " + ".join(sorted({roles.get(h, "-") for h in heads}))
+            gaze = ", ".join(f"{r['gaze'][h]:.2f} ({r['gaze_ranks'][h]})" for h in heads)
+            out.append(f"| {model} | {' '.join(heads)} | {role} | "
+                       f"{_interval_of(r['efficacy'], r['efficacy_interval'])} | "
+                       f"{_interval_of(r['random_heads_efficacy'], r['random_heads_efficacy_interval'])} "
+                       f"(n={r['random_heads_n']}) | {_rate(r['steered_original'], r['n_counted'])} | {gaze} | "
+                       f"{r['n_counted']} | {r['seconds']:.0f} |")
+    return "\n".join(out)
+
+
+def lens_table(document: dict) -> str:
+    """Per model and layer, the share of objects whose colour (shape) word is the top of its pool at the object's own
+    image tokens, beside the same readout at background tokens (95% Wilson intervals)."""
+    out = ["| model | layer | colour at the object | colour at background | shape at the object | "
+           "shape at background | chance |", "|---|---|---|---|---|---|---|"]
+    for result in document["results"]:
+        rows = {(r["layer"], r["feature"]): r for r in result["decodable"]}
+        layers = list(dict.fromkeys(r["layer"] for r in result["decodable"]))
+        for layer in layers:
+            cells = []
+            for feature in ("colour", "shape"):
+                r = rows[(layer, feature)]
+                cells += [f"{r['share']:.2f} [{r['low']:.2f}, {r['high']:.2f}]",
+                          f"{r['background_share']:.2f} [{r['background_low']:.2f}, {r['background_high']:.2f}]"]
+            chance = rows[(layer, "colour")]["chance"]
+            out.append(f"| {result['model']} ({result['n_objects']} objects) | {layer} | {' | '.join(cells)} | "
+                       f"{chance:.2f} |")
+    return "\n".join(out)
+
+
+def _signed(row: dict, key: str) -> str:
+    value, low, high = row.get(key), row.get(f"{key}_lo"), row.get(f"{key}_hi")
+    if value is None:
+        return "-"
+    return f"{value:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def relevancy_table(document: dict) -> str:
+    """Per map: deletion and insertion AUC and their paired differences to random maps, the knockout of its top
+    cells against random cells, and its image mass on the object asked about against the other objects."""
+    out = ["| model | map | deletion AUC (lower is better) | minus random | insertion AUC (higher is better) | "
+           "minus random | knockout: answers changed, minus random | mass on the asked object, minus the others | "
+           "n |", "|---|---|---|---|---|---|---|---|---|"]
+    for result in document["results"]:
+        for r in result["scores"]:
+            if r["method"] == "random":
+                out.append(f"| {result['model']} | random | {r['deletion_auc']:.3f} | - | {r['insertion_auc']:.3f} | "
+                           f"- | {r['knockout_changed']:.2f} | - | {r['n']} |")
+                continue
+            out.append(f"| {result['model']} | {r['method']} | {r['deletion_auc']:.3f} | "
+                       f"{_signed(r, 'deletion_vs_random')} | {r['insertion_auc']:.3f} | "
+                       f"{_signed(r, 'insertion_vs_random')} | {_signed(r, 'knockout_changed_vs_random')} | "
+                       f"{_signed(r, 'target_vs_other')} | {r['n']} |")
+    return "\n".join(out)
+
+
 def _load(name: str, results: Path) -> dict:
     return json.loads((results / name).read_text())
 
@@ -390,7 +463,10 @@ def render(results: Path = RESULTS) -> str:
         "### Edges: path patching against the planted pipeline", edges_table(_load("edges.json", results), results),
         "### Faithfulness of the planted circuit and of the top edges",
         faithfulness_table(_load("edges.json", results), results),
-        "### AtP and AtP* on the ID-selection heads", atp_star_table(_load("atp_star.json", results))])
+        "### AtP and AtP* on the ID-selection heads", atp_star_table(_load("atp_star.json", results)),
+        "### Attention steering of the planted heads", steering_table(_load("steering.json", results)),
+        "### The logit lens over the image grid", lens_table(_load("lens.json", results)),
+        "### Relevancy maps on organism-p2a's query task", relevancy_table(_load("relevancy.json", results))])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -359,7 +359,10 @@ def test_demo_is_deterministic_and_prints_a_summary(demo_run, tmp_path, capsys):
             check.pop("seconds")
         for row in s["validation"]["edges"]:
             row.pop("seconds"), row.get("faithfulness", {}).pop("seconds", None)
+        for row in s["validation_steering"]:
+            row.pop("seconds")
     assert any("faithfulness" in row for row in summary["validation"]["edges"])
+    assert [r["heads"] for r in summary["validation_steering"]] == [["2.3"], ["3.1"], ["5.2"]]
     assert other == summary
 
 

@@ -22,7 +22,8 @@ MODEL = "organism-p2a"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """A small demo (locate, ablate, rsa, track, probe folders inside), an edit run with repair and an eval run."""
+    """A small demo (locate, ablate, rsa, track, probe folders inside), an edit run with repair, an eval run and one
+    run of circuit, steer, lens and relevancy each."""
     base = tmp_path_factory.mktemp("export")
     demo, edit, evaluation = base / "demo", base / "edit", base / "eval"
     assert cli.main(["demo", "--model", MODEL, "--out", str(demo), "--pairs", "2", "--eval-n", "8",
@@ -36,7 +37,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     steer = base / "steer"
     assert cli.main(["steer", "--model", MODEL, "--heads", "2.1", "--n", "4", "--random-draws", "1", "--out",
                      str(steer)]) == 0
-    return {"demo": demo, "edit": edit, "eval": evaluation, "circuit": circuit, "steer": steer}
+    lens = base / "lens"
+    assert cli.main(["lens", "--model", MODEL, "--n", "2", "--layers", "0,1", "--out", str(lens)]) == 0
+    relevancy = base / "relevancy"
+    assert cli.main(["relevancy", "--model", MODEL, "--n", "2", "--fractions", "1", "--random-maps", "1",
+                     "--out", str(relevancy)]) == 0
+    return {"demo": demo, "edit": edit, "eval": evaluation, "circuit": circuit, "steer": steer, "lens": lens,
+            "relevancy": relevancy}
 
 
 def _figure_json(html: str) -> list:

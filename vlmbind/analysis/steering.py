@@ -221,6 +221,7 @@ class SteerResult(Result):
             "n_without_target": int(scenes["target"].isna().sum()),
             "n_target_is_answer": int((scenes["target_name"] == scenes["answer_name"]).sum()),
             "efficacy": steered.get("efficacy"), "efficacy_interval": steered.get("efficacy_interval"),
+            "steered_original": steered.get("original"),
             "random_heads_efficacy": random_heads.get("efficacy"),
             "random_heads_efficacy_interval": random_heads.get("efficacy_interval"),
             "random_heads_n": random_heads.get("n", 0), "random_heads": self.random_heads,
@@ -243,14 +244,15 @@ class SteerResult(Result):
         return ({"steering": self.figure, "gaze": self.gaze_figure},
                 {"arms.csv": self.arms_frame(), "steering.csv": self.records, "gaze.csv": self.gaze})
 
-    def save(self, out: str | os.PathLike) -> Path:
+    def save(self, out: str | os.PathLike, figure: bool = True) -> Path:
+        """The tables, ``summary.json`` and (``figure``) the two pages; ``vlmbind export`` draws them later."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         figures, tables = self.exports()
         for name, frame in tables.items():
             write_text_atomic(frame.to_csv(index=False), out / name)
         write_json_atomic({**self.summary(), "seconds": float(self.seconds)}, out / "summary.json")
-        for stem, build in figures.items():
+        for stem, build in figures.items() if figure else ():
             write_html_atomic(build(), out / f"{stem}.html")
         return out
 

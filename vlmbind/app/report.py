@@ -99,9 +99,9 @@ the image positions). The overlay shows the head with the largest mass, <b>L{cho
 """
 
 
-def validation_sections(result: Any, model: str) -> str:
-    """The report's opening: every method against the heads planted in an organism, and what that means for the
-    model the rest of the page is about."""
+def validation_sections(result: Any, model: str, steering: list[Any] | None = None) -> str:
+    """The report's opening: every method against the heads planted in an organism (with ``steering``, each planted
+    head steered: :func:`steering_section`), and what that means for the model the rest of the page is about."""
     esc = html.escape
     rows = [{"condition": r["condition"], "method": r["method"], "planted heads": " ".join(r["heads"]) or "-",
              "ranks": " ".join(map(str, r["planted_ranks"])) or "-", "recall@k": r["recall_at_k"],
@@ -124,12 +124,43 @@ def validation_sections(result: Any, model: str) -> str:
         "the bottom-k by |score|, scene-description accuracy:</p>",
         frame_to_html_table(ablation, index=False, float_format="{:.3f}"),
         _edit_line(result),
+        steering_section(steering or []),
         f'<div class="fig">{figure}</div>',
         f"<p>The rest of this page is about <b>{esc(model)}</b>, where nothing was planted. Its scene description "
         "can be solved by a census (subtracting the described colours and shapes from those in view), which needs "
         "no binding, and the sections below say which heads it uses and what they look at.</p>",
     ]
     return "\n".join(parts)
+
+
+def steering_section(results: list[Any]) -> str:
+    """Each planted head steered alone to a described object on the planted organism, beside as many random heads."""
+    if not results:
+        return ""
+    rows = []
+    for r in results:
+        s = r.summary()
+        gaze = r.gaze.set_index(["layer", "head"])
+        rows.append({"heads": " ".join(s["heads"]), "names the object steered to": _share_text(s, "efficacy"),
+                     "random heads, same push": _share_text(s, "random_heads_efficacy"),
+                     "gaze": " ".join(f"{gaze.loc[tuple(int(v) for v in h.split('.')), 'gaze']:.2f}"
+                                      for h in s["heads"]),
+                     "scenes": s["n_counted"], "identity exact": s["identity_exact"]})
+    chance = float(results[0].gaze["chance"].iloc[0]) if len(results[0].gaze) else float("nan")
+    return "\n".join([
+        "<p>Attention steering: each planted head alone, its attention masked before the softmax to a described "
+        "object's image tokens at the last prompt token and every answer token. The answer names that object where "
+        "the head's attention carries the selection; random heads given the same push do not move it. Gaze: the "
+        f"share of the head's image attention on the missing object (chance {chance:.3f}).</p>",
+        frame_to_html_table(pd.DataFrame(rows), index=False, float_format="{:.3f}")])
+
+
+def _share_text(summary: dict[str, Any], key: str) -> str:
+    value, interval = summary.get(key), summary.get(f"{key}_interval")
+    if value is None:
+        return "-"
+    n = summary["n_counted"] if key == "efficacy" else summary["random_heads_n"]
+    return f"{value:.2f} [{interval[0]:.2f}, {interval[1]:.2f}] (n={n})"
 
 
 def _edit_line(result: Any) -> str:

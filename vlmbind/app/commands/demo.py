@@ -187,6 +187,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
 
     from ...analysis.attention import AttentionMass, last_token_attention
     from ...analysis.overview import ABLATION_SEEDS, causal_overview, representation_overview
+    from ...analysis.steering import steer
     from ...analysis.validate import recorded_planted, validate
     from ...engine import loading
     from ...viz import (
@@ -264,13 +265,18 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "versions": _versions(),
     }
 
-    validation = None
+    validation, steering = None, []
     if not args.no_validate:
         planted = loading.load(args.validate_model, **placement(args))
         validation = validate(planted, n_pairs=args.pairs // 2 or 1, seed=1000 + args.seed, ig_steps=4,
                               naive_heads=3, modes=("image_attention",), n_eval=max(8, args.eval_n // 2),
                               n_estimate=2 * args.eval_n, n_probe=max(64, args.probe_n // 2), edge_pairs=2)
         summary["validation"] = validation.summary()
+        # each planted head of the answer's steps steered to a described object (ID retrieval acts at the names)
+        steered = [h for c in ("id_selection", "feature_retrieval") for h in validation.heads.get(c, [])]
+        steering = [steer(planted, h, "described", n=max(8, args.eval_n // 2), seed=1000 + args.seed, n_random=2)
+                    for h in steered]
+        summary["validation_steering"] = [r.summary() for r in steering]
     causal = None
     if not args.no_causal:
         causal = causal_overview(vlm, n_pairs=args.pairs, n_eval=args.eval_n, n_estimate=4 * args.eval_n,
@@ -297,7 +303,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         "report.html": lambda p: write_text_atomic(
             demo_report_html(summary, frame, heatmap, overlay, (causal_sections(causal) if causal else "")
                              + (representation_sections(representations) if representations else ""),
-                             validation_sections(validation, vlm.name) if validation else "",
+                             validation_sections(validation, vlm.name, steering) if validation else "",
                              findings=findings_section(causal, validation), plotlyjs=plotlyjs_src(p)), p),
     }
     written = []
@@ -305,6 +311,8 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         if validation is not None:
             validation.save(out / "validation")
             written.append("validation")
+            for r in steering:
+                r.save(out / "validation" / "steer" / "_".join(r.heads))
         if causal is not None:
             causal.save(out / "causal")
             written.append("causal")
@@ -325,6 +333,13 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
                 lines.append(f"  validation on {validation.model}: {r['condition']} {r['method']} ranks planted "
                              f"{' '.join(r['heads'])} at {' '.join(map(str, r['planted_ranks']))} (AUROC "
                              f"{r['auroc']:.3f})")
+        for r in steering:
+            st = r.summary()
+            if st["efficacy"] is not None:
+                lines.append(f"  steering {' '.join(st['heads'])} on {validation.model} to a described object: names "
+                             f"it {st['efficacy']:.2f} [{st['efficacy_interval'][0]:.2f}, "
+                             f"{st['efficacy_interval'][1]:.2f}] (n={st['n_counted']}), random heads "
+                             f"{st['random_heads_efficacy']:.2f}")
     if causal is not None:
         for condition, scores in causal.scores.items():
             lines.append(f"  {condition}: top heads (mean [95% interval], * significant) " + scores.ranking_text(3))

@@ -17,7 +17,7 @@ HELP_ORDER = 130
 
 
 def add_parser(sub: Any, common: Any) -> None:
-    p = sub.add_parser("ui", parents=[common], help="local web app: click heads to ablate or patch them",
+    p = sub.add_parser("ui", parents=[common], help="local web app: click heads to ablate, patch or steer them",
                        description="Serve a Dash app on 127.0.0.1 (unless --host): generate or upload an image, "
                                    "click heads of the scores heatmap to ablate or patch them, and see the answer.")
     p.add_argument("--model", default="organism-p2a", help="registered name or model directory")
