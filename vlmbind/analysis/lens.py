@@ -43,7 +43,6 @@ word is on every image token, not bound to the object's own.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import os
@@ -61,10 +60,8 @@ from tqdm.auto import tqdm
 from ..core.choices import LENS_TASKS as TASKS
 from ..core.errors import InputError, NoImageTokensError, close_matches
 from ..core.io import json_default, write_text_atomic
-from ..core.results import Result, read_json_object, register_result, require_keys
+from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..core.sites import parse_heads
-from ..core.text import read_utf8_text
-from ..core.userfiles import UserFileError
 from ..engine.patching import head_writes
 from ..stimuli.core import COLOURS, SHAPES
 from ..stimuli.tasks import generate
@@ -237,20 +234,7 @@ def _read_csv(path: Path, columns: tuple[str, ...], text: tuple[str, ...],
               floats: tuple[str, ...] = ()) -> pd.DataFrame:
     """A CSV this module wrote: ``text`` columns kept verbatim (a token ``"null"`` or ``""`` is text, not NaN), only
     ``floats`` may be empty (NaN), the other floats parsed exactly as written."""
-    name = repr(str(path))
-    try:
-        frame = pd.read_csv(io.StringIO(read_utf8_text(path, name, UserFileError)), float_precision="round_trip",
-                            keep_default_na=False, na_values={c: [""] for c in floats},
-                            dtype={c: str for c in text})
-    except FileNotFoundError:
-        raise UserFileError(f"{name} does not exist") from None
-    except (OSError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise UserFileError(f"cannot read {name} as CSV ({str(exc).splitlines()[0] if str(exc) else exc}); re-run "
-                            "vlmbind lens") from None
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
-        raise UserFileError(f"{name} has no column(s) {missing}; it is not the file vlmbind lens wrote")
-    return frame
+    return read_csv_columns(path, columns, "lens table", text_columns=text, nullable=floats)
 
 
 def _interval(successes: int, n: int) -> tuple[float, float, float]:

@@ -76,7 +76,7 @@ from ..core.choices import RELEVANCY_TARGETS as TARGETS
 from ..core.choices import RELEVANCY_TASKS as TASKS
 from ..core.errors import InputError, NoImageTokensError, close_matches
 from ..core.io import json_default, write_bytes_atomic, write_text_atomic
-from ..core.results import Result, read_json_object, register_result, require_keys
+from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
 from ..core.userfiles import UserFileError
 from ..engine.interventions import BlockAttention
 from ..stimuli.tasks import generate
@@ -434,18 +434,7 @@ def _nan_to_none(value: Any) -> Any:
 def _read_csv(path: Path, columns: Sequence[str], text: Sequence[str] = ()) -> pd.DataFrame:
     """A CSV this module wrote: floats exactly as written, ``text`` columns kept as written (a token ``nan`` or an
     empty token stays text)."""
-    if not path.is_file():
-        raise UserFileError(f"{str(path)!r} does not exist; re-run vlmbind relevancy")
-    try:
-        frame = pd.read_csv(path, float_precision="round_trip", keep_default_na=False, na_values={},
-                            dtype={c: str for c in text}, encoding="utf-8")
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise UserFileError(f"cannot read {str(path)!r} as CSV ({str(exc).splitlines()[0]}); re-run vlmbind "
-                            "relevancy") from None
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
-        raise UserFileError(f"{str(path)!r} has no column(s) {missing}; it is not the file vlmbind relevancy wrote")
-    return frame
+    return read_csv_columns(path, columns, "relevancy table", text_columns=text, nullable=())
 
 
 @register_result

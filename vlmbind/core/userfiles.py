@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,19 +64,25 @@ def require_keys(data: dict[str, Any], keys: tuple[str, ...], path: str | os.Pat
         raise UserFileError(f"{str(path)!r} has no key(s) {missing}; it is not the file vlmbind wrote")
 
 
-def read_csv_columns(path: str | os.PathLike, columns: tuple[str, ...], what: str = "",
-                     text_columns: tuple[str, ...] = ()) -> pd.DataFrame:
+def read_csv_columns(path: str | os.PathLike, columns: Sequence[str], what: str = "",
+                     text_columns: Sequence[str] = (), nullable: Sequence[str] | None = None) -> pd.DataFrame:
     """A CSV with (at least) ``columns``, floats parsed exactly as written, ``text_columns`` kept as text (head
     labels such as ``2.10`` are not numbers).
+
+    Args:
+        nullable: given, only these columns may hold missing values (an empty cell); every other cell is read as
+            written, so a decoded token ``nan``, ``null`` or ``""`` stays text.
 
     Raises:
         UserFileError: missing, unreadable, not CSV, or a column missing.
     """
     name = f"{what} {str(path)!r}".strip()
+    missing_values: dict[str, Any] = ({} if nullable is None else
+                                      {"keep_default_na": False, "na_values": {c: [""] for c in nullable}})
     try:
         # round_trip: the parsed floats are exactly the written ones (hover texts show repr())
         frame = pd.read_csv(io.StringIO(read_utf8_text(path, name, UserFileError)), float_precision="round_trip",
-                            dtype={c: str for c in text_columns})
+                            dtype={c: str for c in text_columns}, **missing_values)
     except FileNotFoundError:
         raise UserFileError(f"{name} does not exist") from None
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
