@@ -38,6 +38,10 @@ them), and what each writes under ``--out``:
 - ``steering``: ``vlmbind steer``'s defaults (a described object, the last prompt token and every answer position)
   on ``--n`` fresh scenes, for each planted head alone and the two ID-selection heads together, beside as many random
   heads (five draws), and every head's gaze -> ``<model>/steer/<heads>/`` and ``steering.json``;
+- ``steering_points``: on organism-p2a's search traces (``--n`` fresh displays), the two heads whose attention at
+  the last prompt token falls most on the object the answer points at first (gaze, measured on the same displays),
+  each alone and together, steered to a distractor while the first point is written, beside random heads ->
+  ``steering_points.json``;
 - ``lens``: ``vlmbind lens``'s defaults on ``--n`` scene-description scenes: per layer the share of objects whose colour
   and shape word decodes at their own image tokens, beside background tokens -> ``lens.json``;
 - ``relevancy``: ``vlmbind relevancy``'s defaults on organism-p2a's query task (``--n`` examples): each map's
@@ -533,6 +537,26 @@ def run_steering(run: Run) -> None:
     write_json_atomic({"command": run.command, "planted": planted, "results": results}, run.out / "steering.json")
 
 
+def run_steering_points(run: Run) -> None:
+    results = []
+    for name in run.models:
+        vlm = vb.load(name)
+        # the gaze comes from the unsteered forward: any head gives it; the heads then steered are chosen by it
+        gaze = steer(vlm, "0.0", task="search", n=run.n, seed=run.seed, n_random=0).gaze
+        gaze = gaze.assign(excess=gaze["gaze"] - gaze["chance"]).sort_values("excess", ascending=False, kind="stable")
+        top = [f"{int(r['layer'])}.{int(r['head'])}" for _, r in gaze.head(2).iterrows()]
+        rows = []
+        for heads in [*top, ",".join(top)]:
+            found = steer(vlm, heads, task="search", n=run.n, seed=run.seed)
+            by_head = gaze.set_index(["layer", "head"])["gaze"]
+            rows.append({**found.summary(), "gaze": {h: float(by_head.loc[tuple(map(int, h.split(".")))])
+                                                     for h in heads.split(",")}})
+            print(f"{name} {heads}: first point moved {rows[-1]['efficacy']:.3f}, random heads "
+                  f"{rows[-1]['random_heads_efficacy']:.3f} ({found.seconds:.0f} s)", file=sys.stderr)
+        results.append({"model": name, "rows": rows})
+    write_json_atomic({"command": run.command, "results": results}, run.out / "steering_points.json")
+
+
 def run_lens(run: Run) -> None:
     results = []
     for name in run.models:
@@ -574,6 +598,7 @@ PARTS = {
     "edges": Part(run_edges, TWINS, n=24, seed=1000),
     "atp_star": Part(run_atp_star, TWINS, n=24, seed=1000),
     "steering": Part(run_steering, TWINS, n=64, seed=1000),
+    "steering_points": Part(run_steering_points, ("organism-p2a",), n=64, seed=1000),
     "lens": Part(run_lens, (*TWINS, "organism-p2a"), n=32, seed=1000),
     "relevancy": Part(run_relevancy, ("organism-p2a",), n=64, seed=1),
 }

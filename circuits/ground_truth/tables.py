@@ -398,6 +398,22 @@ def steering_table(document: dict) -> str:
     return "\n".join(out)
 
 
+def steering_points_table(document: dict) -> str:
+    """The heads that gaze most at the pointed object, steered to a distractor while the first point is written."""
+    out = ["| model | heads steered | gaze | first point moves to the distractor | random heads, same push | "
+           "first point still the expected one | unsteered: first point right | displays | seconds |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for result in document["results"]:
+        for r in result["rows"]:
+            gaze = ", ".join(f"{r['gaze'][h]:.2f}" for h in r["heads"])
+            out.append(f"| {result['model']} | {' '.join(r['heads'])} | {gaze} | "
+                       f"{_interval_of(r['efficacy'], r['efficacy_interval'])} | "
+                       f"{_interval_of(r['random_heads_efficacy'], r['random_heads_efficacy_interval'])} "
+                       f"(n={r['random_heads_n']}) | {_rate(r['steered_original'], r['n_counted'])} | "
+                       f"{_rate(r['clean_accuracy'], r['n_counted'])} | {r['n_counted']} | {r['seconds']:.0f} |")
+    return "\n".join(out)
+
+
 def lens_table(document: dict) -> str:
     """Per model and layer, the share of objects whose colour (shape) word is the top of its pool at the object's own
     image tokens, beside the same readout at background tokens (95% Wilson intervals)."""
@@ -465,6 +481,8 @@ def render(results: Path = RESULTS) -> str:
         faithfulness_table(_load("edges.json", results), results),
         "### AtP and AtP* on the ID-selection heads", atp_star_table(_load("atp_star.json", results)),
         "### Attention steering of the planted heads", steering_table(_load("steering.json", results)),
+        "### Steering the heads that look at the pointed object (organism-p2a, search)",
+        steering_points_table(_load("steering_points.json", results)),
         "### The logit lens over the image grid", lens_table(_load("lens.json", results)),
         "### Relevancy maps on organism-p2a's query task", relevancy_table(_load("relevancy.json", results))])
 

@@ -105,3 +105,33 @@ def test_command_writes_its_tables_and_refuses_bad_input(tmp_path, capsys):
                  ["--heads", "3.1", "--random-draws", "-1"]):
         assert cli.main(["steer", "--model", "organism-vsm", *argv, "--out", str(tmp_path / "bad")]) == 2
         assert not (tmp_path / "bad").exists()
+
+
+def test_point_to_answer_steering_scores_the_first_point_written(organism_p2a):
+    """On a search trace the outcome is the first point: the steered object's grid point (x = column, y = row),
+    the expected first point, or another; a distractor is never the object the answer points at first."""
+    from vlmbind.stimuli.points import parse_points
+
+    result = steer(organism_p2a, "2.0", task="search", n=6, seed=3, n_random=1)
+    assert result.task == "search" and result.to == "distractor" and result.summary()["identity_exact"]
+    for r in result.records.itertuples():
+        written = parse_points(r.output)
+        first = f"({round(written[0][0])}, {round(written[0][1])})" if written else None
+        expected = "target" if first == r.target_name else "original" if first == r.answer_name else "other"
+        assert r.outcome == expected
+        assert r.counted == (isinstance(r.target_name, str) and r.target_name != r.answer_name)
+    assert result.records["counted"].any()
+    assert SteerResult.load(_saved(result)).task == "search"
+    with pytest.raises(InputError, match="names no object"):
+        steer(organism_p2a, "2.0", "described", task="count", n=2)
+    with pytest.raises(InputError, match="task must be one of"):
+        steer(organism_p2a, "2.0", task="query", n=2)
+
+
+def _saved(result):
+    import tempfile
+    from pathlib import Path
+
+    out = Path(tempfile.mkdtemp()) / "steer"
+    result.save(out, figure=False)
+    return out

@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.checks import check_head_list, check_steer_target
+from ..core.choices import STEER_TASKS
 from ..core.errors import InputError
 from ..core.io import write_json_atomic, write_text_atomic
 from ..core.results import Result, read_csv_columns, read_json_object, register_result, require_keys
@@ -41,6 +42,7 @@ from ..engine.decoding import greedy_decode
 from ..engine.hooks import LastQuerySession
 from ..engine.interventions import SteerAttention
 from ..stimuli import scene_description
+from ..stimuli.points import parse_points, point_spans
 from ..stimuli.scenes import DEFAULT_CANVAS
 from ..viz import write_html_atomic
 from ..viz.steering import gaze_figure, steering_figure
@@ -48,10 +50,12 @@ from .ablation import wilson_interval
 from .edits import answer_budget, edit_positions
 from .evaluation import score, training_defaults
 from .position_ids import chunks
+from .tracking import tracking_dataset
 
 TARGET_STREAM = 13  # the described object drawn per scene
 RANDOM_HEADS_STREAM = 14  # the random-heads control's own draws
 ARMS = ("steered", "random_heads", "clean")
+POINT_TASKS = tuple(t for t in STEER_TASKS if t != "scene")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -67,22 +71,28 @@ class SteeringTarget:
 
 
 def scene_targets(examples: list[Any], to: Any, canvas: Any, seed: int) -> list[SteeringTarget | None]:
-    """Per scene, the target of ``to`` (None where the scene has none: no object K).
+    """Per scene, the target of ``to`` (None where the scene has none: no object K, no distractor).
 
-    ``described`` draws uniformly among the objects the prompt names (seeded by ``seed``); ``cell`` and ``box`` take
-    the object whose centre lies inside the region (the one nearest the region's centre when several do).
+    ``described`` draws uniformly among the objects the prompt names, ``distractor`` among the objects other than
+    the one the answer names or points at first (seeded by ``seed``); ``cell`` and ``box`` take the object whose
+    centre lies inside the region (the one nearest the region's centre when several do).
     """
     kind, arg = check_steer_target(to)
     rng = np.random.default_rng([seed, TARGET_STREAM])
     out: list[SteeringTarget | None] = []
     for example in examples:
         objects = example.objects
-        if kind == "described":
-            named = [i for i, o in enumerate(objects) if o.name in example.prompt]
-            if not named:
+        if kind in ("described", "distractor"):
+            answer = answer_object(example)
+            pool = ([i for i, o in enumerate(objects) if o.name in example.prompt] if kind == "described"
+                    else [i for i in range(len(objects)) if i != answer])
+            if not pool and kind == "distractor":  # a scene holding the answer's object alone has none
+                out.append(None)
+                continue
+            if not pool:
                 raise InputError(f"scene {example.id!r}: its prompt names no object; steer to object:K, cell:R,C or "
                                  "box:X0,Y0,X1,Y1 instead")
-            k = named[int(rng.integers(len(named)))]
+            k = pool[int(rng.integers(len(pool)))]
             out.append(SteeringTarget(k, tuple(float(v) for v in objects[k].box)))
         elif kind == "object":
             out.append(SteeringTarget(arg, tuple(float(v) for v in objects[arg].box)) if arg < len(objects) else None)
@@ -106,6 +116,23 @@ def _object_in(objects: list[Any], box: tuple[float, float, float, float]) -> in
         return None
     cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
     return min(inside, key=lambda i: (objects[i].x - cx) ** 2 + (objects[i].y - cy) ** 2)
+
+
+def first_point(text: str) -> tuple[int, int] | None:
+    """The first ``(x, y)`` grid point written in ``text`` (None: none)."""
+    points = parse_points(text)
+    return (round(points[0][0]), round(points[0][1])) if points else None
+
+
+def answer_object(example: Any) -> int | None:
+    """The object the expected answer is about: the scene's missing object or the queried one
+    (``fields["target"]``), or on a Point-to-Answer task the object at the first point (x = column, y = row)."""
+    if example.fields.get("target") is not None:
+        return int(example.fields["target"])
+    point = first_point(example.answer)
+    if point is None:
+        return None
+    return next((i for i, o in enumerate(example.objects) if (o.col, o.row) == point), None)
 
 
 def target_keys(vlm: Any, index: Any, box: tuple[float, float, float, float]) -> np.ndarray:
@@ -156,6 +183,7 @@ class SteerResult(Result):
         heads: the steered heads (``"layer.head"``).
         to: the target as given (``described``, ``object:K``, ``cell:R,C``, ``box:...``).
         positions: ``last`` or ``answer``: where the heads were steered.
+        task: ``scene`` (outcomes by the object the answer names) or ``search`` / ``count`` (by its first point).
         seed: stimulus, target and random-heads seed.
         records: one row per scene and arm (``arm``, ``draw``, ``heads``, ``example``, ``target``, ``target_name``,
             ``answer_name``, ``output``, ``outcome``: ``target`` / ``original`` / ``other``, ``counted``).
@@ -178,6 +206,7 @@ class SteerResult(Result):
     records: pd.DataFrame
     gaze: pd.DataFrame
     identity_exact: bool
+    task: str = "scene"
     random_heads: list[list[str]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -216,7 +245,8 @@ class SteerResult(Result):
 
         steered, random_heads, clean = arm("steered"), arm("random_heads"), arm("clean")
         return {
-            "kind": self.kind, "model": self.model, "heads": self.heads, "to": self.to, "positions": self.positions,
+            "kind": self.kind, "model": self.model, "task": self.task, "heads": self.heads, "to": self.to,
+            "positions": self.positions,
             "seed": self.seed, "n_scenes": len(scenes), "n_counted": steered.get("n", 0),
             "n_without_target": int(scenes["target"].isna().sum()),
             "n_target_is_answer": int((scenes["target_name"] == scenes["answer_name"]).sum()),
@@ -266,7 +296,8 @@ class SteerResult(Result):
         gaze = read_csv_columns(directory / "gaze.csv", ("layer", "head", "gaze", "chance", "n"))
         return cls(model=summary["model"], heads=list(summary["heads"]), to=summary["to"],
                    positions=summary["positions"], seed=int(summary["seed"]), records=records, gaze=gaze,
-                   identity_exact=bool(summary["identity_exact"]), random_heads=summary.get("random_heads", []),
+                   identity_exact=bool(summary["identity_exact"]), task=summary.get("task", "scene"),
+                   random_heads=summary.get("random_heads", []),
                    seconds=float(summary.get("seconds", 0.0)))
 
 
@@ -277,21 +308,25 @@ RECORD_COLUMNS = ("arm", "draw", "heads", "example", "target", "target_name", "a
 # ------------------------------------------------------------------------------------------------------------------
 # The experiment
 # ------------------------------------------------------------------------------------------------------------------
-def steer(vlm: Any, heads: Any, to: str = "described", *, n: int = 64, seed: int = 1000, n_objects: Any = None,
-          positions: str | None = None, n_random: int = 5, batch_size: int = 32, examples: list[Any] | None = None,
-          progress: bool = False) -> SteerResult:
-    """Steer ``heads`` to a target in every scene and count the answers that name it, beside random heads.
+def steer(vlm: Any, heads: Any, to: str | None = None, *, task: str = "scene", n: int = 64, seed: int = 1000,
+          n_objects: Any = None, positions: str | None = None, n_random: int = 5, batch_size: int = 32,
+          examples: list[Any] | None = None, progress: bool = False) -> SteerResult:
+    """Steer ``heads`` to a target in every scene and count the answers that name it (or point at it first), beside
+    random heads.
 
-    Scenes are VSM's scene description (``in this image there is a red square , a blue circle and a`` -> the missing
-    object) drawn with the model's own training canvas and pools, or ``examples`` (scene-description examples of your
-    own, with their objects).
+    Scenes are VSM's scene description (``task="scene"``: ``in this image there is a red square , a blue circle and
+    a`` -> the missing object) or a Point-to-Answer task (``search``, ``count``: the answer points at objects before
+    it answers, ``(2, 5) yes``; the outcome is the first point written), drawn with the model's own training canvas
+    and pools, or ``examples`` (examples of your own of that task, with their objects).
 
     Args:
         vlm: a loaded VLM.
         heads: ``[(layer, head), ...]`` or ``"3.1,5.2"``; heads with softmax attention (cross-attention heads on a
             family whose image never enters the sequence).
-        to: ``described`` (a uniformly drawn object the prompt names), ``object:K``, ``cell:ROW,COL`` or
-            ``box:X0,Y0,X1,Y1`` (pixels).
+        to: ``described`` (a uniformly drawn object the prompt names; the default on ``scene``), ``distractor`` (one
+            the answer is not about, or does not point at first; the default on the Point-to-Answer tasks),
+            ``object:K``, ``cell:ROW,COL`` or ``box:X0,Y0,X1,Y1`` (pixels).
+        task: ``scene``, ``search`` or ``count``.
         n: scenes drawn (ignored with ``examples``).
         seed: stimulus, target and random-heads seed.
         n_objects: objects per scene (int or inclusive range; None: the model's training range, else 3).
@@ -309,8 +344,15 @@ def steer(vlm: Any, heads: Any, to: str = "described", *, n: int = 64, seed: int
         InputError: bad heads, target, positions or sizes, or scenes the target cannot be laid on.
     """
     start = time.perf_counter()
+    if task not in STEER_TASKS:
+        raise InputError(f"task must be one of {', '.join(STEER_TASKS)} (answers that name or point at an object), "
+                         f"got {task!r}")
+    points = task in POINT_TASKS
+    to = to or ("distractor" if points else "described")
     head_list = check_head_list(heads, n_layers=vlm.n_layers, n_heads=vlm.n_heads)
-    check_steer_target(to)
+    kind, _ = check_steer_target(to)
+    if points and kind == "described":
+        raise InputError(f"a {task} prompt names no object to steer to: use distractor, object:K, cell:R,C or box:...")
     positions = edit_positions(vlm, positions)
     if n_random < 0 or batch_size < 1 or n < 1:
         raise InputError(f"n ({n}) and batch_size ({batch_size}) must be positive and n_random ({n_random}) >= 0")
@@ -320,11 +362,16 @@ def steer(vlm: Any, heads: Any, to: str = "described", *, n: int = 64, seed: int
         where = ("cross-attention layers" if not vlm.adapter.image_tokens_in_sequence
                  else "layers with softmax attention")
         raise InputError(f"heads {', '.join(outside)} cannot be steered to the image: steer heads of the {where}")
-    kwargs = training_defaults(vlm, "scene", {} if n_objects is None else {"n_objects": n_objects})
-    kwargs.setdefault("n_objects", 3)
-    if examples is None:
-        examples = list(scene_description(n, seed, **kwargs).examples)
-    canvas = kwargs.get("canvas", DEFAULT_CANVAS)  # the canvas scene_description draws on
+    if points:
+        kwargs = training_defaults(vlm, task, {})
+        if examples is None:
+            examples = list(tracking_dataset(vlm, task, n, seed, objects=n_objects).examples)
+    else:
+        kwargs = training_defaults(vlm, "scene", {} if n_objects is None else {"n_objects": n_objects})
+        kwargs.setdefault("n_objects", 3)
+        if examples is None:
+            examples = list(scene_description(n, seed, **kwargs).examples)
+    canvas = kwargs.get("canvas", DEFAULT_CANVAS)  # the canvas the stimuli are drawn on
     targets = scene_targets(examples, to, canvas, seed)
     sets = random_head_sets(vlm, head_list, n_random, seed)
     labels = [f"{l}.{h}" for l, h in head_list]
@@ -336,7 +383,7 @@ def steer(vlm: Any, heads: Any, to: str = "described", *, n: int = 64, seed: int
     for chunk_i, chunk in enumerate(chunks(list(range(len(examples))), batch_size)):
         chunk_examples = [examples[i] for i in chunk]
         batch = vlm.prepare([e.image for e in chunk_examples], [e.prompt for e in chunk_examples])
-        budget = answer_budget(vlm, chunk_examples)
+        budget = point_budget(vlm, chunk_examples) if points else answer_budget(vlm, chunk_examples)
         keys = []
         for i, ti in zip(chunk, batch.index):
             target = targets[i]
@@ -364,7 +411,7 @@ def steer(vlm: Any, heads: Any, to: str = "described", *, n: int = 64, seed: int
             arms.append(("random_heads", d, head_set, decode(head_set, steered_keys)))
         for arm, draw, head_set, outputs in arms:
             for j, i in enumerate(chunk):
-                rows.append(_record(examples[i], targets[i], outputs[j], arm, draw, head_set, j in usable))
+                rows.append(_record(examples[i], targets[i], outputs[j], arm, draw, head_set, j in usable, points))
         g, chance, m = _gaze(vlm, batch, chunk_examples)
         gaze_sum += g
         chance_sum += chance
@@ -375,7 +422,7 @@ def steer(vlm: Any, heads: Any, to: str = "described", *, n: int = 64, seed: int
     gaze = pd.DataFrame([{"layer": layer, "head": h, "gaze": gaze_sum[layer, h] / max(n_gaze, 1),
                           "chance": chance_sum / max(n_gaze, 1), "n": n_gaze}
                          for layer in layers for h in range(vlm.n_heads)])
-    return SteerResult(model=vlm.name, heads=labels, to=str(to), positions=positions, seed=seed,
+    return SteerResult(model=vlm.name, task=task, heads=labels, to=str(to), positions=positions, seed=seed,
                        records=pd.DataFrame(rows, columns=list(RECORD_COLUMNS)), gaze=gaze,
                        identity_exact=identity_exact,
                        random_heads=[[f"{l}.{h}" for l, h in s] for s in sets],
@@ -393,19 +440,37 @@ def steered_decode(vlm: Any, batch: Any, budget: int, heads: list[tuple[int, int
                          step_interventions=lambda step: steer_interventions(heads, keys, queries(step)))
 
 
+def point_budget(vlm: Any, examples: list[Any]) -> int:
+    """Tokens enough to write the longest first point of the expected answers, plus one."""
+    tok = vlm.adapter.tokenizer
+    spans = [point_spans(e.answer) for e in examples]
+    texts = [e.answer[: s[0][1]] for e, s in zip(examples, spans) if s] or ["(0, 0)"]
+    return max(len(tok(" " + t, add_special_tokens=False)["input_ids"]) for t in texts) + 1
+
+
 def _record(example: Any, target: SteeringTarget | None, output: str, arm: str, draw: int,
-            head_set: list[tuple[int, int]], has_keys: bool) -> dict[str, Any]:
-    target_name = example.objects[target.obj].name if target is not None and target.obj is not None else None
-    answer = example.fields.get("target")
-    answer_name = example.objects[answer].name if answer is not None else example.answer
-    if target_name is not None and score(replace(example, answer=target_name), output)[0]:
-        outcome = "target"
+            head_set: list[tuple[int, int]], has_keys: bool, points: bool) -> dict[str, Any]:
+    """One scene's outcome: ``target`` (the answer names, or first points at, the object steered to), ``original``
+    (it gives the expected answer, or first point) or ``other``. On a Point-to-Answer task the names are points."""
+    obj = None if target is None else target.obj
+    if points:
+        target_name = None if obj is None else f"({example.objects[obj].col}, {example.objects[obj].row})"
+        expected, written = first_point(example.answer), first_point(output)
+        answer_name = None if expected is None else f"({expected[0]}, {expected[1]})"
+        hit = written is not None and f"({written[0]}, {written[1]})" == target_name
+        outcome = "target" if hit else "original" if written is not None and written == expected else "other"
     else:
-        outcome = "original" if score(example, output)[0] else "other"
+        target_name = None if obj is None else example.objects[obj].name
+        answer = answer_object(example)
+        answer_name = example.objects[answer].name if answer is not None else example.answer
+        if target_name is not None and score(replace(example, answer=target_name), output)[0]:
+            outcome = "target"
+        else:
+            outcome = "original" if score(example, output)[0] else "other"
     counted = has_keys and target_name is not None and target_name != answer_name
     return {"arm": arm, "draw": draw, "heads": ",".join(f"{l}.{h}" for l, h in head_set), "example": example.id,
-            "target": None if target is None else target.obj, "target_name": target_name, "answer_name": answer_name,
-            "output": output, "outcome": outcome, "counted": bool(counted)}
+            "target": obj, "target_name": target_name, "answer_name": answer_name, "output": output,
+            "outcome": outcome, "counted": bool(counted)}
 
 
 def _identity_is_exact(vlm: Any, batch: Any, heads: list[tuple[int, int]], every: list[np.ndarray],
@@ -431,7 +496,7 @@ def _gaze(vlm: Any, batch: Any, examples: list[Any]) -> tuple[np.ndarray, float,
     total = np.zeros((vlm.n_layers, vlm.n_heads))
     chance, n = 0.0, 0
     for row, (example, ti) in enumerate(zip(examples, batch.index)):
-        answer = example.fields.get("target")
+        answer = answer_object(example)
         if answer is None:
             continue
         image = ti.image_positions if a.image_tokens_in_sequence else np.arange(

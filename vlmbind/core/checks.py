@@ -153,8 +153,9 @@ def check_position_class(value: Any, *, flag: str | None = None) -> tuple[str, A
 
 def check_steer_target(value: Any, *, flag: str | None = None) -> tuple[str, Any]:
     """Where attention steering sends the heads, parsed: ``described`` (per scene, a uniformly drawn object the prompt
-    names), ``object:K`` (the scene's object K, 0-based in drawing order), ``cell:ROW,COL`` (a cell of the stimulus
-    grid, 0-based) or ``box:X0,Y0,X1,Y1`` (a pixel box of the image).
+    names), ``distractor`` (one the answer is not about, or does not point at first), ``object:K`` (the scene's object
+    K, 0-based in drawing order), ``cell:ROW,COL`` (a cell of the stimulus grid, 0-based) or ``box:X0,Y0,X1,Y1`` (a
+    pixel box of the image).
 
     Returns:
         ``(kind, argument)``: None, the object index, the cell ``(row, col)`` or the box as four floats.
@@ -164,8 +165,8 @@ def check_steer_target(value: Any, *, flag: str | None = None) -> tuple[str, Any
     """
     text = str(value).strip()
     where = f"{flag} {value!r}" if flag else f"steering target {value!r}"
-    if text == "described":
-        return "described", None
+    if text in ("described", "distractor"):
+        return text, None
     kind, _, rest = text.partition(":")
     try:
         numbers_ = [float(p) for p in rest.split(",")] if rest else []
@@ -178,5 +179,5 @@ def check_steer_target(value: Any, *, flag: str | None = None) -> tuple[str, Any
         return "cell", (int(numbers_[0]), int(numbers_[1]))
     if kind == "box" and len(numbers_) == 4 and numbers_[0] < numbers_[2] and numbers_[1] < numbers_[3]:
         return "box", tuple(numbers_)
-    raise InputError(f"{where} is not a steering target: use described, object:K (K >= 0), cell:ROW,COL (0-based) "
-                     "or box:X0,Y0,X1,Y1 (pixels, X0 < X1 and Y0 < Y1)")
+    raise InputError(f"{where} is not a steering target: use described, distractor, object:K (K >= 0), cell:ROW,COL "
+                     "(0-based) or box:X0,Y0,X1,Y1 (pixels, X0 < X1 and Y0 < Y1)")

@@ -75,6 +75,8 @@ VALIDATION_METHODS = ("exact", "naive", "attribution", "integrated_gradients", "
 DEFAULT_ALPHAS = (0.5, 1.0, 2.0, 4.0, 8.0)
 # where a position-ID edit is added: the prompt's last position (VSM's), or also every answer position
 EDIT_POSITIONS = ("last", "answer")
+# the tasks whose answers name (scene) or point at (search, count) the object attention is steered to
+STEER_TASKS = ("scene", "search", "count")
 
 # --- points (vlmbind.stimuli.answers): --point-frame, the frames of generated points ----------------------------------
 FRAMES = {
