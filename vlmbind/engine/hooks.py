@@ -240,7 +240,7 @@ class HookSession:
             index = self.index
             setattr(module, PROB_EDITS, [lambda w, e=e: e.edit_probs(w, index) for e in edits])
             self._prob_modules.append(module)
-        cross_layers = set(a.cross_attention_layers())
+        cross_layers = set(a.cross_attention_layers()) if score_edits else set()
         for layer, steers in score_edits.items():
             module = a.attention_module(layer)
             cross = layer in cross_layers
