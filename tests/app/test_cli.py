@@ -309,9 +309,11 @@ def test_demo_report_is_offline_with_every_figure(demo_run):
     report = (out / "report.html").read_text()
     assert 'id="vlmbind-heatmap"' in report and 'id="vlmbind-overlay"' in report
     # attention mass + overlay, one heatmap per located condition, the edit curve unless it was skipped, RSA, the
-    # tracking curve unless it was skipped
+    # tracking curve, the lens's decodable shares and the relevancy curves unless each was skipped
     reps = printed["representations"]
-    figures = 2 + len(printed["causal"]["located"]) + ("edit" in printed["causal"]) + 1 + ("track" in reps) + 1
+    figures = (2 + len(printed["causal"]["located"]) + ("edit" in printed["causal"]) + 1 + ("track" in reps)
+               + ("lens" in reps) + ("relevancy" in reps) + 1)
+    assert "lens" in reps and "relevancy" in reps  # tiny-qwen2_5_vl runs both
     assert report.count("Plotly.newPlot") == figures  # the last 1: the validation figure the page opens with
     # plotly.js once for the whole folder: the report and every figure below it load out/plotly.min.js
     bundle = out / "plotly.min.js"

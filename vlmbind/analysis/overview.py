@@ -33,7 +33,9 @@ from .ablation import AblationResult, ablation_study
 from .binding import BindingResult, colorshape_splits, default_sites, default_world, probe_sites
 from .edits import EditResult, edit_study
 from .evaluation import training_defaults
+from .lens import LensResult, lens, lens_dataset
 from .mediation import HeadScores, locate
+from .relevancy import RelevancyResult, relevancy, relevancy_dataset
 from .rsa import RSAResult, rsa, rsa_stimuli
 from .traces import point_swap_pairs
 from .tracking import TrackResult, track, tracking_dataset
@@ -253,12 +255,15 @@ def causal_overview(vlm: Any, *, n_pairs: int = 16, n_eval: int = 64, n_estimate
 @register_result
 @dataclass
 class RepresentationOverview(Result):
-    """RSA on the single-object set, centroid tracking on pointing traces, probes on BalancedColorShape."""
+    """RSA on the single-object set, centroid tracking on pointing traces, probes on BalancedColorShape, the logit lens
+    over the image grid and relevancy maps scored against random maps."""
 
     model: str
     rsa: Any = None
     track: Any = None
     probes: Any = None
+    lens: Any = None
+    relevancy: Any = None
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     commands: dict[str, str] = field(default_factory=dict)
@@ -275,6 +280,13 @@ class RepresentationOverview(Result):
                             "rmse_by_layer": [float(v) for v in self.track.rmse_mean], "n_points": self.track.n_points}
         if self.probes is not None:
             out["probes"] = self.probes.frame.to_dict(orient="records")
+        if self.lens is not None:
+            out["lens"] = self.lens.decodable[["layer", "feature", "share", "low", "high", "n", "chance",
+                                               "background_share"]].to_dict(orient="records")
+        if self.relevancy is not None:
+            scores = self.relevancy.scores()
+            out["relevancy"] = scores[["method", "n", "deletion_auc", "deletion_vs_random", "insertion_auc",
+                                       "insertion_vs_random", "knockout_changed"]].to_dict(orient="records")
         return out
 
     # a folder of parts: the parts are found on their own (by export, load_result); load this one explicitly
@@ -288,7 +300,8 @@ class RepresentationOverview(Result):
         summary = read_json_object(directory / "summary.json")
         part = lambda kind, name: kind.load(directory / name) if kind.matches(directory / name) else None  # noqa: E731
         return cls(model=summary.get("model", ""), rsa=part(RSAResult, "rsa"), track=part(TrackResult, "track"),
-                   probes=part(BindingResult, "probe"), skipped=summary.get("skipped", {}),
+                   probes=part(BindingResult, "probe"), lens=part(LensResult, "lens"),
+                   relevancy=part(RelevancyResult, "relevancy"), skipped=summary.get("skipped", {}),
                    seconds=summary.get("seconds", {}), commands=summary.get("commands", {}))
 
     def to_frame(self) -> pd.DataFrame:
@@ -296,7 +309,8 @@ class RepresentationOverview(Result):
         return self.rsa.frame if self.rsa is not None else pd.DataFrame()
 
     def save(self, out: str | os.PathLike) -> Path:
-        """Write each part in its folder (``rsa``, ``track``, ``probe``) and ``summary.json``."""
+        """Write each part in its folder (``rsa``, ``track``, ``probe``, ``lens``, ``relevancy``) and
+        ``summary.json``."""
         out = Path(out)
         if self.rsa is not None:
             self.rsa.save(out / "rsa")
@@ -304,14 +318,21 @@ class RepresentationOverview(Result):
             self.track.save(out / "track")
         if self.probes is not None:
             self.probes.save(out / "probe")
+        if self.lens is not None:
+            self.lens.save(out / "lens")
+        if self.relevancy is not None:
+            self.relevancy.save(out / "relevancy")
         write_json_atomic(self.summary(), out / "summary.json")
         return out
 
 
 def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, n_track: int = 32,
                             n_train: int = 512, n_val: int = 128, n_test: int = 128, epochs: int = 40,
-                            permutations: int = 200) -> RepresentationOverview:
-    """RSA by layer, the centroid RMSE curve (visual search traces) and linear probes at the default sites."""
+                            permutations: int = 200, n_lens: int = 8, n_relevancy: int = 8,
+                            ) -> RepresentationOverview:
+    """RSA by layer, the centroid RMSE curve (visual search traces), linear probes at the default sites, the logit
+    lens on scene description and relevancy maps on the query task (a family whose image never enters the sequence
+    skips the last two, with the reason)."""
     result = RepresentationOverview(vlm.name)
     model_arg = vlm.source if os.path.isdir(str(vlm.source)) else vlm.name
     clock = time.perf_counter()
@@ -342,4 +363,22 @@ def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, 
                                 f"--n-train {n_train} --n-val {n_val} --n-test {n_test} --epochs {epochs} --lr 0.01 "
                                 f"--batch-size 128")
     result.seconds["probe"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    try:
+        result.lens = lens(vlm, lens_dataset(vlm, "scene", n_lens, seed + 2))
+        result.commands["lens"] = f"vlmbind lens --model {model_arg} --n {n_lens} --seed {seed + 2}"
+    except InputError as err:
+        result.skipped["lens"] = str(err)
+    result.seconds["lens"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    try:
+        result.relevancy = relevancy(vlm, relevancy_dataset(vlm, "query", n_relevancy, seed + 3), fractions=5,
+                                     random_maps=2, seed=seed + 3)
+        result.commands["relevancy"] = (f"vlmbind relevancy --model {model_arg} --n {n_relevancy} --seed {seed + 3} "
+                                        "--fractions 5 --random-maps 2")
+    except InputError as err:
+        result.skipped["relevancy"] = str(err)
+    result.seconds["relevancy"] = time.perf_counter() - clock
     return result

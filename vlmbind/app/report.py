@@ -270,6 +270,40 @@ def representation_sections(overview: Any) -> str:
                   "nothing (the estimator's floor on this split); margin_O is the probe's gain over it, with its "
                   "standard error over the test split.</p>",
                   frame_to_html_table(overview.probes.frame[cols], index=False, float_format="{:.3f}")]
+    if overview.lens is not None:
+        rows = []
+        for layer in overview.lens.layers:
+            row: dict[str, Any] = {"layer": layer}
+            for r in overview.lens.decodable[overview.lens.decodable["layer"] == layer].itertuples():
+                row[f"{r.feature} at the object"] = f"{r.share:.2f} [{r.low:.2f}, {r.high:.2f}]"
+                row[f"{r.feature} at background"] = f"{r.background_share:.2f}"
+            rows.append(row)
+        n = int(overview.lens.decodable["n"].max()) if len(overview.lens.decodable) else 0
+        decodable = overview.lens.decodable_figure().to_html(full_html=False, include_plotlyjs=False)
+        parts += ["<h2>Logit lens over the image grid</h2>",
+                  f"<p>Each image token's residual after each layer (and the projector's output, <code>embed</code>) "
+                  f"decoded through the final norm and the unembedding. Per layer, the share of {n} objects whose "
+                  "colour (shape) word is the top word of the colour (shape) pool at the object's own image tokens, "
+                  "with its 95% Wilson interval, beside the same readout at background tokens (chance: one over the "
+                  "pool).</p>",
+                  frame_to_html_table(pd.DataFrame(rows), index=False),
+                  f'<div class="fig">{decodable}</div>']
+    if overview.relevancy is not None:
+        scores = overview.relevancy.scores()
+        table = pd.DataFrame([{
+            "map": r["method"], "n": r["n"], "deletion AUC": r["deletion_auc"],
+            "minus random (lower is better)": _interval_text(r, "deletion_vs_random"),
+            "insertion AUC": r["insertion_auc"],
+            "minus random (higher is better)": _interval_text(r, "insertion_vs_random"),
+            "knockout: answers changed": r["knockout_changed"]} for r in scores.to_dict("records")])
+        curves = overview.relevancy.curves_figure().to_html(full_html=False, include_plotlyjs=False)
+        parts += ["<h2>Relevancy maps (query task)</h2>",
+                  "<p>Gradient-weighted attention, attention rollout and input x gradient explain the answer's first "
+                  "token over image and prompt tokens; each map's cells are painted out in its order (deletion) or "
+                  "painted back onto a blank image (insertion), against random orders of the same cells (paired "
+                  "differences, 95% bootstrap intervals over examples), and the text's attention to its top cells "
+                  "is blocked against random cells.</p>",
+                  frame_to_html_table(table, index=False, float_format="{:.3f}"), f'<div class="fig">{curves}</div>']
     if overview.skipped:
         parts += ["<h2>Skipped (representations)</h2>", "<ul>"] + [
             f"<li><b>{esc(k)}</b>: {esc(v)}</li>" for k, v in overview.skipped.items()] + ["</ul>"]
@@ -277,6 +311,13 @@ def representation_sections(overview: Any) -> str:
         parts += ["<h2>Commands that regenerate the representational parts</h2>", "<ul>"] + [
             f"<li>{esc(k)}: <code>{esc(v)}</code></li>" for k, v in overview.commands.items()] + ["</ul>"]
     return "\n".join(parts)
+
+
+def _interval_text(row: dict[str, Any], key: str) -> str:
+    value, low, high = row.get(key), row.get(f"{key}_lo"), row.get(f"{key}_hi")
+    if value is None or value != value:  # random against itself
+        return "-"
+    return f"{value:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 def _wilson_text(accuracy: float, n: int) -> str:

@@ -286,6 +286,7 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     if not args.no_representations:
         quarter = max(8, args.probe_n // 4)
         representations = representation_overview(vlm, seed=args.seed, n_track=max(4, args.eval_n // 2),
+                                                  n_lens=max(4, args.eval_n // 8), n_relevancy=max(4, args.eval_n // 8),
                                                   n_train=args.probe_n, n_val=quarter, n_test=quarter)
         summary["representations"] = representations.summary()
 
@@ -362,6 +363,18 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
         for _, r in representations.probes.frame.iterrows():
             lines.append(f"  probe {r['site']} ({r['family']}): B_O {r['B_O']:.2f} bits, beta_O {r['beta_O']:.3f}"
                          f" (prior-only probe {r['B_O_prior']:.2f}): {r['finding']}")
+        if representations.lens is not None:
+            lens = representations.lens
+            lines.append("  logit lens: first layer where colour / shape words decode at the objects' tokens above "
+                         f"chance: {lens.first_layer('colour') or 'none'} / {lens.first_layer('shape') or 'none'}")
+        if representations.relevancy is not None:
+            for r in representations.relevancy.scores().to_dict("records"):
+                if r["method"] != "random":
+                    lines.append(f"  relevancy {r['method']}: deletion AUC minus random {r['deletion_vs_random']:+.3f} "
+                                 f"[{r['deletion_vs_random_lo']:+.3f}, {r['deletion_vs_random_hi']:+.3f}] "
+                                 f"(n={r['n']}, lower is better)")
+        for part, reason in representations.skipped.items():
+            lines.append(f"  {part} skipped: {reason}")
     text = "\n".join([
         f"vlmbind demo: {vlm.name} ({vlm.source}), scene seed {args.seed}",
         f"  prompt: {prompt!r}" + (f" (expected: {expected!r})" if expected else ""),
