@@ -326,6 +326,18 @@ class RepresentationOverview(Result):
         return out
 
 
+def _optional_part(result: RepresentationOverview, name: str, build: Any, command: str) -> None:
+    """Run one part of the overview into ``result.<name>`` with its command and wall time; a part the model cannot
+    run (a named input error: no pointing traces, no image tokens in the sequence) is recorded as skipped."""
+    clock = time.perf_counter()
+    try:
+        setattr(result, name, build())
+        result.commands[name] = command
+    except InputError as err:
+        result.skipped[name] = str(err)
+    result.seconds[name] = time.perf_counter() - clock
+
+
 def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, n_track: int = 32,
                             n_train: int = 512, n_val: int = 128, n_test: int = 128, epochs: int = 40,
                             permutations: int = 200, n_lens: int = 8, n_relevancy: int = 8,
@@ -342,13 +354,8 @@ def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, 
     result.commands["rsa"] = f"vlmbind rsa --model {model_arg} --positions {rsa_positions} --permutations {permutations}"
     result.seconds["rsa"] = time.perf_counter() - clock
 
-    clock = time.perf_counter()
-    try:
-        result.track = track(vlm, tracking_dataset(vlm, "search", n_track, seed + 1))
-        result.commands["track"] = f"vlmbind track --model {model_arg} --task search --n {n_track} --seed {seed + 1}"
-    except InputError as err:
-        result.skipped["track"] = str(err)
-    result.seconds["track"] = time.perf_counter() - clock
+    _optional_part(result, "track", lambda: track(vlm, tracking_dataset(vlm, "search", n_track, seed + 1)),
+                   f"vlmbind track --model {model_arg} --task search --n {n_track} --seed {seed + 1}")
 
     clock = time.perf_counter()
     world = default_world(vlm)  # in domain: the organisms' own palette and canvas
@@ -364,21 +371,11 @@ def representation_overview(vlm: Any, *, seed: int = 0, rsa_positions: int = 2, 
                                 f"--batch-size 128")
     result.seconds["probe"] = time.perf_counter() - clock
 
-    clock = time.perf_counter()
-    try:
-        result.lens = lens(vlm, lens_dataset(vlm, "scene", n_lens, seed + 2))
-        result.commands["lens"] = f"vlmbind lens --model {model_arg} --n {n_lens} --seed {seed + 2}"
-    except InputError as err:
-        result.skipped["lens"] = str(err)
-    result.seconds["lens"] = time.perf_counter() - clock
-
-    clock = time.perf_counter()
-    try:
-        result.relevancy = relevancy(vlm, relevancy_dataset(vlm, "query", n_relevancy, seed + 3), fractions=5,
-                                     random_maps=2, seed=seed + 3)
-        result.commands["relevancy"] = (f"vlmbind relevancy --model {model_arg} --n {n_relevancy} --seed {seed + 3} "
-                                        "--fractions 5 --random-maps 2")
-    except InputError as err:
-        result.skipped["relevancy"] = str(err)
-    result.seconds["relevancy"] = time.perf_counter() - clock
+    _optional_part(result, "lens", lambda: lens(vlm, lens_dataset(vlm, "scene", n_lens, seed + 2)),
+                   f"vlmbind lens --model {model_arg} --n {n_lens} --seed {seed + 2}")
+    _optional_part(result, "relevancy",
+                   lambda: relevancy(vlm, relevancy_dataset(vlm, "query", n_relevancy, seed + 3), fractions=5,
+                                     random_maps=2, seed=seed + 3),
+                   f"vlmbind relevancy --model {model_arg} --n {n_relevancy} --seed {seed + 3} --fractions 5 "
+                   "--random-maps 2")
     return result
