@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -394,12 +395,7 @@ def steer(vlm: Any, heads: Any, to: str | None = None, *, task: str = "scene", n
         usable = [j for j, k in enumerate(keys) if len(k)]
         every = np.arange(batch.seq_len)
         last = torch.as_tensor(batch.last_positions, dtype=torch.long)[:, None]
-
-
-        def decode(head_set: list[tuple[int, int]], row_keys: list[np.ndarray], batch: Any = batch,
-                   budget: int = budget, last: torch.Tensor = last) -> list[str]:
-            return steered_decode(vlm, batch, budget, head_set, row_keys, last, positions)
-
+        decode = partial(steered_decode, vlm, batch, budget, last=last, positions=positions)  # (heads, keys)
         identity = [every] * len(batch)
         if chunk_i == 0:
             identity_exact = _identity_is_exact(vlm, batch, head_list, identity, last)
