@@ -627,3 +627,20 @@ def test_ablate_reports_random_arms_from_outside_the_top_k_and_from_its_layers(t
     line = _one_error_line(capsys.readouterr().err)
     assert "--random-from same_layers" in line and "layer 2" in line and "drop same_layers" in line
     assert not (tmp_path / "y").exists()
+
+
+def test_demo_on_a_hybrid_model_tables_its_softmax_layers_only(tmp_path):
+    """Qwen3.5's linear-attention layers have no attention pattern: the demo's attention table holds the softmax
+    layers, and the head it draws is one of them."""
+    import pandas as pd
+    from helpers import get_tiny
+
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--model", "tiny-qwen3_5", "--no-validate", "--no-causal", "--no-representations",
+                     "--out", str(out)]) == 0
+    frame = pd.read_csv(out / "attention_mass.csv")
+    hybrid = get_tiny("tiny-qwen3_5")
+    softmax = hybrid.adapter.pattern_layers()
+    assert sorted(set(frame["layer"])) == sorted(softmax) and len(softmax) < hybrid.n_layers
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["head"]["layer"] in softmax

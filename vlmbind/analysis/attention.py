@@ -52,11 +52,14 @@ class AttentionMass(Result):
     table_name = "attention_mass.csv"
 
     @classmethod
-    def from_attention(cls, model: str, attention: np.ndarray, image_positions: np.ndarray) -> AttentionMass:
-        """From ``L H P`` attention weights (:func:`last_token_attention`) and the image tokens' positions."""
+    def from_attention(cls, model: str, attention: np.ndarray, image_positions: np.ndarray,
+                       layers: Sequence[int] | None = None) -> AttentionMass:
+        """From ``L H P`` attention weights (:func:`last_token_attention`) and the image tokens' positions;
+        ``layers`` names the layer of each row (default ``0..L-1``; a hybrid model's softmax layers)."""
         mass = attention[:, :, image_positions].sum(-1)  # L H
+        layers = list(range(mass.shape[0])) if layers is None else [int(layer) for layer in layers]
         frame = pd.DataFrame(
-            [(layer, head, float(mass[layer, head])) for layer in range(mass.shape[0]) for head in range(mass.shape[1])],
+            [(layer, head, float(mass[row, head])) for row, layer in enumerate(layers) for head in range(mass.shape[1])],
             columns=["layer", "head", "mass"],
         )
         return cls(model, frame)

@@ -222,13 +222,18 @@ def cmd_demo(args: argparse.Namespace, command: list[str]) -> tuple[dict[str, An
     last, image_positions = index.last_position, index.image_positions
     if image_positions.size == 0:
         raise InputError(f"{vlm.name} put no image tokens in the prompt; the demo needs an image-conditioned prompt")
-    patterns = [run.cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(vlm.n_layers)]
-    attn = last_token_attention(patterns, last)  # L H P
-    attention = AttentionMass.from_attention(vlm.name, attn, image_positions)
-    frame, mass = attention.frame, attention.mass  # mass: L H
-    layer, head = (int(v) for v in np.unravel_index(int(np.argmax(mass)), mass.shape))
+    # hybrid models (Qwen3.5) have softmax patterns on some layers only; the others are left out of the table
+    softmax_layers = vlm.adapter.pattern_layers()
+    patterns = [run.cache[f"blocks.{layer}.attn.hook_pattern"] for layer in softmax_layers]
+    attn = last_token_attention(patterns, last)  # L' H P, one row per softmax layer
+    attention = AttentionMass.from_attention(vlm.name, attn, image_positions, layers=softmax_layers)
+    frame = attention.frame
+    row_mass = attn[:, :, image_positions].sum(-1)  # L' H
+    row, head = (int(v) for v in np.unravel_index(int(np.argmax(row_mass)), row_mass.shape))
+    layer = softmax_layers[row]
+    mass = {(layer, head): float(row_mass[row, head])}
     grid = index.grid(image=0)  # the first grid of the image (families with several grids: the first one)
-    weights = attn[layer, head][grid.positions]  # rows cols
+    weights = attn[row, head][grid.positions]  # rows cols
 
     probs = torch.softmax(run.logits[0, last].detach().to("cpu", torch.float64), -1)
     top = torch.topk(probs, TOP_K)
