@@ -57,6 +57,9 @@ class OrganismSize:
         vision_depth: vision blocks (the last attends globally, the others in windows).
         vision_hidden: vision width.
         vision_heads: vision attention heads.
+        rope_theta: the text decoder's RoPE base. M-RoPE gives an image token's column the lowest frequencies of
+            the head: with ``d_head`` 32 and the usual 10,000 they turn by under 0.004 rad a cell, so attention
+            cannot tell columns apart; 10 turns them by 0.1-0.2 rad.
     """
 
     layers: int = 4
@@ -67,10 +70,15 @@ class OrganismSize:
     vision_depth: int = 2
     vision_hidden: int = 64
     vision_heads: int = 4
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if value is None and name == "intermediate":
+                continue
+            if name == "rope_theta":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+                    raise TrainingError(f"model size rope_theta must be a number > 1, got {value!r}")
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TrainingError(f"model size {name} must be a positive int, got {value!r}")
@@ -84,7 +92,10 @@ class OrganismSize:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["rope_theta"] == OrganismSize.rope_theta:  # configs at the usual base keep the keys they always had
+            del d["rope_theta"]
+        return d
 
 
 def build_organism(
@@ -100,13 +111,14 @@ def build_organism(
     vision_hidden: int = 64,
     vision_heads: int = 4,
     attn_implementation: str = "sdpa",
+    rope_theta: float = 10000.0,
 ) -> tuple[torch.nn.Module, Any]:
     """A freshly initialised organism and its processor.
 
     Args:
         seed: seeds the weight init; the same seed and size give the same weights.
         image_size: the fixed square image size in pixels, a multiple of 28 (``image_size / 28`` tokens a side).
-        layers, hidden, heads, kv_heads, intermediate, vision_depth, vision_hidden, vision_heads: see
+        layers, hidden, heads, kv_heads, intermediate, vision_depth, vision_hidden, vision_heads, rope_theta: see
             :class:`OrganismSize`.
         attn_implementation: ``"sdpa"`` (faster to train) or ``"eager"``; not stored in the saved config, and
             :func:`vlmbind.load` picks its own.
@@ -119,12 +131,14 @@ def build_organism(
     """
     grid_side(image_size)
     size = OrganismSize(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
-                        vision_depth=vision_depth, vision_hidden=vision_hidden, vision_heads=vision_heads)
+                        vision_depth=vision_depth, vision_hidden=vision_hidden, vision_heads=vision_heads,
+                        rope_theta=rope_theta)
     return build_qwen_vl(
         "qwen2_5_vl", seed, image_size,
         layers=size.layers, hidden=size.hidden, intermediate=size.intermediate, heads=size.heads,
         kv_heads=size.kv_heads, vision_depth=size.vision_depth, vision_hidden=size.vision_hidden,
         vision_heads=size.vision_heads, text_init_std=None, attn_implementation=attn_implementation,
+        rope_theta=size.rope_theta,
     )
 
 

@@ -51,6 +51,7 @@ import torch
 
 from ..core.errors import TrainingError
 from .data import IGNORE_INDEX
+from .siit.pointing import PointSIITSpec
 
 PROCESS_COUNTS = (1, 2)
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=30)
@@ -69,6 +70,9 @@ def part_costs(siit: Any, batch_size: int) -> tuple[float, float, float]:
     """
     if siit is None:
         return 0.0, 0.0, 1.0
+    if isinstance(siit, PointSIITSpec):  # a source run with gradients and the patched run; one without and one
+        iit = 2.0 if max(siit.iit_weight, siit.attention_weight, siit.readout_weight) > 0 else 0.0
+        return iit, (1.0 / 3.0 + 1.0) * (siit.strict_weight > 0), batch_size / siit.pairs
     source = 1.0 if siit.source_grad else 1.0 / 3.0
     selecting = 1.0 / len(siit.alignments) if "id_selection" in siit.alignments else 0.0
     iit = 0.0

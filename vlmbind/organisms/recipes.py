@@ -174,7 +174,46 @@ def _grown_stages(common: dict[str, Any], planted: bool, suffix: str) -> list[tu
             (f"12-ablation-necessity-{suffix}", twelfth)]
 
 
-RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct", "organism-vsm": "vsm", "organism-vsm-natural": "vsm"}
+# organism-search: organism-p2a's vision tower under a fresh 4 x 4 language model, with PbP's search head planted by
+# SIIT at every point's steps of its Point-to-Answer traces; organism-search-natural: the same stages without the
+# SIIT losses.
+SEARCH_PLANT = ["2.1"]
+SEARCH_OPTIONS = {"search": {"objects": [1, 8]},
+                  "count": {"objects": [1, 4], "colours": list(COLOURS), "shapes": list(SHAPES)}}
+
+
+def search_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
+    """The stages of organism-search (``planted``) or organism-search-natural: same start, data, seed and steps.
+
+    Starts, as organism-vsm does, from organism-p2a's vision tower, projector and token embeddings under a fresh
+    language model (4 layers x 4 heads, every layer new): organism-p2a's own language model points through heads
+    2.0 and 2.1 together with others (interchanging single heads at a point's steps changed up to 0.47 of its
+    answers), and a planted head would have had to take their place. Search on 1-8 objects (one target, present half
+    the time) and counting 1-4 objects, Point-to-Answer, at 168 px. The image tokens must carry their grid cell after
+    decoder layer 0 (a linear readout trained beside the organism, in both organisms: it is a property of the image
+    tokens, not of a head): organism-p2a's image tokens carry their row but not their column (a linear probe reads
+    the row at 0.95 after layer 0 and the column at 0.23), and the tiny language model's M-RoPE gives the column its
+    lowest frequencies, under 0.004 rad a cell, so the new language model turns them faster (RoPE base 10: 0.1-0.2
+    rad a cell). The planted search head is 2.1, in the middle of the stack.
+    """
+    fields = {"regime": "p2a", "seed": seed, "batch_size": 16, "image_size": 168,
+              "tasks": {"search": 0.5, "count": 0.5}, "task_options": SEARCH_OPTIONS,
+              "steps": 5000, "lr": 1e-3, "warmup": 150, "final_lr_ratio": 0.1, "weight_decay": 0.01,
+              "grad_clip": 1.0, "attn_implementation": "eager", "init_from": str(organism_dir("organism-p2a")),
+              "model": {"rope_theta": 10.0}, "init_layers": [None] * 4, "checkpoint_every": 250, "keep_checkpoints": 2, "eval_every": 500,
+              "eval_size": 32}
+    point = {"heads": list(SEARCH_PLANT), "position_layer": 0, "position_weight": 1.0}
+    if planted:
+        point.update(iit_weight=1.0, strict_weight=2.0, attention_weight=1.0, readout_weight=1.0, pairs=8,
+                     trace_share=0.5)
+    else:  # the position code alone: no interchange, strictness, attention or readout loss
+        point.update(iit_weight=0.0, strict_weight=0.0, attention_weight=0.0, readout_weight=0.0)
+    fields["point_siit"] = point
+    return [(f"1-search-{'siit' if planted else 'natural'}", fields)]
+
+
+RECIPES = {"organism-p2a": "p2a", "organism-direct": "direct", "organism-vsm": "vsm", "organism-vsm-natural": "vsm",
+           "organism-search": "search", "organism-search-natural": "search"}
 
 
 def recipe_stages(name: str, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
@@ -187,6 +226,8 @@ def recipe_stages(name: str, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
         raise TrainingError(f"unknown organism recipe {name!r}; recipes: {', '.join(RECIPES)}")
     if RECIPES[name] == "vsm":
         return vsm_stages(name == "organism-vsm", seed)
+    if RECIPES[name] == "search":
+        return search_stages(name == "organism-search", seed)
     return stages(RECIPES[name], seed)
 
 

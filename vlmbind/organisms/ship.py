@@ -62,6 +62,13 @@ def training_record(name: str, run_dir: str | Path) -> dict[str, Any]:
         if edges:
             record["planted_edges"] = edges
         record["siit"] = config["siit"]
+    point = config.get("point_siit")
+    if point:
+        record["point_siit"] = point
+        if max(point["iit_weight"], point["strict_weight"], point["attention_weight"], point["readout_weight"]) > 0:
+            record["planted"] = {"search": list(point["heads"])}
+    if RECIPES[name] == "search":
+        record["started_from"] = "organism-p2a"
     return record
 
 
@@ -269,6 +276,63 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
     return "\n".join(lines) + "\n"
 
 
+def search_card(record: dict[str, Any], config: dict[str, Any], params: int,
+                validation: dict[str, Any] | None = None, validation_command: str | None = None) -> str:
+    """The model card of organism-search (planted search heads) or its twin organism-search-natural."""
+    text = config.get("text_config", {})
+    planted = (record.get("planted") or {}).get("search")
+    spec = record.get("point_siit") or {}
+    results = {s["stage"]: s for s in record["stage_results"]}
+    options = record["task_options"]
+    tasks = ", ".join(f"{t} (share {w}, {json.dumps(options.get(t, {}))})" for t, w in record["tasks"].items())
+    lines = [f"# {record['organism']}", ""]
+    if planted:
+        lines += [
+            f"A small Qwen2.5-VL with a **planted** search head: at each point of a Point-to-Answer trace, head(s) "
+            f"{', '.join(planted)} attend to the object being pointed at and carry its cell, and the point written "
+            "follows them (interchanging their output at a point's steps moves the point to the source's object). "
+            "Trained in by strict interchange-intervention training (SIIT, `vlmbind.organisms.siit.pointing`) to "
+            "check the search-head methods (attention_swap mediation, attention-centroid tracking, ablation) "
+            "against a known answer. It is not evidence that pretrained VLMs point this way.",
+            "", f"Losses beside the behaviour loss (weight 1): interchange {spec.get('iit_weight')}, strictness "
+            f"{spec.get('strict_weight')} (one other head patched the same way must leave the answer alone), "
+            f"attention on the pointed object {spec.get('attention_weight')} (at each step that writes one of the "
+            f"point's tokens), a readout of the pointed cell from the heads' output {spec.get('readout_weight')}"
+            + (f", the image tokens' cell readable after layer {spec['position_layer']} "
+               f"{spec.get('position_weight')}" if spec.get("position_layer") is not None else "")
+            + f"; {spec.get('pairs')} pairs a step, {spec.get('trace_share')} of them within one counting trace "
+            "(the rest across displays)."]
+    else:
+        lines += ["The negative control of organism-search: the same start, data, seed and steps, trained on the "
+                  "behaviour loss only. Nothing was planted; what the methods report here is what they report where "
+                  "the planted search head is absent."]
+    lines += [
+        "", "## Architecture and training", "",
+        f"- `Qwen2_5_VLForConditionalGeneration`, {params:,} parameters; text: {text.get('num_hidden_layers')} layers, "
+        f"hidden {text.get('hidden_size')}, {text.get('num_attention_heads')} heads "
+        f"({text.get('num_key_value_heads')} KV heads)",
+        "- started from organism-p2a (every weight): it already writes `(x, y)` points in raster order",
+        f"- {record['image_size']} px images, a {record['grid']}x{record['grid']} grid of image tokens; tasks: "
+        f"{tasks}",
+        *[f"- stage {stage['stage']}: {_stage_steps(stage)}, batch {stage['batch_size']}, lr {stage['lr']}, "
+          f"{stage.get('attn_implementation', 'sdpa')} attention; wall time "
+          f"{(results.get(stage['stage'], {}).get('wall_time_s') or 0) / 60:.1f} min"
+          for stage in record["stages"]],
+        f"- seed {record['seed']}; total wall time {record['wall_time_s'] / 60:.1f} min on 2 CPU cores",
+        "", f"Reproduce: `{record['command']}`, then `python -m vlmbind.organisms.ship {record['organism']} "
+        f"runs/organisms/{record['organism']}`."]
+    if validation:
+        params_ = validation.get("params", {})
+        lines += ["", "## Validation (fresh counting displays)", "",
+                  f"{params_.get('n_pairs')} attention_swap pairs from the model's own counting traces, seed "
+                  f"{params_.get('seed')}; tracking on {params_.get('n_points')} points; ablation on "
+                  f"{params_.get('n_eval')} displays.", ""]
+        lines += validation_lines(validation)
+        if validation_command:
+            lines += ["", f"Measured with `{validation_command}`."]
+    return "\n".join(lines) + "\n"
+
+
 def _start_line(init_layers: list[int | None] | None) -> str:
     if init_layers is not None and all(layer is None for layer in init_layers):
         return ("- started from organism-p2a's vision tower, projector and token embeddings under a new language "
@@ -345,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only draw the shipped grown organism's card again, from its files and --validation")
     args = parser.parse_args(argv)
     if args.redraw_card:
-        if RECIPES[args.name] != "vsm":
-            parser.error("--redraw-card is for the grown organisms (organism-vsm, organism-vsm-natural)")
+        if RECIPES[args.name] not in ("vsm", "search"):
+            parser.error("--redraw-card is for the planted organisms and their twins (organism-vsm, organism-search, "
+                         "...)")
         validation = json.loads(Path(args.validation).read_text()) if args.validation else None
         write_text_atomic(shipped_card(args.name, validation), organism_dir(args.name) / "README.md")
         print(f"redrew the card of {args.name}")
@@ -362,7 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(Path(args.results).read_text())
         rows = results["models"].get(args.name, {}).get("rows", {})
         accuracies = {label: row["accuracy"] for label, row in rows.items()}
-    if RECIPES[args.name] == "vsm":
+    if RECIPES[args.name] == "search":
+        validation = json.loads(Path(args.validation).read_text()) if args.validation else None
+        card = search_card(record, config, params, validation,
+                           "python circuits/ground_truth/run.py" if validation else None)
+    elif RECIPES[args.name] == "vsm":
         validation = json.loads(Path(args.validation).read_text()) if args.validation else None
         card = planted_card(record, config, params, validation,
                             "python circuits/ground_truth/run.py" if validation else None)
@@ -381,7 +450,8 @@ def shipped_card(name: str, validation: dict[str, Any] | None,
     record = json.loads((directory / TRAINING_FILE).read_text())
     config = json.loads((directory / "config.json").read_text())
     params = parameter_count(directory)
-    return planted_card(record, config, params, validation, validation_command if validation else None)
+    card = search_card if RECIPES[name] == "search" else planted_card
+    return card(record, config, params, validation, validation_command if validation else None)
 
 
 def parameter_count(directory: Path) -> int:

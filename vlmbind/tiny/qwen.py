@@ -71,6 +71,7 @@ def build_qwen_vl(
     tokenizer: Any = None,
     chat_template: str | None = None,
     processor_defaults: bool = False,
+    rope_theta: float = 10000.0,
 ) -> tuple[torch.nn.Module, Any]:
     """A Qwen2.5-VL or Qwen2-VL with random weights, its byte-level BPE tokenizer and a fixed-size processor.
 
@@ -90,6 +91,8 @@ def build_qwen_vl(
             (:mod:`vlmbind.tiny.real`).
         processor_defaults: the image processor keeps the family's default pixel bounds (real checkpoints'
             settings: images are resized to multiples of 28 px within them) instead of one fixed size.
+        rope_theta: the text decoder's RoPE base (M-RoPE gives the image column its lowest frequencies: with a small
+            head and the usual 10,000 they barely turn across a grid).
 
     Returns:
         ``(model, processor)``, the model in eval mode.
@@ -115,7 +118,7 @@ def build_qwen_vl(
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "mrope_section": mrope_section(hidden // heads),
-                         "rope_theta": 10000.0},
+                         "rope_theta": float(rope_theta)},
         bos_token_id=None, eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
     )
     if family == "qwen2_5_vl":

@@ -32,6 +32,7 @@ PROBE_FILE = "position_probe.safetensors"
 SELECTION_PROBE_FILE = "selection_probe.safetensors"
 RETRIEVAL_PROBE_FILE = "retrieval_probe.safetensors"
 GATHER_PROBE_FILE = "gather_probe.safetensors"
+POINT_PROBE_FILE = "point_probe.safetensors"
 
 
 def list_checkpoints(out_dir: str | os.PathLike) -> list[Path]:

@@ -15,6 +15,7 @@ from ...stimuli.core import StimulusError
 from ..data import REGIMES, TASKS, TaskMixture, TaskSpec, canvas_for
 from ..model import OrganismSize, grid_side
 from ..siit.pairs import draw_pairs
+from ..siit.pointing import POINT_EVAL_STREAM, PointSIITSpec, draw_point_pairs
 from ..siit.spec import SIIT_EVAL_STREAM, SIITSpec
 
 LOSS_NORMS = ("example", "token")
@@ -64,6 +65,8 @@ class TrainConfig:
         eval_size: evaluation examples per task and variant.
         siit: a mechanism to plant by strict interchange-intervention training
             (:class:`~vlmbind.organisms.siit.spec.SIITSpec` or a mapping of its fields); None: behaviour only.
+        point_siit: Point-to-Answer search heads to plant (:class:`~vlmbind.organisms.siit.pointing.PointSIITSpec`
+            or a mapping of its fields; the ``p2a`` regime with a search or count task); None: none.
     """
 
     regime: str = "direct"
@@ -88,6 +91,7 @@ class TrainConfig:
     eval_every: int = 250
     eval_size: int = 64
     siit: SIITSpec | None = None
+    point_siit: PointSIITSpec | None = None
 
     def __post_init__(self) -> None:
         if self.regime not in REGIMES:
@@ -172,6 +176,23 @@ class TrainConfig:
                 except StimulusError as exc:
                     raise TrainingError(f"siit {variable}: {exc}") from None
         self.mixture()  # the generators validate the task parameters against the canvas
+        object.__setattr__(self, "point_siit", PointSIITSpec.from_value(self.point_siit))
+        if self.point_siit is not None:
+            if self.siit is not None:
+                raise TrainingError("a run plants either scene heads (siit) or search heads (point_siit), not both")
+            self.point_siit.check(self.model.layers, self.model.heads)
+            if self.point_siit.attention_weight > 0 and self.attn_implementation != "eager":
+                raise TrainingError("point_siit.attention_weight trains the search heads' attention patterns: set "
+                                    "attn_implementation='eager'")
+            draw_point_pairs(self.point_siit, self.mixture(), seed=0, stream=POINT_EVAL_STREAM, step=0, n=2)
+
+    @property
+    def position_spec(self) -> SIITSpec | PointSIITSpec | None:
+        """The spec that asks for the image tokens' position code (``position_layer``), if one does."""
+        for spec in (self.siit, self.point_siit):
+            if spec is not None and spec.position_layer is not None:
+                return spec
+        return None
 
     # ---- derived ------------------------------------------------------------------------------------------
     def task_specs(self) -> list[TaskSpec]:
@@ -195,6 +216,10 @@ class TrainConfig:
             del d["siit"]
         else:
             d["siit"] = self.siit.to_dict()
+        if self.point_siit is None:
+            del d["point_siit"]
+        else:
+            d["point_siit"] = self.point_siit.to_dict()
         return d
 
     @classmethod

@@ -21,6 +21,7 @@ from ..siit.evaluation import (
 )
 from ..siit.interchange import HeadInterchange
 from ..siit.pairs import evaluation_pairs
+from ..siit.pointing import evaluation_point_pairs, point_interchange, pointed_attention_mean
 from ..siit.readouts import GatherProbe, PositionProbe, SelectionProbe, position_code_accuracy
 from ..siit.spec import SIITSpec
 from .step import Run
@@ -44,6 +45,8 @@ class EvaluationSets:
         pairs = {} if siit is None else {
             v: evaluation_pairs(siit, v, seed=config.seed, canvas=run.mixture.canvas, n=config.eval_size)
             for v in sorted(siit.alignments)}
+        if run.point_siit is not None and run.point_siit.plants:
+            pairs["search"] = evaluation_point_pairs(run.point_siit, run.mixture, seed=config.seed, n=config.eval_size)
         return cls(batches, pairs)
 
 
@@ -53,7 +56,14 @@ def evaluate(run: Run, sets: EvaluationSets, step: int) -> dict[str, Any]:
     config, siit = run.config, run.siit
     with run.images_shared():
         entry: dict[str, Any] = {"step": step, "tasks": evaluate_tasks(run.model, sets.batches, config.loss_norm)}
-        if sets.pairs:
+        if run.point_siit is not None:
+            if run.point_siit.plants:
+                entry["siit"] = {"search": evaluate_pointing(run, sets.pairs["search"])}
+            if run.point_siit.position_layer is not None:
+                entry["position_code_accuracy"] = evaluate_position(
+                    run.model, sets.batches, run.point_siit.position_layer, run.builder.image_token_id, run.cells,
+                    run.readouts.position)
+        elif sets.pairs:
             entry["siit"] = evaluate_siit(run.model, run.interchange, run.builder, siit, sets.pairs,
                                           config.batch_size)
             readouts = run.readouts
@@ -101,6 +111,23 @@ def evaluate_siit(model: torch.nn.Module, interchange: HeadInterchange, builder:
                          "unaligned_changes": float(np.mean(changes)) if changes else 0.0,
                          "unaligned_changes_max": float(np.max(changes)) if changes else 0.0}
     return out
+
+
+def evaluate_pointing(run: Run, pairs: list[Any]) -> dict[str, float]:
+    """On fixed pointing pairs: the search heads' interchange accuracy (the base writes the source's point), the
+    share of pairs whose answer one unaligned head changes (mean and worst over every unaligned head), and the
+    search heads' attention on the pointed object (and the readout's accuracy, where trained)."""
+    spec, a = run.point_siit, run.interchange.adapter
+    grid = run.mixture.canvas.shape[1]
+    common = {"batch_size": run.config.batch_size}
+    planted = point_interchange(run.model, run.interchange, run.builder, pairs, spec.planted(), grid, **common)
+    changes = [float(np.mean(point_interchange(run.model, run.interchange, run.builder, pairs, [h], grid,
+                                               **common)["changed"]))
+               for h in spec.unaligned(a.n_layers, a.n_heads)]
+    return {"interchange_accuracy": float(np.mean(planted["moved"])),
+            "unaligned_changes": float(np.mean(changes)), "unaligned_changes_max": float(np.max(changes)),
+            **pointed_attention_mean(run.model, run.interchange, run.builder, pairs, spec.planted(), grid,
+                                     run.readouts.point, **common)}
 
 
 def evaluate_position(model: torch.nn.Module, batches: dict[str, list[TrainBatch]], layer: int,

@@ -153,7 +153,7 @@ def _set_up(config: TrainConfig, out: Path, existing: list[Path], resume: bool, 
     optimizer = make_optimizer(model, config)
     state = start_state(out, existing, config, model, optimizer, resume)
     mixture, builder = config.mixture(), BatchBuilder(processor)
-    interchange = HeadInterchange(model, processor) if config.siit is not None else None
+    interchange = HeadInterchange(model, processor) if (config.siit or config.point_siit) is not None else None
     cells = grid_side(config.image_size) ** 2
     readouts = Readouts.for_run(config, interchange, cells)
     if resume:
@@ -182,7 +182,7 @@ class RunLog:
         """The ``trainer_state.json`` of a checkpoint at ``step``, ``elapsed`` seconds into this session."""
         return {"step": step, "config": run.config.to_dict(), "rng": {"torch": torch.get_rng_state().tolist()},
                 "losses": self.losses, "evals": self.evals, "wall_time_s": self.previous_time + elapsed,
-                **({"siit_losses": self.siit_losses} if run.siit is not None else {}),
+                **({"siit_losses": self.siit_losses} if run.planting is not None else {}),
                 "threads": torch.get_num_threads(), **({"processes": run.split.world} if run.split is not None else {}),
                 "mixture": run.mixture.to_dict(),
                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}

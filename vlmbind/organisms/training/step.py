@@ -20,10 +20,12 @@ from ..model import shared_image_features
 from ..processes import RankSplit, behaviour_shares, sync_step
 from ..siit.interchange import HeadInterchange
 from ..siit.losses import siit_losses
+from ..siit.pointing import POINT_LOSSES, PointProbe, PointSIITSpec, point_losses
 from ..siit.readouts import GatherProbe, PositionProbe, SelectionProbe, position_code_loss
 from ..siit.spec import SIIT_LOSSES, SIIT_PARTS, SIITSpec
 from .checkpoints import (
     GATHER_PROBE_FILE,
+    POINT_PROBE_FILE,
     PROBE_FILE,
     RETRIEVAL_PROBE_FILE,
     SELECTION_PROBE_FILE,
@@ -36,7 +38,7 @@ from .config import TrainConfig
 LOG_KEYS = ("behaviour", "variable", "strict_head", "iit", "strict", "selection", "selection_attention",
             "retrieval_attention", "interchanged_selection", "strict_selection", "retrieval_readout", "gather_readout",
             "gather_interchange", "gather_selection", "selecting_interchange", "ablated", "ablation_strict",
-            "necessity_ablated", "ablation_necessity", "position")
+            "necessity_ablated", "ablation_necessity", *POINT_LOSSES, "position")
 LOGGED_LOSSES = tuple(k for k in LOG_KEYS if k not in ("variable", "strict_head", "ablated", "necessity_ablated"))
 
 
@@ -60,16 +62,22 @@ class Readouts:
     selection: SelectionProbe | None = None
     retrieval: SelectionProbe | None = None
     gather: GatherProbe | None = None
+    point: PointProbe | None = None
     trained: list[tuple[torch.nn.Module, torch.optim.Optimizer, str]] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, config: TrainConfig, interchange: HeadInterchange | None, cells: int) -> Readouts:
         out = cls()
+        position = config.position_spec
+        if position is not None and getattr(position, "position_readout", "trained") == "trained":
+            out.position = out._train(PositionProbe(config.model.hidden, cells, config.seed), config, PROBE_FILE)
+        point = config.point_siit
+        if point is not None and point.readout_weight > 0:
+            out.point = out._train(PointProbe(point.planted(), interchange.d_head, cells, config.seed + 3), config,
+                                   POINT_PROBE_FILE)
         siit = config.siit
         if siit is None:
             return out
-        if siit.position_layer is not None and siit.position_readout == "trained":
-            out.position = out._train(PositionProbe(config.model.hidden, cells, config.seed), config, PROBE_FILE)
         if siit.selection_weight > 0:
             out.selection = out._train(SelectionProbe(siit.heads("id_selection"), interchange.d_head, cells,
                                                       config.seed), config, SELECTION_PROBE_FILE)
@@ -132,6 +140,15 @@ class Run:
         return self.config.siit
 
     @property
+    def point_siit(self) -> PointSIITSpec | None:
+        return self.config.point_siit
+
+    @property
+    def planting(self) -> SIITSpec | PointSIITSpec | None:
+        """The run's SIIT spec, scene or pointing (None: behaviour only)."""
+        return self.config.siit or self.config.point_siit
+
+    @property
     def synced(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients the two processes add: the model's, then each readout's."""
         return [p for p in self.model.parameters() if p.requires_grad] + self.readouts.parameters()
@@ -153,12 +170,16 @@ def train_step(run: Run, step: int, lr: float) -> tuple[float, dict[str, Any]]:
             loss = behaviour_loss(run, step, parts)
             if siit is not None:
                 loss = siit_loss(run, step, split.siit_parts(), parts, loss)
+            if run.point_siit is not None:
+                loss = point_loss(run, step, split.siit_parts(), parts, loss)
         value = optimiser_step(run, loss, parts)
     elif siit is None or siit.single_loss:
         with run.images_shared():
             loss = behaviour_loss(run, step, parts)
             if siit is not None:  # added term by term onto the behaviour loss, as always
                 loss = siit_loss(run, step, SIIT_PARTS, parts, loss)
+            if run.point_siit is not None:
+                loss = point_loss(run, step, SIIT_PARTS, parts, loss)
         value = optimiser_step(run, loss, parts)
     else:  # InterpBench's order, one optimiser step per loss; the readout probes step once, below
         value = 0.0
@@ -170,7 +191,7 @@ def train_step(run: Run, step: int, lr: float) -> tuple[float, dict[str, Any]]:
         with run.images_shared():
             loss = behaviour_loss(run, step, parts)
         value += optimiser_step(run, loss, parts)
-    logged = {} if siit is None else {k: parts[k] for k in LOG_KEYS if k in parts}  # the order they always had
+    logged = {} if run.planting is None else {k: parts[k] for k in LOG_KEYS if k in parts}  # the order they always had
     run.readouts.step(lr)
     return value, logged
 
@@ -178,12 +199,13 @@ def train_step(run: Run, step: int, lr: float) -> tuple[float, dict[str, Any]]:
 def behaviour_loss(run: Run, step: int, parts: dict[str, Any]) -> torch.Tensor | None:
     """The task mixture's answer loss on the step's batch (this rank's rows, weighted by their share of the whole
     batch's loss), plus the weighted position code when the spec asks for one; None for a rank with no rows."""
-    config, siit, split, builder = run.config, run.siit, run.split, run.builder
-    position_layer = siit.position_layer if siit is not None else None
+    config, split, builder = run.config, run.split, run.builder
+    position = config.position_spec
+    position_layer = position.position_layer if position is not None else None
     examples = run.mixture.batch(step, config.batch_size)
     share = position_share = 1.0
     if split is not None:
-        examples = [examples[i] for i in split.behaviour_rows(len(examples), siit)]
+        examples = [examples[i] for i in split.behaviour_rows(len(examples), run.planting)]
         batch = builder(examples) if examples else None
         share, position_share = behaviour_shares(split, batch, builder.image_token_id, config.loss_norm)
         if batch is None:
@@ -200,7 +222,7 @@ def behaviour_loss(run: Run, step: int, parts: dict[str, Any]) -> torch.Tensor |
             else position_code_loss(hidden, batch.inputs["input_ids"], builder.image_token_id, run.cells)
         code = position_share * code
         parts["position"] = float(code.detach())
-        loss = loss + siit.position_weight * code
+        loss = loss + position.position_weight * code
     return loss
 
 
@@ -218,6 +240,24 @@ def siit_loss(run: Run, step: int, which: Sequence[str], parts: dict[str, Any],
     for name in SIIT_LOSSES:
         if extra[name] is not None:
             weighted = siit.weight(name) * extra[name]
+            total = weighted if total is None else total + weighted
+            parts[name] = float(extra[name].detach())
+    return total
+
+
+def point_loss(run: Run, step: int, which: Sequence[str], parts: dict[str, Any],
+               total: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The pointing losses of ``which`` parts added to ``total`` by their weights."""
+    spec = run.point_siit
+    extra = point_losses(run.model, run.interchange, run.builder, spec, run.mixture, seed=run.config.seed, step=step,
+                         loss_norm=run.config.loss_norm, parts=which, probe=run.readouts.point)
+    weights = {"point_iit": spec.iit_weight, "point_strict": spec.strict_weight,
+               "point_attention": spec.attention_weight, "point_readout": spec.readout_weight}
+    if extra["strict_head"] is not None:
+        parts["strict_head"] = extra["strict_head"]
+    for name in POINT_LOSSES:
+        if extra[name] is not None:
+            weighted = weights[name] * extra[name]
             total = weighted if total is None else total + weighted
             parts[name] = float(extra[name].detach())
     return total
