@@ -23,7 +23,7 @@ MODEL = "organism-p2a"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """A small demo (locate, ablate, rsa, track, probe folders inside), an edit run with repair, an eval run and one
-    run of circuit, steer, lens and relevancy each."""
+    run of circuit, steer, lens, relevancy and benchmark each."""
     base = tmp_path_factory.mktemp("export")
     demo, edit, evaluation = base / "demo", base / "edit", base / "eval"
     assert cli.main(["demo", "--model", MODEL, "--out", str(demo), "--pairs", "2", "--eval-n", "8",
@@ -42,8 +42,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     relevancy = base / "relevancy"
     assert cli.main(["relevancy", "--model", MODEL, "--n", "2", "--fractions", "1", "--random-maps", "1",
                      "--out", str(relevancy)]) == 0
+    bench = base / "benchmark"
+    assert cli.main(["benchmark", "--organisms", "organism-vsm", "--n-pairs", "1", "--n-eval", "2",
+                     "--ablation-seeds", "1", "--n-estimate", "16", "--n-probe", "16", "--edge-pairs", "0",
+                     "--methods", "exact", "--modes", "zero", "--out", str(bench)]) == 0
     return {"demo": demo, "edit": edit, "eval": evaluation, "circuit": circuit, "steer": steer, "lens": lens,
-            "relevancy": relevancy}
+            "relevancy": relevancy, "benchmark": bench}
 
 
 def _figure_json(html: str) -> list:

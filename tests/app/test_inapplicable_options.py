@@ -63,6 +63,12 @@ CASES = {
     # nothing planted in the tiny model and no reference: no probe runs
     "validate --n-probe without reference heads": (["validate", "--model", TINY, "--n-probe", "64"], "--n-probe",
                                                    True),
+    "validate --n-track on scene heads": (["validate", "--model", TINY, "--heads", "id_selection=1.0", "--n-track",
+                                           "8"], "--n-track", False),
+    "validate scene options on search heads": (["validate", "--model", TINY, "--heads", "search=1.0", "--alpha",
+                                                "1", "--objects", "3"], "--objects, --alpha", False),
+    "validate --edge-pairs on search heads": (["validate", "--model", TINY, "--heads", "search=1.0", "--edge-pairs",
+                                               "2"], "--edge-pairs", False),
     "demo --validate-model with --no-validate": (["demo", "--model", TINY, "--no-validate", "--validate-model",
                                                   "organism-vsm"], "--validate-model", False),
     "demo --pairs with --no-causal --no-validate": (["demo", "--model", TINY, "--no-causal", "--no-validate",

@@ -88,12 +88,13 @@ def markdown_table(rows: Sequence[Mapping[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# what the compact table keeps of a row besides the capability columns
-COMPACT_COLUMNS = ("family", "tiny model", "image tokens")
+# what the compact table keeps of a row besides the capability columns (how each family lays out its image tokens
+# is the full table's: one line per family there, too long for a README row)
+COMPACT_COLUMNS = ("family", "tiny model")
 
 
 def compact_table(rows: Sequence[Mapping[str, str]]) -> str:
-    """The rows as the README's short markdown table: family, tiny model and image tokens, then per capability
+    """The rows as the README's short markdown table: family and tiny model, then per capability
     ``yes``, ``yes*`` (a qualified yes; the full table says how), or ``no (N)`` / ``n/a (N)``, with reason N listed
     under the table (numbered in order of first appearance, row by row)."""
     reasons: dict[str, int] = {}

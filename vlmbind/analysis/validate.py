@@ -173,6 +173,9 @@ class ValidationResult(Result):
             of the declared circuit), ``eap``, ``eap_ig`` and ``atp_star`` its estimates, ``node_product`` the simpler
             strategy of ranking an edge by the product of its two heads' best exact node scores (no channel, no path).
         pca: per reference head, the first two principal components of its last-token output with labels.
+        tracking: search heads (:func:`vlmbind.analysis.search_validation.validate_search`): one row per head of
+            attention-centroid tracking: RMSE to the written point, points, the share of points its centroid lands
+            within half a cell of (with its Wilson interval), whether a reference head.
         params: pairs, seeds, object count, entropy, alphas, ig steps.
         seconds: wall time per part.
         skipped: part -> why it was not run (e.g. the edit, when too few estimation scenes leave no cell with an
@@ -190,13 +193,14 @@ class ValidationResult(Result):
     probes: list[dict[str, Any]] = field(default_factory=list)
     edges: list[dict[str, Any]] = field(default_factory=list)
     pca: list[dict[str, Any]] = field(default_factory=list)
+    tracking: list[dict[str, Any]] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
 
     kind = "validate"
     reproduced_files = ("validation.json", "methods.csv", "scores.csv", "ablation.csv",
-                        "edit.csv", "probes.csv", "edge_methods.csv", "validation.html")
+                        "edit.csv", "probes.csv", "edge_methods.csv", "tracking.csv", "validation.html")
     marker_files = ("validation.json",)
     figure_name = "validation"
     table_name = "methods.csv"
@@ -266,15 +270,32 @@ class ValidationResult(Result):
     def summary(self) -> dict[str, Any]:
         return {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
                 "naive_check": self.naive_check, "ablation": self.ablation_summary(), "edit": self.edit_summary(),
-                "probes": self.probes, "edges": self.edges, "params": self.params, "seconds": self.seconds,
-                "skipped": self.skipped}
+                "probes": self.probes, "edges": self.edges, "tracking": self.tracking_summary(),
+                "params": self.params, "seconds": self.seconds, "skipped": self.skipped}
+
+    def tracking_summary(self) -> dict[str, Any] | None:
+        """The head whose centroid tracks the written points best (lowest RMSE), whether it is a reference head,
+        and each reference head's RMSE, its rank and its share of points within half a cell (None: not tracked)."""
+        finite = [r for r in self.tracking if np.isfinite(r["rmse"])]
+        if not finite:
+            return None
+        ranked = sorted(finite, key=lambda r: r["rmse"])
+        best = ranked[0]
+        order = {(r["layer"], r["head"]): i + 1 for i, r in enumerate(ranked)}
+        return {"best_head": f"{best['layer']}.{best['head']}", "best_rmse": best["rmse"],
+                "best_is_reference": bool(best["reference"]),
+                "reference": [{"head": f"{r['layer']}.{r['head']}", "rmse": r["rmse"],
+                               "rank": order.get((r["layer"], r["head"])), "within_half_cell": r["within_half_cell"],
+                               "within_ci": [r["within_low"], r["within_high"]], "n_points": r["n_points"]}
+                              for r in self.tracking if r["reference"]]}
 
     def exports(self) -> tuple[dict[str, Any], dict[str, pd.DataFrame]]:
         return {"validation": self.figure}, {"methods.csv": self.to_frame(), "scores.csv": pd.DataFrame(self.scores),
                                              "ablation.csv": pd.DataFrame(self.ablation),
                                              "edit.csv": pd.DataFrame(self.edit),
                                              "probes.csv": pd.DataFrame(self.probes),
-                                             "edge_methods.csv": pd.DataFrame([_flat_edge_row(r) for r in self.edges])}
+                                             "edge_methods.csv": pd.DataFrame([_flat_edge_row(r) for r in self.edges]),
+                                             "tracking.csv": pd.DataFrame(self.tracking)}
 
     def save(self, out: str | os.PathLike, figure: bool = True) -> Path:
         """``validation.json`` (everything), the tables as CSV and (with ``figure``) ``validation.html``, each written
@@ -283,9 +304,10 @@ class ValidationResult(Result):
         document = {"model": self.model, "reference": self.reference, "heads": self.heads, "methods": self.methods,
                     "scores": self.scores, "naive_check": self.naive_check, "ablation": self.ablation,
                     "edit": self.edit, "probes": self.probes, "edges": self.edges, "pca": self.pca,
-                    "params": self.params,
+                    "tracking": self.tracking, "params": self.params,
                     "seconds": self.seconds, "skipped": self.skipped,
                     "summary": {"ablation": self.ablation_summary(), "edit": self.edit_summary(),
+                                "tracking": self.tracking_summary(),
                                 "edit_by_heads": [self.edit_summary(h) for h in self.edit_heads()]}}
         write_json_atomic(document, out / "validation.json")
         _, tables = self.exports()
@@ -302,11 +324,12 @@ class ValidationResult(Result):
         require_keys(data, ("model", "reference", "heads", "methods", "scores"), path)
         return cls(**{k: data[k] for k in ("model", "reference", "heads", "methods", "scores")},
                    **{k: data.get(k, d) for k, d in (("naive_check", {}), ("ablation", []), ("edit", []),
-                                                      ("probes", []), ("edges", []), ("pca", []), ("params", {}),
+                                                      ("probes", []), ("edges", []), ("pca", []), ("tracking", []),
+                                                      ("params", {}),
                                                       ("seconds", {}), ("skipped", {}))})
 
 
-def _score_rows(condition: str, method: str, scores: HeadScores, reference: set[tuple[int, int]]) -> list[dict]:
+def score_rows(condition: str, method: str, scores: HeadScores, reference: set[tuple[int, int]]) -> list[dict]:
     mean, err = scores.scores, scores.stderr
     return [{"condition": condition, "method": method, "layer": l, "head": h, "score": float(mean[l, h]),
              "stderr": float(err[l, h]), "n": scores.n, "reference": (l, h) in reference}
@@ -394,6 +417,10 @@ def _reference(vlm: Any, reference: Mapping[str, Any] | None, source: str | None
         check_reference_conditions(heads, conditions)
         return heads, source or "given"
     own = planted_heads(vlm)
+    if "search" in own:
+        raise InputError(f"{vlm.name}'s planted heads are search heads (they point); score them with "
+                         f"vlmbind.analysis.search_validation.validate_search (vlmbind validate does so for such a "
+                         f"model)")
     return own, ("planted" if own else None)
 
 
@@ -498,7 +525,7 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
             seconds = time.perf_counter() - start
             if method == "exact":
                 exact_scores[condition] = scores
-            result.scores += _score_rows(condition, method, scores, set(planted))
+            result.scores += score_rows(condition, method, scores, set(planted))
             result.methods.append({"condition": condition, "method": method, "n_pairs": scores.n,
                                    "k": len(planted), "heads": [f"{l}.{h}" for l, h in planted],
                                    **rank_metrics(scores.scores, planted),
@@ -516,7 +543,7 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
         _score_edges(vlm, result, declared, pair_sets["id_selection"][:edge_pairs], exact_scores, progress)
     start = time.perf_counter()
     dataset = scene_description(n_eval, seed + 2, **kwargs) if pairs is None else pairs.clean
-    _ablate(vlm, result, heads, exact_scores, dataset, modes, ablation_seeds)
+    ablate_top_k(vlm, result, heads, exact_scores, dataset, modes, ablation_seeds)
     result.seconds["ablation"] = time.perf_counter() - start
     if pairs is not None:
         result.skipped.update(edit="the position-ID edit needs vlmbind's scenes (a position ID per grid cell)",
@@ -598,7 +625,7 @@ def _score_edges(vlm: Any, result: ValidationResult, declared: Sequence[Mapping[
     result.seconds["edges"] = time.perf_counter() - start
 
 
-def _ablate(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int, int]]],
+def ablate_top_k(vlm: Any, result: ValidationResult, heads: dict[str, list[tuple[int, int]]],
             exact: dict[str, HeadScores], dataset: Any, modes: Sequence[str], seeds: int) -> None:
     """Top-k of the reference conditions together (each condition's k best exact heads; k = its reference count, or
     1 with no reference) against random-k from the other heads, random-k from the top-k's own layers (where each of

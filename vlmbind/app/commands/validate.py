@@ -22,7 +22,10 @@ def add_parser(sub: Any, common: Any) -> None:
                        description="Run head-level mediation (exact, naive, attribution, integrated gradients), "
                                    "ablation, the position-ID edit and linear probes on fresh stimuli, and score "
                                    "them against the heads an organism's training record says were planted. "
-                                   "On a model with nothing planted, --reference names heads to score against.")
+                                   "On a model with nothing planted, --reference names heads to score against. "
+                                   "Planted search heads (organism-search, or --heads search=L.H) are scored by "
+                                   "attention_swap mediation, attention-centroid tracking and ablation on "
+                                   "counting instead.")
     p.add_argument("--model", required=True,
                    help="registered name (e.g. organism-vsm), model directory or hub id")
     add_placement(p)
@@ -31,14 +34,15 @@ def add_parser(sub: Any, common: Any) -> None:
     ref.add_argument("--reference", help="take the reference heads from another organism's training record "
                                          "(e.g. organism-vsm, to validate organism-vsm-natural against them)")
     ref.add_argument("--heads", action="append", metavar="CONDITION=L.H,...",
-                     help="reference heads of one condition, e.g. id_selection=3.1 (repeatable)")
+                     help="reference heads of one condition, e.g. id_selection=3.1 or search=2.3 (repeatable)")
     p.add_argument("--pairs", metavar="PATH",
                    help="your own counterfactual pairs (a folder holding pairs.jsonl, or the file) instead of fresh "
                         "scene pairs; --heads names the heads of their condition; the ablation is scored on their "
                         "clean inputs, and the position-ID edit and probes (vlmbind's scenes only) are skipped")
     p.add_argument("--condition", default=None, help="with --pairs: which of the file's conditions (default: its only "
                                                      "one)")
-    p.add_argument("--n-pairs", type=int_at_least(1, "16"), default=None, help="pairs per condition (default 16)")
+    p.add_argument("--n-pairs", type=int_at_least(1, "16"), default=None,
+                   help="pairs per condition (default 16; search heads: attention_swap pairs from counting traces)")
     p.add_argument("--seed", type=int, default=None, help="stimulus seed (default 1000, away from training's)")
     p.add_argument("--objects", type=int_at_least(2, "3"),
                    help="objects per scene (default: the count the planting held out, else 3)")
@@ -64,7 +68,9 @@ def add_parser(sub: Any, common: Any) -> None:
                         "position (default: answer; the planted ID is read at both)")
     p.add_argument("--n-probe", type=int_at_least(16, "512"), default=None,
                    help="scenes for the probes and PCA, a quarter held out (default 512)")
-    p.add_argument("--edge-pairs", type=int_at_least(0, "8"), default=8,
+    p.add_argument("--n-track", type=int_at_least(1, "32"), default=None,
+                   help="search heads: counting displays whose traces are tracked (default 32)")
+    p.add_argument("--edge-pairs", type=int_at_least(0, "8"), default=None,
                    help="id_selection pairs on which every head-to-head edge is scored by exact path patching against "
                         "the declared planted edges (default 8; 0 skips it; only where edges are declared)")
     p.add_argument("--out", default=None, help="output directory (default runs/validate/<model>)")
@@ -94,6 +100,10 @@ def _floats(text: str, what: str) -> list[float]:
 SCENE_OPTIONS = {"n_pairs": 16, "seed": 1000, "objects": None, "entropy": "high", "n_eval": 64,
                  "alpha": ",".join(str(a) for a in DEFAULT_ALPHAS), "n_estimate": 2048, "edit_positions": "answer",
                  "n_probe": 512}
+# planted search heads: the options that shape their displays, and the scene-only ones they refuse
+SEARCH_OPTIONS = {"n_pairs": 16, "seed": 1000, "n_eval": 64, "n_track": 32}
+SCENE_ONLY = ("pairs", "condition", "objects", "entropy", "alpha", "n_estimate", "edit_positions", "n_probe",
+              "edge_pairs")
 
 
 def user_pairs(args: Any) -> Any:
@@ -159,8 +169,46 @@ def refuse_unused_reference_options(given: set[str], heads: dict[str, Any], whos
                          f"drop it, or name heads with --heads CONDITION=L.H,... or --reference")
 
 
+def recorded_search_heads(model: str) -> list[str]:
+    """The planted search heads a model's training record lists (a shipped organism's name or a model directory),
+    read without loading anything heavy; empty where there is no record or none planted."""
+    from pathlib import Path
+
+    from ...core.results import read_json_object
+    from ...core.shipped import ORGANISM_NAMES, organism_dir
+
+    directory = organism_dir(model) if model in ORGANISM_NAMES else Path(model)
+    path = directory / "vlmbind_training.json"
+    if not path.is_file():
+        return []
+    return list((read_json_object(path).get("planted") or {}).get("search", []))
+
+
+def search_mode(args: Any) -> bool:
+    """Whether the heads to score are search heads: --heads search=..., --reference of an organism with planted
+    search heads, or (neither given) the model's own record.
+
+    Raises:
+        InputError: --heads mixing search heads with scene conditions.
+    """
+    if args.heads:
+        conditions = {value.partition("=")[0].strip() for value in args.heads}
+        if "search" in conditions and len(conditions) > 1:
+            raise InputError("--heads search=... scores search heads alone (their own displays and methods); give "
+                             "scene conditions in another run")
+        return conditions == {"search"}
+    return bool(recorded_search_heads(args.reference or args.model))
+
+
 def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
     check_model(args)
+    if search_mode(args):
+        return cmd_validate_search(args, command)
+    if args.n_track is not None:
+        raise InputError("--n-track does not apply: it sizes the tracking of search heads, and this model (or its "
+                         "reference) has none planted; drop it, or give --heads search=L.H,...")
+    if args.edge_pairs is None:
+        args.edge_pairs = 8
     given = {name for name in SCENE_OPTIONS if getattr(args, name) is not None}
     pairs = user_pairs(args)
     # the checks of the arguments alone, before the imports below, which import torch
@@ -202,6 +250,42 @@ def cmd_validate(args: Any, command: list[str]) -> tuple[dict[str, Any], str, in
     return summary, render_text(result, out), 0
 
 
+def cmd_validate_search(args: Any, command: list[str]) -> tuple[dict[str, Any], str, int]:
+    """``vlmbind validate`` on planted search heads (:func:`vlmbind.analysis.search_validation.validate_search`)."""
+    scene = [name for name in SCENE_ONLY if getattr(args, name) is not None]
+    if scene:
+        raise InputError(f"{_flags(scene)} {'does' if len(scene) == 1 else 'do'} not apply to search heads (they "
+                         f"shape scene pairs, the position-ID edit, probes or edges); drop "
+                         f"{'it' if len(scene) == 1 else 'them'}")
+    for name, default in SEARCH_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    from ...core.checks import check_ablation_modes, check_validation_methods
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_validation_methods(methods, "--methods")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    check_ablation_modes(modes, "--modes")
+    refuse_method_options(args, methods)
+    reference, source = None, None
+    if args.heads:
+        reference, source = _given_heads(args.heads), "--heads"
+    elif args.reference:
+        reference, source = {"search": recorded_search_heads(args.reference)}, args.reference
+    out = out_dir(args, "validate")
+    from ...analysis.search_validation import validate_search
+
+    vlm = load_model(args)
+    result = validate_search(vlm, reference=reference, reference_source=source, n_pairs=args.n_pairs,
+                             seed=args.seed, methods=methods, naive_heads=args.naive_heads, ig_steps=args.ig_steps,
+                             modes=modes, n_eval=args.n_eval, ablation_seeds=args.ablation_seeds,
+                             n_track=args.n_track, progress=not args.json)
+    result.save(out)
+    summary = {**result.summary(), "prompt_format": vlm.active_prompt_format,
+               "out": str(out), "command": " ".join(command)}
+    return summary, render_text(result, out), 0
+
+
 def _number(value: Any, fmt: str = ".3f") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -212,6 +296,9 @@ def render_text(result: Any, out: Any) -> str:
         stimuli = f"{result.params['n_pairs']} pairs of {result.params['pairs']}"
     else:
         stimuli = (f"{result.params['n_pairs']} pairs per condition, {result.params['n_objects']} objects, seed "
+                   f"{result.params['seed']}")
+    if result.params.get("condition") == "search":
+        stimuli = (f"{result.params['n_pairs']} attention_swap pairs from counting traces, seed "
                    f"{result.params['seed']}")
     lines = [f"{result.model}: methods against {against}, {stimuli}"]
     lines.append(f"  {'condition':<18}{'method':<22}{'heads':<10}{'ranks':<10}{'recall@k':>9}{'AUROC':>8}"
@@ -248,6 +335,14 @@ def render_text(result: Any, out: Any) -> str:
                          f"{f['cmd_ci'][1]:.3f}]"
                          + (f"; declared circuit f {d['f']:.3f} [{d['ci'][0]:.3f}, {d['ci'][1]:.3f}]" if d else "")
                          + ("" if f.get("defined", True) else "; undefined: the edges do not carry the behaviour"))
+    tracked = result.tracking_summary()
+    if tracked is not None:
+        lines.append(f"  tracking ({result.params.get('n_points')} points): lowest RMSE at {tracked['best_head']} "
+                     f"({tracked['best_rmse']:.2f} cells{', a reference head' if tracked['best_is_reference'] else ''})")
+        for r in tracked["reference"]:
+            lines.append(f"    {r['head']}: RMSE {r['rmse']:.2f} (rank {r['rank']}), centroid within half a cell of "
+                         f"the point for {r['within_half_cell']:.2f} [{r['within_ci'][0]:.2f}, "
+                         f"{r['within_ci'][1]:.2f}] of {r['n_points']} points")
     for r in result.probes:
         lines.append(f"  probe {r['head']} -> {r['target']}: {r['accuracy']:.3f} held out (chance {r['chance']:.3f}, "
                      f"n={r['n_test']})")
