@@ -36,11 +36,26 @@ def test_the_saved_table_prints_as_markdown(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["organisms"] == {"organism-vsm": "organism-vsm-natural"}
 
 
+def test_the_compact_table_has_a_row_per_method_and_a_column_per_organism(tmp_path, capsys):
+    rows = [_row(organism=o, role=role, condition=c, method="exact", family="node", auroc=a)
+            for o, role, c, a in (("organism-vsm", "planted", "id_selection", 1.0),
+                                  ("organism-vsm", "planted", "feature_retrieval", 0.5),
+                                  ("organism-vsm-natural", "twin", "id_selection", 0.25))]
+    rows.append(_row(organism="organism-vsm", role="planted", condition="id_selection", method="ablation:zero",
+                     family="ablation", separation=0.9, separation_low=0.8, separation_high=1.0))
+    BenchmarkResult(rows=rows, organisms={"organism-vsm": "organism-vsm-natural"}).save(tmp_path)
+    assert cli.main(["benchmark", "--table", str(tmp_path), "--compact"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].endswith("| organism-vsm (planted) | organism-vsm-natural (twin) |")
+    assert lines[2:] == ["| exact | 0.75 | 0.25 |", "| ablation:zero | +0.90 | - |"]  # AUROC: the conditions' mean
+
+
 @pytest.mark.parametrize("args, match", [
     (["--table", "{missing}"], "holds no benchmark.json"),
     (["--organisms", "organism-p2a"], "not a shipped organism with a planted mechanism"),
     (["--methods", "exact,nope"], "nope"),
     (["--modes", "zero,half"], "half"),
+    (["--compact"], "give --table DIR with it"),
 ])
 def test_what_cannot_run_is_refused_by_name(args, match, tmp_path, capsys):
     args = [a.replace("{missing}", str(tmp_path / "nothing")) for a in args]

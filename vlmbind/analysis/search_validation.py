@@ -33,12 +33,10 @@ from ..core.checks import check_ablation_modes, check_validation_methods
 from ..core.choices import ABLATION_MODES, VALIDATION_METHODS
 from ..core.errors import InputError
 from ..core.sites import parse_heads
-from ..engine.patching import METHOD_FUNCTIONS
 from .ablation import wilson_interval
-from .mediation import HeadScores, locate
 from .traces import point_swap_pairs
 from .tracking import track, tracking_dataset
-from .validate import ValidationResult, ablate_top_k, planted_heads, rank_metrics, score_rows
+from .validate import ValidationResult, ablate_top_k, naive_sample, planted_heads, score_methods
 
 SEARCH_CONDITION = "search"
 # a centroid this close to the point (in canvas cells) lands on the pointed object's cell
@@ -66,22 +64,8 @@ def search_reference(vlm: Any, reference: Mapping[str, Sequence[str]] | None) ->
     return heads
 
 
-def _naive_check(vlm: Any, pairs: Sequence[Any], exact: HeadScores, reference: Sequence[tuple[int, int]],
-                 n_heads: int, seed: int) -> tuple[list[tuple[int, int]], float]:
-    """``naive`` on the reference heads, the best other exact heads and random ones: the largest |exact - naive|."""
-    everyone = [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads)]
-    chosen = list(dict.fromkeys([*reference, *[x for x in exact.top(len(everyone)) if x not in reference][:2]]))
-    rest = [x for x in everyone if x not in chosen]
-    extra = max(0, n_heads - len(chosen))
-    rng = np.random.default_rng(seed)
-    chosen += [rest[int(i)] for i in rng.choice(len(rest), size=min(extra, len(rest)), replace=False)]
-    layers = sorted({l for l, _ in chosen})
-    worst = 0.0
-    for i, pair in enumerate(pairs):
-        clean, patched = METHOD_FUNCTIONS["naive"](vlm, pair.task(vlm, layers), chosen)
-        for (l, h), value in zip(chosen, patched):
-            worst = max(worst, abs((value - clean) - exact.per_pair[i, l, h]))
-    return chosen, worst
+def _swap_task(vlm: Any, pair: Any, layers: Sequence[int]) -> Any:
+    return pair.task(vlm, layers)
 
 
 def tracking_rows(result: Any, reference: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
@@ -149,23 +133,10 @@ def validate_search(vlm: Any, *, reference: Mapping[str, Sequence[str]] | None =
     swaps = point_swap_pairs(vlm, n_pairs, seed, task="count")
     result.params.update(n_pairs=len(swaps), skipped_traces=len(swaps.skipped))
     result.seconds["pairs"] = time.perf_counter() - start
-    exact: HeadScores | None = None
-    for method in methods:
-        if method == "naive":
-            continue
-        begin = time.perf_counter()
-        extra = {"steps": ig_steps} if method == "integrated_gradients" else {}
-        scores = locate(vlm, swaps, method=method, verify_top=0, progress=progress, **extra)
-        seconds = time.perf_counter() - begin
-        exact = scores if method == "exact" else exact
-        result.scores += score_rows(SEARCH_CONDITION, method, scores, set(heads))
-        result.methods.append({"condition": SEARCH_CONDITION, "method": method, "n_pairs": scores.n, "k": len(heads),
-                               "heads": names, **rank_metrics(scores.scores, heads),
-                               "top_heads": [f"{l}.{h}" for l, h in scores.top(max(3, len(heads)))],
-                               "seconds": seconds})
+    exact = score_methods(vlm, result, SEARCH_CONDITION, swaps, heads, methods, ig_steps, progress)
     if "naive" in methods and exact is not None:
         begin = time.perf_counter()
-        sampled, worst = _naive_check(vlm, list(swaps), exact, heads, naive_heads, seed)
+        sampled, worst = naive_sample(vlm, list(swaps), exact, heads, naive_heads, seed, task=_swap_task)
         result.naive_check[SEARCH_CONDITION] = {"heads": [f"{l}.{h}" for l, h in sampled],
                                                 "max_abs_difference": float(worst),
                                                 "seconds": time.perf_counter() - begin}

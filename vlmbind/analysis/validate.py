@@ -336,9 +336,33 @@ def score_rows(condition: str, method: str, scores: HeadScores, reference: set[t
             for l in range(mean.shape[0]) for h in range(mean.shape[1])]
 
 
-def _naive_sample(vlm: Any, pairs: Sequence[Any], exact: HeadScores, reference: Sequence[tuple[int, int]],
-                  n_heads: int, seed: int) -> tuple[list[tuple[int, int]], float]:
-    """``naive`` on the reference heads, the best-scored others and random heads: the largest |exact - naive|."""
+def score_methods(vlm: Any, result: ValidationResult, condition: str, pairs: Any,
+                  planted: Sequence[tuple[int, int]], methods: Sequence[str], ig_steps: int,
+                  progress: bool) -> HeadScores | None:
+    """Every mediation method but ``naive`` (a check, :func:`naive_sample`) on one condition's pairs: its score rows
+    and its row of the methods table added to ``result``; returns ``exact``'s scores (None when not run)."""
+    exact = None
+    for method in methods:
+        if method == "naive":
+            continue
+        start = time.perf_counter()
+        extra = {"steps": ig_steps} if method == "integrated_gradients" else {}
+        scores = locate(vlm, pairs, method=method, verify_top=0, progress=progress, **extra)
+        seconds = time.perf_counter() - start
+        exact = scores if method == "exact" else exact
+        result.scores += score_rows(condition, method, scores, set(planted))
+        result.methods.append({"condition": condition, "method": method, "n_pairs": scores.n,
+                               "k": len(planted), "heads": [f"{l}.{h}" for l, h in planted],
+                               **rank_metrics(scores.scores, planted),
+                               "top_heads": [f"{l}.{h}" for l, h in scores.top(max(3, len(planted)))],
+                               "seconds": seconds})
+    return exact
+
+
+def naive_sample(vlm: Any, pairs: Sequence[Any], exact: HeadScores, reference: Sequence[tuple[int, int]],
+                 n_heads: int, seed: int, task: Any = scene_task) -> tuple[list[tuple[int, int]], float]:
+    """``naive`` on the reference heads, the best-scored others and random heads: the largest |exact - naive|
+    (``task(vlm, pair, layers)`` builds a pair's patching task: scene pairs by default)."""
     everyone = [(l, h) for l in range(vlm.n_layers) for h in range(vlm.n_heads)]
     chosen = list(dict.fromkeys([*reference, *[x for x in exact.top(len(everyone)) if x not in reference][:2]]))
     rest = [x for x in everyone if x not in chosen]
@@ -348,8 +372,7 @@ def _naive_sample(vlm: Any, pairs: Sequence[Any], exact: HeadScores, reference: 
     worst = 0.0
     layers = sorted({l for l, _ in chosen})
     for i, pair in enumerate(pairs):
-        task = scene_task(vlm, pair, layers)
-        clean, patched = METHOD_FUNCTIONS["naive"](vlm, task, chosen)
+        clean, patched = METHOD_FUNCTIONS["naive"](vlm, task(vlm, pair, layers), chosen)
         for (l, h), value in zip(chosen, patched):
             worst = max(worst, abs((value - clean) - exact.per_pair[i, l, h]))
     return chosen, worst
@@ -516,24 +539,12 @@ def validate(vlm: Any, *, reference: Mapping[str, Any] | None = None, reference_
     exact_scores: dict[str, HeadScores] = {}
     for condition, pair_list in pair_sets.items():
         planted = heads.get(condition, [])
-        for method in methods:
-            if method == "naive":
-                continue
-            start = time.perf_counter()
-            extra = {"steps": ig_steps} if method == "integrated_gradients" else {}
-            scores = locate(vlm, pair_list, method=method, verify_top=0, progress=progress, **extra)
-            seconds = time.perf_counter() - start
-            if method == "exact":
-                exact_scores[condition] = scores
-            result.scores += score_rows(condition, method, scores, set(planted))
-            result.methods.append({"condition": condition, "method": method, "n_pairs": scores.n,
-                                   "k": len(planted), "heads": [f"{l}.{h}" for l, h in planted],
-                                   **rank_metrics(scores.scores, planted),
-                                   "top_heads": [f"{l}.{h}" for l, h in scores.top(max(3, len(planted)))],
-                                   "seconds": seconds})
+        exact = score_methods(vlm, result, condition, pair_list, planted, methods, ig_steps, progress)
+        if exact is not None:
+            exact_scores[condition] = exact
         if "naive" in methods and condition in exact_scores:
             start = time.perf_counter()
-            sampled, worst = _naive_sample(vlm, pair_list, exact_scores[condition], planted, naive_heads, seed)
+            sampled, worst = naive_sample(vlm, pair_list, exact_scores[condition], planted, naive_heads, seed)
             result.naive_check[condition] = {"heads": [f"{l}.{h}" for l, h in sampled],
                                              "max_abs_difference": float(worst), "seconds": time.perf_counter() - start}
     result.seconds["mediation"] = float(sum(r["seconds"] for r in result.methods))

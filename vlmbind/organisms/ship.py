@@ -261,19 +261,23 @@ def planted_card(record: dict[str, Any], config: dict[str, Any], params: int,
           + (_stage_siit(stage["siit"]) if stage.get("siit") else ", behaviour loss only")
           + f"; wall time {(results.get(stage['stage'], {}).get('wall_time_s') or 0) / 60:.1f} min on one CPU thread"
           for stage in record["stages"]],
-        f"- seed {record['seed']}; total wall time {record['wall_time_s'] / 60:.1f} min",
-        "", f"Reproduce: `{record['command']}`, then `python -m vlmbind.organisms.ship {record['organism']} "
-        f"runs/organisms/{record['organism']}`."]
+        f"- seed {record['seed']}; total wall time {record['wall_time_s'] / 60:.1f} min"]
+    params = (validation or {}).get("params", {})
+    stimuli = (f"{params.get('n_pairs')} pairs per condition, seed {params.get('seed')}, {params.get('n_objects')} "
+               f"objects per scene ({params.get('entropy')} entropy); ablation on {params.get('n_eval')} scenes.")
+    return "\n".join(lines + _card_tail(record, validation, "fresh pairs", stimuli, validation_command)) + "\n"
+
+
+def _card_tail(record: dict[str, Any], validation: dict[str, Any] | None, heading: str, stimuli: str,
+               validation_command: str | None) -> list[str]:
+    """A card's last lines: how to reproduce the organism, then its validation (where one is given)."""
+    lines = ["", f"Reproduce: `{record['command']}`, then `python -m vlmbind.organisms.ship {record['organism']} "
+             f"runs/organisms/{record['organism']}`."]
     if validation:
-        params = validation.get("params", {})
-        lines += ["", "## Validation (fresh pairs)", "",
-                  f"{params.get('n_pairs')} pairs per condition, seed {params.get('seed')}, "
-                  f"{params.get('n_objects')} objects per scene ({params.get('entropy')} entropy); ablation on "
-                  f"{params.get('n_eval')} scenes.", ""]
-        lines += validation_lines(validation)
+        lines += ["", f"## Validation ({heading})", "", stimuli, "", *validation_lines(validation)]
         if validation_command:
             lines += ["", f"Measured with `{validation_command}`."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def search_card(record: dict[str, Any], config: dict[str, Any], params: int,
@@ -318,19 +322,13 @@ def search_card(record: dict[str, Any], config: dict[str, Any], params: int,
           f"{stage.get('attn_implementation', 'sdpa')} attention; wall time "
           f"{(results.get(stage['stage'], {}).get('wall_time_s') or 0) / 60:.1f} min"
           for stage in record["stages"]],
-        f"- seed {record['seed']}; total wall time {record['wall_time_s'] / 60:.1f} min on 2 CPU cores",
-        "", f"Reproduce: `{record['command']}`, then `python -m vlmbind.organisms.ship {record['organism']} "
-        f"runs/organisms/{record['organism']}`."]
-    if validation:
-        params_ = validation.get("params", {})
-        lines += ["", "## Validation (fresh counting displays)", "",
-                  f"{params_.get('n_pairs')} attention_swap pairs from the model's own counting traces, seed "
-                  f"{params_.get('seed')}; tracking on {params_.get('n_points')} points; ablation on "
-                  f"{params_.get('n_eval')} displays.", ""]
-        lines += validation_lines(validation)
-        if validation_command:
-            lines += ["", f"Measured with `{validation_command}`."]
-    return "\n".join(lines) + "\n"
+        f"- seed {record['seed']}; total wall time {record['wall_time_s'] / 60:.1f} min on 2 CPU cores"]
+    params = (validation or {}).get("params", {})
+    stimuli = (f"{params.get('n_pairs')} attention_swap pairs from the model's own counting traces, seed "
+               f"{params.get('seed')}; tracking on {params.get('n_points')} points; ablation on "
+               f"{params.get('n_eval')} displays.")
+    return "\n".join(lines + _card_tail(record, validation, "fresh counting displays", stimuli,
+                                        validation_command)) + "\n"
 
 
 def _start_line(init_layers: list[int | None] | None) -> str:
