@@ -38,15 +38,23 @@ them), and what each writes under ``--out``:
 - ``steering``: ``vlmbind steer``'s defaults (a described object, the last prompt token and every answer position)
   on ``--n`` fresh scenes, for each planted head alone and the two ID-selection heads together, beside as many random
   heads (five draws), and every head's gaze -> ``<model>/steer/<heads>/`` and ``steering.json``;
-- ``steering_points``: on organism-p2a's search traces (``--n`` fresh displays), the two heads whose attention at
-  the last prompt token falls most on the object the answer points at first (gaze, measured on the same displays),
-  each alone and together, steered to a distractor while the first point is written, beside random heads ->
-  ``steering_points.json``;
+- ``steering_points``: on organism-p2a's and organism-search's search and counting traces (``--n`` fresh displays
+  each), the two heads whose attention at the last prompt token falls most on the object the answer points at first
+  (gaze, measured on the same displays), each alone and together, and organism-search's planted search heads,
+  steered to a distractor while the first point is written, beside random heads -> ``steering_points.json``;
 - ``lens``: ``vlmbind lens``'s defaults on ``--n`` scene-description scenes: per layer the share of objects whose colour
   and shape word decodes at their own image tokens, beside background tokens -> ``lens.json``;
 - ``relevancy``: ``vlmbind relevancy``'s defaults on organism-p2a's query task (``--n`` examples): each map's
   deletion / insertion AUC against random maps, the knockout of its top cells against random cells, and its mass on
-  the object asked about -> ``relevancy.json``.
+  the object asked about -> ``relevancy.json``;
+- ``search``: organism-search and its twin on ``--n`` fresh displays per task: answer and whole-trace accuracy on
+  search and counting; on ``--n`` fresh pointing pairs, the share whose patched point moves to the source's object
+  with organism-search's planted heads interchanged at its two steps (by pair kind), and the share of answers each
+  other head changes when interchanged alone there; whole-trace counting accuracy with each head zero-ablated alone
+  (validate's ablation displays); and for organism-p2a, organism-search and its twin, linear probes of every image
+  token's grid row and column after each decoder layer -> ``search.json``;
+- ``benchmark``: ``vlmbind benchmark``'s defaults (``--n`` pairs per condition): every method on organism-vsm,
+  organism-search and their twins -> ``benchmark/`` (benchmark.json, benchmark.csv and each validation's files).
 
 At the default ``--out`` the README's tables are rendered again from the results (``tables.py``).
 """
@@ -67,15 +75,22 @@ from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
+import torch
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 import vlmbind as vb
 from vlmbind.analysis.ablation import ablation_study, wilson_interval
+from vlmbind.analysis.benchmark import benchmark
 from vlmbind.analysis.edits import edit_studies
 from vlmbind.analysis.evaluation import training_defaults
 from vlmbind.analysis.lens import lens, lens_dataset
 from vlmbind.analysis.mediation import scene_task
 from vlmbind.analysis.relevancy import relevancy, relevancy_dataset
+from vlmbind.analysis.search_validation import validate_search
 from vlmbind.analysis.steering import steer
+from vlmbind.analysis.tracking import tracking_dataset
 from vlmbind.analysis.validate import (
     ValidationResult,
     held_out_objects,
@@ -86,11 +101,13 @@ from vlmbind.analysis.validate import (
     validate,
 )
 from vlmbind.core.io import write_json_atomic, write_text_atomic
+from vlmbind.core.shipped import planted_organisms
 from vlmbind.core.sites import parse_heads
 from vlmbind.engine.patching import atp_star_diffs, attribution_diffs
-from vlmbind.organisms.data import BatchBuilder, training_canvas
+from vlmbind.organisms.data import BatchBuilder, TaskMixture, TaskSpec, training_canvas
 from vlmbind.organisms.siit.evaluation import answer_changes_per_set, interchange_accuracy, unpatched_accuracy
 from vlmbind.organisms.siit.interchange import HeadInterchange
+from vlmbind.organisms.siit.pointing import PointSIITSpec, evaluation_point_pairs, point_interchange
 from vlmbind.stimuli import scene_description, scene_pairs
 
 HERE = Path(__file__).parent
@@ -98,6 +115,8 @@ RESULTS = HERE / "results"
 PLANTED = "organism-vsm"  # the organism whose recorded heads are the reference
 REFERENCES = {"organism-vsm-natural": PLANTED}  # a model with nothing planted, scored against another's heads
 TWINS = ("organism-vsm", "organism-vsm-natural")
+SEARCH = "organism-search"  # the organism whose planted search heads are the reference of the search part
+SEARCH_TWINS = (SEARCH, "organism-search-natural")
 N_ESTIMATE = inspect.signature(validate).parameters["n_estimate"].default  # validate's position-ID estimation scenes
 POOLS = {"colours": ("red", "green", "blue", "yellow"), "shapes": ("square", "circle", "triangle", "star")}
 PAIR_OPTIONS = {"id_selection": {"swap": "random"}, "id_retrieval": {"swap": "random"},
@@ -541,19 +560,22 @@ def run_steering_points(run: Run) -> None:
     results = []
     for name in run.models:
         vlm = vb.load(name)
-        # the gaze comes from the unsteered forward: any head gives it; the heads then steered are chosen by it
-        gaze = steer(vlm, "0.0", task="search", n=run.n, seed=run.seed, n_random=0).gaze
-        gaze = gaze.assign(excess=gaze["gaze"] - gaze["chance"]).sort_values("excess", ascending=False, kind="stable")
-        top = [f"{int(r['layer'])}.{int(r['head'])}" for _, r in gaze.head(2).iterrows()]
-        rows = []
-        for heads in [*top, ",".join(top)]:
-            found = steer(vlm, heads, task="search", n=run.n, seed=run.seed)
-            by_head = gaze.set_index(["layer", "head"])["gaze"]
-            rows.append({**found.summary(), "gaze": {h: float(by_head.loc[tuple(map(int, h.split(".")))])
-                                                     for h in heads.split(",")}})
-            print(f"{name} {heads}: first point moved {rows[-1]['efficacy']:.3f}, random heads "
-                  f"{rows[-1]['random_heads_efficacy']:.3f} ({found.seconds:.0f} s)", file=sys.stderr)
-        results.append({"model": name, "rows": rows})
+        planted = (vlm.training.get("planted") or {}).get("search", [])
+        for task in ("search", "count"):
+            # the gaze comes from the unsteered forward: any head gives it; the heads then steered are chosen by it
+            gaze = steer(vlm, "0.0", task=task, n=run.n, seed=run.seed, n_random=0).gaze
+            gaze = gaze.assign(excess=gaze["gaze"] - gaze["chance"]).sort_values("excess", ascending=False,
+                                                                                 kind="stable")
+            top = [f"{int(r['layer'])}.{int(r['head'])}" for _, r in gaze.head(2).iterrows()]
+            rows = []
+            for heads in [*(h for h in planted if h not in top), *top, ",".join(top)]:
+                found = steer(vlm, heads, task=task, n=run.n, seed=run.seed)
+                by_head = gaze.set_index(["layer", "head"])["gaze"]
+                rows.append({**found.summary(), "gaze": {h: float(by_head.loc[tuple(map(int, h.split(".")))])
+                                                         for h in heads.split(",")}})
+                print(f"{name} {task} {heads}: first point moved {rows[-1]['efficacy']:.3f}, random heads "
+                      f"{rows[-1]['random_heads_efficacy']:.3f} ({found.seconds:.0f} s)", file=sys.stderr)
+            results.append({"model": name, "task": task, "planted": planted, "rows": rows})
     write_json_atomic({"command": run.command, "results": results}, run.out / "steering_points.json")
 
 
@@ -587,6 +609,111 @@ class Part(NamedTuple):
     seed: int
 
 
+def record_mixture(vlm, seed: int) -> TaskMixture:
+    """The task mixture an organism was trained on (its training record's tasks and options), drawing with ``seed``."""
+    training = vlm.training
+    specs = [TaskSpec.from_options(t, w, training["task_options"].get(t)) for t, w in training["tasks"].items() if w > 0]
+    return TaskMixture(specs, regime=training["regime"], image_size=training["image_size"], seed=seed)
+
+
+def measure_search(name: str, heads: list[str], n: int, seed: int) -> dict:
+    vlm = vb.load(name)
+    out = {"model": name, "heads": heads, "n": n, "seed": seed, "tasks": {}}
+    for task in ("search", "count"):
+        options = {"present": 0.5} if task == "search" else {}
+        dataset = tracking_dataset(vlm, task, n, seed, **options)
+        result = vb.evaluate(vlm, dataset)
+        exact = [r["output"].strip() == e.answer for r, e in zip(result.records, dataset)]
+        out["tasks"][task] = {"n": len(exact), "answer_accuracy": result.accuracy,
+                              "trace_accuracy": float(np.mean(exact)), "objects": dataset.params.get(
+                                  "objects", dataset.params.get("n_objects"))}
+        print(name, task, out["tasks"][task], file=sys.stderr, flush=True)
+    spec = PointSIITSpec(heads=tuple(heads))
+    pairs = evaluation_point_pairs(spec, record_mixture(vlm, seed), seed=seed, n=n)
+    builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
+    grid = training_canvas(vlm.training).shape[1]
+    planted = point_interchange(vlm.model, interchange, builder, pairs, spec.planted(), grid)
+    kinds = [p.kind for p in pairs]
+    out["interchange"] = {kind: {"n": kinds.count(kind),
+                                 "moved": float(np.mean([m for m, k in zip(planted["moved"], kinds) if k == kind]))}
+                          for kind in sorted(set(kinds))}
+    out["interchange"]["all"] = {"n": len(pairs), "moved": float(np.mean(planted["moved"]))}
+    changes = {}
+    for layer, head in spec.unaligned(vlm.n_layers, vlm.n_heads):
+        found = point_interchange(vlm.model, interchange, builder, pairs, [(layer, head)], grid)
+        changes[f"{layer}.{head}"] = float(np.mean(found["changed"]))
+    worst = max(changes, key=changes.get)
+    out["unplanted_changes"] = changes
+    out["unplanted_changes_max"] = {"head": worst, "share": changes[worst], "n": len(pairs)}
+    # every head zero-ablated alone on counting displays, a display right when its whole trace is: a head the
+    # traces need is not thereby a head that carries the pointed cell
+    displays = tracking_dataset(vlm, "count", n, seed + 2)
+    for example in displays:
+        example.fields["scorer"] = "exact"
+    out["single_heads"] = {"n": len(displays), "clean": vb.evaluate(vlm, displays).accuracy, "zero": {}}
+    for layer in range(vlm.n_layers):
+        for head in range(vlm.n_heads):
+            with vlm.ablate([(layer, head)], mode="zero"):
+                out["single_heads"]["zero"][f"{layer}.{head}"] = vb.evaluate(vlm, displays).accuracy
+    print(name, out["interchange"], out["unplanted_changes_max"], file=sys.stderr, flush=True)
+    return out
+
+
+def position_probes(name: str, n: int, seed: int) -> list[dict]:
+    """Per decoder layer (0: the decoder's input), the held-out accuracy of linear probes (standardised logistic
+    regression, a quarter of the displays held out) reading every image token's grid row and column from the
+    residual stream, on ``n`` counting displays."""
+    vlm = vb.load(name)
+    builder = BatchBuilder(vlm.processor)
+    dataset = list(tracking_dataset(vlm, "count", n, seed, objects=(1, 4)))
+    batch = builder([(e.image, e.prompt, e.answer) for e in dataset])
+    with torch.no_grad():
+        hidden = vlm.model(**batch.inputs, output_hidden_states=True, use_cache=False).hidden_states
+    image = batch.inputs["input_ids"] == builder.image_token_id
+    side = training_canvas(vlm.training).shape[1]
+    cells = np.tile(np.arange(side * side), len(dataset))
+    train = np.repeat(np.arange(len(dataset)) < (3 * len(dataset)) // 4, side * side)
+    rows = []
+    for layer, states in enumerate(hidden):
+        x = states[image].float().numpy()
+        row = {"model": name, "layer": layer, "n_train": int(train.sum()), "n_test": int((~train).sum())}
+        for target, y in (("row", cells // side), ("column", cells % side)):
+            probe = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(x[train], y[train])
+            row[target] = float(probe.score(x[~train], y[~train]))
+        rows.append(row)
+    return rows
+
+
+def run_search(run: Run) -> None:
+    heads = recorded_planted(SEARCH)["search"]
+    probes = [r for m in ("organism-p2a", *run.models) for r in position_probes(m, run.n, run.seed)]
+    write_json_atomic({"command": run.command, "planted": heads,
+                       "results": [measure_search(m, heads, run.n, run.seed) for m in run.models],
+                       "position_probes": probes}, run.out / "search.json")
+
+
+def run_benchmark(run: Run) -> None:
+    organisms = {name: twin for name, twin in planted_organisms().items() if name in run.models}
+    scene = partial(_scene_validation, n_pairs=run.n, seed=run.seed)
+    search = partial(_search_validation, n_pairs=run.n, seed=run.seed)
+    validations = {name: (search if "search" in recorded_planted(name) else scene) for name in organisms}
+    result = benchmark(organisms, validations, out=run.out / "benchmark", figures=False)
+    result.params = {"n_pairs": run.n, "seed": run.seed, "command": run.command}
+    result.save(run.out / "benchmark")
+
+
+def _scene_validation(vlm, reference, source, **options) -> ValidationResult:
+    edges = recorded_edges(source) if source is not None else None
+    methods = [m for m in inspect.signature(validate).parameters["methods"].default if m != "naive"]
+    return validate(vlm, reference=reference, reference_source=source, reference_edges=edges, methods=methods,
+                    **options)
+
+
+def _search_validation(vlm, reference, source, **options) -> ValidationResult:
+    methods = [m for m in inspect.signature(validate_search).parameters["methods"].default if m != "naive"]
+    return validate_search(vlm, reference=reference, reference_source=source, methods=methods, **options)
+
+
 PARTS = {
     "validate": Part(run_validate, (*TWINS, "organism-p2a"), n=24, seed=1000),
     "interchange": Part(run_interchange, TWINS, n=64, seed=1000),
@@ -598,9 +725,11 @@ PARTS = {
     "edges": Part(run_edges, TWINS, n=24, seed=1000),
     "atp_star": Part(run_atp_star, TWINS, n=24, seed=1000),
     "steering": Part(run_steering, TWINS, n=64, seed=1000),
-    "steering_points": Part(run_steering_points, ("organism-p2a",), n=64, seed=1000),
+    "steering_points": Part(run_steering_points, ("organism-p2a", SEARCH), n=64, seed=1000),
     "lens": Part(run_lens, (*TWINS, "organism-p2a"), n=32, seed=1000),
     "relevancy": Part(run_relevancy, ("organism-p2a",), n=64, seed=1),
+    "search": Part(run_search, SEARCH_TWINS, n=64, seed=1000),
+    "benchmark": Part(run_benchmark, (*TWINS[:1], SEARCH), n=16, seed=1000),
 }
 
 

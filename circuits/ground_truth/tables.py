@@ -17,6 +17,7 @@ sys.path.insert(0, str(HERE.parent))
 import readme_tables  # noqa: E402  (circuits/readme_tables.py, shared by the circuits' tables)
 
 from vlmbind.analysis.ablation import wilson_interval  # noqa: E402  (the intervals the ablations report)
+from vlmbind.analysis.benchmark import BenchmarkResult  # noqa: E402  (the benchmark's saved table)
 
 RESULTS = HERE / "results"
 README = HERE / "README.md"
@@ -400,13 +401,15 @@ def steering_table(document: dict) -> str:
 
 def steering_points_table(document: dict) -> str:
     """The heads that gaze most at the pointed object, steered to a distractor while the first point is written."""
-    out = ["| model | heads steered | gaze | first point moves to the distractor | random heads, same push | "
+    out = ["| model | task | heads steered | gaze | first point moves to the distractor | random heads, same push | "
            "first point still the expected one | unsteered: first point right | displays | seconds |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for result in document["results"]:
+        planted = set(result.get("planted", []))
         for r in result["rows"]:
             gaze = ", ".join(f"{r['gaze'][h]:.2f}" for h in r["heads"])
-            out.append(f"| {result['model']} | {' '.join(r['heads'])} | {gaze} | "
+            named = " ".join(f"{h} (planted)" if h in planted else h for h in r["heads"])
+            out.append(f"| {result['model']} | {result.get('task', 'search')} | {named} | {gaze} | "
                        f"{_interval_of(r['efficacy'], r['efficacy_interval'])} | "
                        f"{_interval_of(r['random_heads_efficacy'], r['random_heads_efficacy_interval'])} "
                        f"(n={r['random_heads_n']}) | {_rate(r['steered_original'], r['n_counted'])} | "
@@ -460,6 +463,82 @@ def relevancy_table(document: dict) -> str:
     return "\n".join(out)
 
 
+def search_accuracy_table(document: dict) -> str:
+    """Per organism and task: the answer's accuracy and the whole trace's (every point and the answer) on fresh
+    displays, with 95% Wilson intervals."""
+    out = ["| model | task | objects | answer right | whole trace right | displays |", "|---|---|---|---|---|---|"]
+    for result in document["results"]:
+        for task, r in result["tasks"].items():
+            objects = r["objects"] if isinstance(r["objects"], (int, str)) else f"{min(r['objects'])}-{max(r['objects'])}"
+            out.append(f"| {result['model']} | {task} | {objects} | {_rate(r['answer_accuracy'], r['n'])} | "
+                       f"{_rate(r['trace_accuracy'], r['n'])} | {r['n']} |")
+    return "\n".join(out)
+
+
+def search_interchange_table(document: dict) -> str:
+    """Per organism: the share of fresh pointing pairs whose patched point moves to the source's object with the
+    planted search heads interchanged at its two steps (by pair kind), and the largest share of answers one other
+    head changes when interchanged alone there (95% Wilson intervals)."""
+    out = [f"| model | heads interchanged | pairs | point moved to the source's object | largest share one other head "
+           "changes (head) |", "|---|---|---|---|---|"]
+    for result in document["results"]:
+        worst = result["unplanted_changes_max"]
+        for kind, r in result["interchange"].items():
+            last = f"{_rate(worst['share'], worst['n'])} ({worst['head']})" if kind == "all" else ""
+            out.append(f"| {result['model']} | {' '.join(result['heads'])} | {kind} | {_rate(r['moved'], r['n'])} "
+                       f"(n={r['n']}) | {last} |")
+    return "\n".join(out)
+
+
+def search_single_heads_table(document: dict) -> str:
+    """Per organism: whole-trace counting accuracy with each head zero-ablated alone, the heads below
+    :data:`NEEDED_BELOW` listed (95% Wilson intervals)."""
+    out = ["| model | clean | planted heads ablated alone | other heads the traces need (accuracy) | every other "
+           "head, lowest | displays |", "|---|---|---|---|---|---|"]
+    for result in document["results"]:
+        single = result["single_heads"]
+        n, zero, planted = single["n"], single["zero"], set(document["planted"])
+        mine = ", ".join(f"{h}: {_rate(zero[h], n)}" for h in document["planted"])
+        others = {h: v for h, v in zero.items() if h not in planted}
+        needed = ", ".join(f"{h} ({v:.2f})" for h, v in sorted(others.items(), key=lambda kv: kv[1])
+                           if v < NEEDED_BELOW * single["clean"]) or "none"
+        rest = min((v for h, v in others.items() if v >= NEEDED_BELOW * single["clean"]), default=float("nan"))
+        out.append(f"| {result['model']} | {_rate(single['clean'], n)} | {mine} | {needed} | {_cell(rest)} | {n} |")
+    return "\n".join(out)
+
+
+def position_probe_table(document: dict) -> str:
+    """Per model and decoder layer, the held-out accuracy of linear probes of every image token's grid row and
+    column (chance 1/6)."""
+    out = ["| model | after layer | row | column | image tokens held out |", "|---|---|---|---|---|"]
+    for r in document["position_probes"]:
+        where = "input" if r["layer"] == 0 else str(r["layer"] - 1)
+        out.append(f"| {r['model']} | {where} | {r['row']:.2f} | {r['column']:.2f} | {r['n_test']} |")
+    return "\n".join(out)
+
+
+def tracking_table(results: Path = RESULTS) -> str:
+    """Per search organism (the benchmark's validations): the head whose centroid tracks the written points best,
+    and the planted head's RMSE, rank and share of points within half a cell (95% Wilson interval)."""
+    out = ["| model | lowest RMSE (head) | planted head | its RMSE (rank) | centroid within half a cell of the point | "
+           "points |", "|---|---|---|---|---|---|"]
+    for name in ("organism-search", "organism-search-natural"):
+        summary = json.loads((results / "benchmark" / name / "validation.json").read_text())["summary"]["tracking"]
+        for r in summary["reference"]:
+            low, high = r["within_ci"]
+            out.append(f"| {name} | {summary['best_rmse']:.2f} ({summary['best_head']}) | {r['head']} | "
+                       f"{r['rmse']:.2f} ({r['rank']}) | {r['within_half_cell']:.2f} [{low:.2f}, {high:.2f}] | "
+                       f"{r['n_points']} |")
+    return "\n".join(out)
+
+
+def benchmark_table(results: Path = RESULTS) -> str:
+    """``vlmbind benchmark --table results/benchmark``, compact (one row per method, one column per organism: the
+    README's and docs/ground_truth.md's) and in full."""
+    saved = BenchmarkResult.load(results / "benchmark")
+    return saved.compact_markdown() + "\n\n" + saved.markdown()
+
+
 def _load(name: str, results: Path) -> dict:
     return json.loads((results / name).read_text())
 
@@ -481,10 +560,18 @@ def render(results: Path = RESULTS) -> str:
         faithfulness_table(_load("edges.json", results), results),
         "### AtP and AtP* on the ID-selection heads", atp_star_table(_load("atp_star.json", results)),
         "### Attention steering of the planted heads", steering_table(_load("steering.json", results)),
-        "### Steering the heads that look at the pointed object (organism-p2a, search)",
+        "### Steering the heads that look at the pointed object (Point-to-Answer traces)",
         steering_points_table(_load("steering_points.json", results)),
         "### The logit lens over the image grid", lens_table(_load("lens.json", results)),
-        "### Relevancy maps on organism-p2a's query task", relevancy_table(_load("relevancy.json", results))])
+        "### Relevancy maps on organism-p2a's query task", relevancy_table(_load("relevancy.json", results)),
+        "### organism-search: pointing accuracy", search_accuracy_table(_load("search.json", results)),
+        "### organism-search: interchange and strictness at the point steps",
+        search_interchange_table(_load("search.json", results)),
+        search_single_heads_table(_load("search.json", results)),
+        "### organism-search: attention-centroid tracking", tracking_table(results),
+        "### Where the image tokens' grid cell is readable (linear probes)",
+        position_probe_table(_load("search.json", results)),
+        "### The benchmark: every method on every planted organism and its twin", benchmark_table(results)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,7 @@ def test_search_ablation_runs_on_counting_and_the_result_round_trips(searched, t
     arms = {a["arm"] for a in result.ablation}
     assert {"clean", "top", "random", "bottom"} <= arms and {a["mode"] for a in result.ablation} == {"zero"}
     assert all(a["n"] == 6 for a in result.ablation)
+    assert result.params["ablation_scored"] == "whole trace"  # the points are what a search head writes
     result.save(tmp_path, figure=False)
     loaded = ValidationResult.load(tmp_path)
     assert loaded.tracking == result.tracking and loaded.methods == result.methods

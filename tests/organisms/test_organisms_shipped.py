@@ -270,3 +270,51 @@ def test_the_recipe_reproduces_the_recorded_first_steps(tmp_path):
     for part in ("behaviour", "iit", "strict", "position"):
         assert first[part] == pytest.approx(logged[part], rel=1e-5), part
     assert state["siit_losses"][50]["strict_head"] == LOGGED_STRICT_HEAD_STEP_51
+
+
+def test_the_planted_search_head_moves_the_point():
+    """On fresh pointing pairs (within one counting trace and across displays), interchanging organism-search's
+    planted head at a point's two steps moves that point to the source's object; the unpatched run almost never
+    writes the source's point, and the twin carries no planted heads."""
+    from vlmbind.organisms.data import BatchBuilder, TaskMixture, TaskSpec, answer_correct, training_canvas
+    from vlmbind.organisms.siit.interchange import HeadInterchange
+    from vlmbind.organisms.siit.pointing import PointSIITSpec, evaluation_point_pairs, point_batch, point_interchange
+
+    vlm = shared_organism("organism-search")
+    record = vlm.training
+    spec = PointSIITSpec(heads=tuple(record["planted"]["search"]))
+    mixture = TaskMixture([TaskSpec.from_options(t, w, record["task_options"].get(t))
+                           for t, w in record["tasks"].items()], regime="p2a", image_size=168, seed=4242)
+    pairs = evaluation_point_pairs(spec, mixture, seed=4242, n=32)
+    assert {p.kind for p in pairs} == {"trace", "display"}
+    builder, interchange = BatchBuilder(vlm.processor), HeadInterchange(vlm.model, vlm.processor)
+    moved = point_interchange(vlm.model, interchange, builder, pairs, spec.planted(), training_canvas(record).shape[1])
+    assert sum(moved["moved"]) / len(pairs) >= 0.9
+    with torch.no_grad():  # the source's point is not what the base run writes on its own
+        batch = point_batch(builder, pairs, 6)
+        unpatched = answer_correct(vlm.model(**batch.base.inputs).logits, batch.counterfactual)
+    assert float(unpatched.float().mean()) <= 0.1
+    assert "planted" not in shared_organism("organism-search-natural").training
+
+
+def test_the_search_twin_is_the_planted_recipe_without_the_siit_losses():
+    planted, natural = (json.loads((organism_dir(n) / TRAINING_FILE).read_text())
+                        for n in ("organism-search", "organism-search-natural"))
+    assert planted["planted"] == {"search": ["2.1"]}
+    for a, b in zip(planted["stages"], natural["stages"], strict=True):
+        spec, twin = a.pop("point_siit"), b.pop("point_siit")
+        assert {k: v for k, v in a.items() if k != "stage"} == {k: v for k, v in b.items() if k != "stage"}
+        assert twin["position_layer"] == spec["position_layer"] and twin["position_weight"] == spec["position_weight"]
+        assert spec["iit_weight"] > 0 and all(twin[w] == 0 for w in ("iit_weight", "strict_weight",
+                                                                     "attention_weight", "readout_weight"))
+
+
+@pytest.mark.parametrize("name", ["organism-search", "organism-search-natural"])
+def test_the_search_organisms_cards_are_drawn_from_their_records_and_saved_validation(name):
+    from vlmbind.organisms.ship import shipped_card
+
+    validation = json.loads((ROOT / "circuits" / "ground_truth" / "results" / "benchmark" / name
+                             / "validation.json").read_text())
+    expected = shipped_card(name, validation)
+    assert (organism_dir(name) / "README.md").read_text() == expected
+    assert "## Validation (fresh counting displays)" in expected and "attention_swap" in expected

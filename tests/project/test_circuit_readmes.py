@@ -100,8 +100,10 @@ def _quoted(figure: dict) -> str:
 
 
 def test_the_ground_truth_docs_quote_only_the_rendered_results_and_the_cards():
-    """docs/ground_truth.md shows no table of its own: every figure it quotes is printed by the ground-truth tables or,
-    for the training times, read from the organisms' training records; it ends naming the commit with the history."""
+    """docs/ground_truth.md shows no table of its own: every figure it quotes is printed by the ground-truth tables
+    (the benchmark's compact table among them) or, for the training times, read from the organisms' training
+    records; it stays a page (two planted organisms and the benchmark) and ends naming the commit with the
+    history."""
     from vlmbind.core.shipped import organism_dir
 
     tables = _tables("ground_truth")
@@ -115,7 +117,7 @@ def test_the_ground_truth_docs_quote_only_the_rendered_results_and_the_cards():
                for name in ("organism-vsm", "organism-vsm-natural")}
     assert (f"{minutes['organism-vsm']:.1f} min on one thread (the twin, {minutes['organism-vsm-natural']:.1f})"
             in _flat(text))
-    assert "circuits/ground_truth/README.md" in text and len(text) < 13_000
+    assert "circuits/ground_truth/README.md" in text and len(text) < 20_000
     last = text.rstrip().splitlines()[-1]
     assert "bf97b41" in last and "`git show bf97b41:docs/ground_truth.md`" in last
 

@@ -5,6 +5,7 @@ output, and every tool the docs name is installed."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -213,6 +214,32 @@ def test_families_tables_are_the_generated_ones(page, form, capsys):
             assert cell and "\n" not in cell, (row["family"], column)
     capability_columns = list(rows[0])[4:]
     assert all(r[c].startswith(("yes", "n/a because ", "no: ")) for r in rows for c in capability_columns)
+
+
+BENCHMARK = "circuits/ground_truth/results/benchmark"
+
+
+@pytest.mark.parametrize("page, compact", [("README.md", True), ("docs/ground_truth.md", True)])
+def test_benchmark_tables_are_the_saved_benchmarks(page, compact, capsys):
+    """The README's and docs/ground_truth.md's benchmark tables are `vlmbind benchmark --table ... --compact` as the
+    command prints it from the saved benchmark (the full one is circuits/ground_truth's); it covers every shipped
+    planted organism and its twin."""
+    from vlmbind.app.commands import main
+    from vlmbind.core.shipped import planted_organisms
+
+    command = f"vlmbind benchmark --table {BENCHMARK}" + (" --compact" if compact else "")
+    assert main(command.split()[1:]) == 0
+    table = capsys.readouterr().out
+    text = (ROOT / page).read_text()
+    m = re.search(r"<!-- BEGIN benchmark \((.*?); do not edit by hand\) -->\n(.*?)<!-- END benchmark -->", text,
+                  re.S)
+    assert m, f"{page}'s benchmark table has lost its BEGIN / END markers"
+    assert m.group(1) == command
+    assert m.group(2) == table, f"{page}'s benchmark table is stale: paste `{command}` between the markers"
+    saved = json.loads((ROOT / BENCHMARK / "benchmark.json").read_text())
+    organisms = {r["organism"] for r in saved["rows"]}
+    for planted, twin in planted_organisms().items():
+        assert planted in organisms and (twin is None or twin in organisms), (planted, twin)
 
 
 def test_the_compact_families_table_keeps_every_reason():

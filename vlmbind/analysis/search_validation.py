@@ -12,7 +12,9 @@ counting displays (another seed than training's, the organism's own object count
   centroid and the point the model wrote, whether the lowest RMSE is at a planted head, and per head the share of
   points whose centroid lies within half a cell of the point (Wilson 95% interval);
 * ablation of the top-k heads by exact attention_swap score (k = the planted count) on counting, against random-k
-  from the other heads, random-k from the top-k's own layers and the bottom-k.
+  from the other heads, random-k from the top-k's own layers and the bottom-k. A display counts as right when its
+  whole trace is (every point and the count): the points are what a search head writes, and a small count can be
+  right with every point wrong.
 
 The result is a :class:`~vlmbind.analysis.validate.ValidationResult` (condition ``search``, with a ``tracking``
 table), so the scene validation's tables, figure and export read it as they read any other. On a model with nothing
@@ -149,6 +151,9 @@ def validate_search(vlm: Any, *, reference: Mapping[str, Sequence[str]] | None =
     if exact is not None:
         begin = time.perf_counter()
         dataset = tracking_dataset(vlm, "count", n_eval, seed + 2)
+        for example in dataset:  # a search head writes the points: right means the whole trace, points and count
+            example.fields["scorer"] = "exact"
+        result.params["ablation_scored"] = "whole trace"
         ablate_top_k(vlm, result, {SEARCH_CONDITION: heads}, {SEARCH_CONDITION: exact}, dataset, modes,
                      ablation_seeds)
         result.seconds["ablation"] = time.perf_counter() - begin

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ORGANISM_NAMES = ("organism-p2a", "organism-direct", "organism-vsm", "organism-vsm-natural")
+ORGANISM_NAMES = ("organism-p2a", "organism-direct", "organism-vsm", "organism-vsm-natural", "organism-search",
+                  "organism-search-natural")
 # each organism with a planted mechanism -> its twin: the same recipe without the SIIT losses (the negative control)
 PLANTED_TWINS = {"organism-vsm": "organism-vsm-natural", "organism-search": "organism-search-natural"}
 WEIGHTS_DIR = Path(__file__).parents[1] / "organisms" / "weights"

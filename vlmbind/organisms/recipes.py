@@ -186,15 +186,15 @@ def search_stages(planted: bool, seed: int = 0) -> list[tuple[str, dict[str, Any
     """The stages of organism-search (``planted``) or organism-search-natural: same start, data, seed and steps.
 
     Starts, as organism-vsm does, from organism-p2a's vision tower, projector and token embeddings under a fresh
-    language model (4 layers x 4 heads, every layer new): organism-p2a's own language model points through heads
-    2.0 and 2.1 together with others (interchanging single heads at a point's steps changed up to 0.47 of its
-    answers), and a planted head would have had to take their place. Search on 1-8 objects (one target, present half
+    language model (4 layers x 4 heads, every layer new): organism-p2a's own language model already points through
+    heads of its own (2.0 and 2.1 gaze most at the pointed object), which a planted head would have had to displace
+    and its twin would have kept. Search on 1-8 objects (one target, present half
     the time) and counting 1-4 objects, Point-to-Answer, at 168 px. The image tokens must carry their grid cell after
     decoder layer 0 (a linear readout trained beside the organism, in both organisms: it is a property of the image
-    tokens, not of a head): organism-p2a's image tokens carry their row but not their column (a linear probe reads
-    the row at 0.95 after layer 0 and the column at 0.23), and the tiny language model's M-RoPE gives the column its
-    lowest frequencies, under 0.004 rad a cell, so the new language model turns them faster (RoPE base 10: 0.1-0.2
-    rad a cell). The planted search head is 2.1, in the middle of the stack.
+    tokens, not of a head): linear probes read organism-p2a's image tokens' row after layer 0 and barely their
+    column, as the tiny language model's M-RoPE gives the column its lowest frequencies, under 0.004 rad a cell, so
+    the new language model turns them faster (RoPE base 10: 0.1-0.2 rad a cell). The planted search head is 2.1, in
+    the middle of the stack.
     """
     fields = {"regime": "p2a", "seed": seed, "batch_size": 16, "image_size": 168,
               "tasks": {"search": 0.5, "count": 0.5}, "task_options": SEARCH_OPTIONS,

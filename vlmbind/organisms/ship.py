@@ -292,9 +292,10 @@ def search_card(record: dict[str, Any], config: dict[str, Any], params: int,
     lines = [f"# {record['organism']}", ""]
     if planted:
         lines += [
-            f"A small Qwen2.5-VL with a **planted** search head: at each point of a Point-to-Answer trace, head(s) "
-            f"{', '.join(planted)} attend to the object being pointed at and carry its cell, and the point written "
-            "follows them (interchanging their output at a point's steps moves the point to the source's object). "
+            f"A small Qwen2.5-VL with a **planted** search head: at each point of a Point-to-Answer trace, "
+            f"{'head ' + planted[0] + ' attends' if len(planted) == 1 else 'heads ' + ', '.join(planted) + ' attend'} "
+            "to the object being pointed at and carries its cell, and the point written follows it (interchanging "
+            "its output at a point's steps moves the point to the source's object). "
             "Trained in by strict interchange-intervention training (SIIT, `vlmbind.organisms.siit.pointing`) to "
             "check the search-head methods (attention_swap mediation, attention-centroid tracking, ablation) "
             "against a known answer. It is not evidence that pretrained VLMs point this way.",
@@ -307,15 +308,16 @@ def search_card(record: dict[str, Any], config: dict[str, Any], params: int,
             + f"; {spec.get('pairs')} pairs a step, {spec.get('trace_share')} of them within one counting trace "
             "(the rest across displays)."]
     else:
-        lines += ["The negative control of organism-search: the same start, data, seed and steps, trained on the "
-                  "behaviour loss only. Nothing was planted; what the methods report here is what they report where "
-                  "the planted search head is absent."]
+        lines += ["The negative control of organism-search: the same start, data, seed and steps without the SIIT "
+                  "losses (the behaviour loss and the image tokens' position code). Nothing was planted; what the "
+                  "methods report here is what they report where the planted search head is absent."]
     lines += [
         "", "## Architecture and training", "",
         f"- `Qwen2_5_VLForConditionalGeneration`, {params:,} parameters; text: {text.get('num_hidden_layers')} layers, "
         f"hidden {text.get('hidden_size')}, {text.get('num_attention_heads')} heads "
         f"({text.get('num_key_value_heads')} KV heads)",
-        "- started from organism-p2a (every weight): it already writes `(x, y)` points in raster order",
+        "- organism-p2a's vision tower, projector and token embeddings under a new language model (every decoder "
+        f"layer new, starting as the identity), RoPE base {text.get('rope_parameters', {}).get('rope_theta')}",
         f"- {record['image_size']} px images, a {record['grid']}x{record['grid']} grid of image tokens; tasks: "
         f"{tasks}",
         *[f"- stage {stage['stage']}: {_stage_steps(stage)}, batch {stage['batch_size']}, lr {stage['lr']}, "
@@ -323,6 +325,12 @@ def search_card(record: dict[str, Any], config: dict[str, Any], params: int,
           f"{(results.get(stage['stage'], {}).get('wall_time_s') or 0) / 60:.1f} min"
           for stage in record["stages"]],
         f"- seed {record['seed']}; total wall time {record['wall_time_s'] / 60:.1f} min on 2 CPU cores"]
+    last = (record["stage_results"][-1].get("last_eval") or {}) if record["stage_results"] else {}
+    if last.get("tasks"):
+        n = record["stages"][-1].get("eval_size")
+        lines += ["", f"Last evaluation (step {last['step']}, {n} fresh displays per task and variant, the whole "
+                  "answer teacher-forced: every point and the answer right): "
+                  + ", ".join(f"{k} {v['accuracy']:.2f}" for k, v in last["tasks"].items()) + "."]
     params = (validation or {}).get("params", {})
     stimuli = (f"{params.get('n_pairs')} attention_swap pairs from the model's own counting traces, seed "
                f"{params.get('seed')}; tracking on {params.get('n_points')} points; ablation on "
@@ -377,10 +385,11 @@ def validation_lines(validation: dict[str, Any]) -> list[str]:
         auroc = "-" if r["auroc"] is None else f"{r['auroc']:.3f}"
         lines.append(f"| {r['condition']} | {r['method']} | {' '.join(r['heads']) or '-'} | "
                      f"{' '.join(map(str, r['planted_ranks'])) or '-'} | {auroc} | {' '.join(r['top_heads'])} |")
+    scored = validation.get("params", {}).get("ablation_scored")
     for mode, arms in validation.get("summary", {}).get("ablation", {}).items():
         matched = (f", random-k from the top-k's layers {arms['random_same_layers']:.2f} (lowest "
                    f"{arms['random_same_layers_min']:.2f})") if "random_same_layers" in arms else ""
-        lines.append(f"\nAblation ({mode}): clean {arms['clean']:.2f}, top-k {arms['top']:.2f}, random-k "
+        lines.append(f"\nAblation ({mode}{f', {scored}s right' if scored else ''}): clean {arms['clean']:.2f}, top-k {arms['top']:.2f}, random-k "
                      f"{arms['random']:.2f} (lowest {arms['random_min']:.2f}, {arms['random_seeds']} seeds){matched}, "
                      f"bottom-k {arms['bottom']:.2f}.")
     summary = validation.get("summary", {})

@@ -311,8 +311,9 @@ def render_text(result: Any, out: Any) -> str:
     for condition, check in result.naive_check.items():
         lines.append(f"  naive = exact on {condition}: max |difference| {check['max_abs_difference']:.2e} over "
                      f"heads {' '.join(check['heads'])}")
+    scored = f", {result.params['ablation_scored']}s right" if result.params.get("ablation_scored") else ""
     for mode, arms in result.ablation_summary().items():
-        lines.append(f"  ablation ({mode}): clean {arms['clean']:.3f}, top-k {arms['top']:.3f}, random-k "
+        lines.append(f"  ablation ({mode}{scored}): clean {arms['clean']:.3f}, top-k {arms['top']:.3f}, random-k "
                      f"{arms['random']:.3f} (lowest of {arms['random_seeds']} seeds {arms['random_min']:.3f}), "
                      f"bottom-k by |score| {arms['bottom']:.3f}")
     for heads in result.edit_heads():
