@@ -22,6 +22,7 @@ from vlmbind.organisms.data import BatchBuilder, answer_unlikelihood, training_c
 from vlmbind.organisms.siit.interchange import HeadInterchange, ablated_logits, interchange_logits
 from vlmbind.organisms.siit.losses import siit_losses
 from vlmbind.organisms.siit.pairs import draw_pairs, interchange_batch, patch_positions
+from vlmbind.organisms.siit.pointing import POINT_LOSSES
 from vlmbind.organisms.siit.spec import LOSS_NEEDS, SIIT_LOSSES, SIIT_STREAM, LossNeeds, SIITSpec
 from vlmbind.organisms.training.config import TrainConfig
 from vlmbind.organisms.training.step import LOGGED_LOSSES
@@ -141,10 +142,11 @@ def _needs_met(loss: str) -> dict:
 
 @pytest.mark.parametrize("loss", list(LOSS_NEEDS))
 def test_each_loss_weight_is_checked_against_what_the_table_says_it_needs(loss):
-    """Every loss weight of the spec has its row in the table, every loss the trainer logs is one of them, and the
-    one loop refuses a weight above 0 that lacks any one of the things its row asks for, saying what the loss reads."""
+    """Every loss weight of the spec has its row in the table, every loss the trainer logs is one of them (or one of
+    the pointing SIIT's), and the one loop refuses a weight above 0 that lacks any one of the things its row asks for,
+    saying what the loss reads."""
     assert {f.name for f in fields(SIITSpec) if f.name.endswith("_weight")} == {f"{l}_weight" for l in LOSS_NEEDS}
-    assert set(LOGGED_LOSSES) == {*SIIT_LOSSES, "position", "behaviour"}
+    assert set(LOGGED_LOSSES) == {*SIIT_LOSSES, *POINT_LOSSES, "position", "behaviour"}
     needs, spec = LOSS_NEEDS[loss], _needs_met(loss)
     assert SIITSpec(**spec).weight(loss) == 1.0
     if needs.after:  # its last check; every other unmet need below is named before it
