@@ -49,8 +49,9 @@ def test_hook_shapes(tiny, scene):
         if layer in a.pattern_layers():
             k = keys if layer in a.cross_attention_layers() else p
             assert out[a.pattern_site(layer)].shape == (b, a.n_heads, p, k)
+        # hyper-connection families (Qwen4-Exp) keep several d_model streams side by side
         for hook in ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out"):
-            assert out[f"blocks.{layer}.{hook}"].shape == (b, p, a.d_model)
+            assert out[f"blocks.{layer}.{hook}"].shape == (b, p, a.n_residual_streams * a.d_model)
     n_image = sum(len(ti.image_positions) for ti in batch.index)
     assert out["projector.hook_out"].reshape(-1, a.d_model).shape[0] >= n_image
     assert len([k for k in out.cache if k.startswith("vision.")]) == a.n_vision_layers

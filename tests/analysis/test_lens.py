@@ -71,7 +71,8 @@ def test_the_last_layer_decoded_is_the_models_own_output(tiny):
     run = tiny.run(batch, sites=[last])
     torch.testing.assert_close(unembed(tiny, run.cache[last][0]), run.logits[0].float(), rtol=1e-5, atol=1e-5)
     decoder = tiny.adapter.text_layers.rpartition(".")[0]
-    assert tiny.adapter.final_norm_module() is tiny.model.get_submodule(f"{decoder}.norm")
+    # the declared final norm: `norm`, or Qwen4-Exp's hyper-connection mixer
+    assert tiny.adapter.final_norm_module() is tiny.model.get_submodule(f"{decoder}.{tiny.adapter.final_norm}")
 
 
 def test_the_head_lens_is_the_o_proj_slice_of_one_head_and_goes_through_head_writes(monkeypatch):

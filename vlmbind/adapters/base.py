@@ -10,6 +10,7 @@ Register a family with ``@register_adapter`` on a subclass; :func:`adapter_class
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -154,9 +155,21 @@ class ModelAdapter:
     def d_head(self) -> int:
         return int(self.o_proj_module(0).in_features // self.n_heads)
 
+    def layer_d_head(self, layer: int) -> int:
+        """The width of one head of layer ``layer`` (``attn.hook_z`` there is ``B P n_heads layer_d_head``):
+        :attr:`d_head` by default; Gemma-4's full-attention layers have wider heads than its sliding ones."""
+        return self.d_head
+
     @property
     def d_model(self) -> int:
         return int(self.text_config.hidden_size)
+
+    @property
+    def n_residual_streams(self) -> int:
+        """How many ``d_model`` streams the residual stream between decoder layers is, side by side: the residual
+        sites are ``B P (n_residual_streams * d_model)``. 1 by default; hyper-connection families (Qwen4-Exp) keep
+        several, which each layer mixes into its input and writes into with per-stream weights."""
+        return 1
 
     @property
     def n_vision_layers(self) -> int:
@@ -249,6 +262,28 @@ class ModelAdapter:
         ``hook_attn_out`` / ``hook_mlp_out`` are the gated outputs: what the layer adds."""
         return None
 
+    def residual_scale(self, layer: int) -> torch.Tensor | None:
+        """What decoder layer ``layer`` multiplies the whole residual stream by once it has added its attention and
+        MLP outputs (Gemma-4's ``layer_scalar``), so that ``hook_resid_post = scale * (hook_resid_pre +
+        hook_attn_out + hook_mlp_out)``; None where the layer only adds (every other family). Path patching, which
+        adds a sender's write to a later layer's input as it is, refuses a model with one."""
+        return None
+
+    def write_sources(self, layer: int, kind: str) -> tuple[nn.Module, ...]:
+        """Modules of layer ``layer`` whose outputs, in the same forward, :meth:`residual_write` needs besides the
+        attention (``kind="attn"``) or MLP (``"mlp"``) output: none by default; Qwen4-Exp's hyper-connection (its
+        per-stream write weights) and per-layer n-gram embedding."""
+        return ()
+
+    def residual_write(self, layer: int, kind: str, output: torch.Tensor, layer_kwargs: dict[str, Any],
+                       sources: Sequence[Any] = ()) -> torch.Tensor:
+        """What layer ``layer``'s attention (``kind="attn"``) or MLP (``"mlp"``) adds to the residual stream, given
+        its module's ``output``, the keyword arguments the decoder layer was called with and the outputs of
+        :meth:`write_sources` in this forward: ``hook_attn_out`` / ``hook_mlp_out``. The output times
+        :meth:`output_gate` by default."""
+        gate = self.output_gate(layer, kind, layer_kwargs)
+        return output if gate is None else gate.to(output.dtype) * output
+
     def layer_error(self, layer: int, what: str, present: list[int]) -> str:
         """The message of a per-layer capability that layer ``layer`` lacks: its kind and the layers that have it."""
         return (f"layer {layer} of this {self.display_name} model ({self.layer_kind(layer)}) has no {what}; layers "
@@ -301,6 +336,12 @@ class ModelAdapter:
 
     def projector_module(self) -> nn.Module:
         return get_module(self.model, self.projector)
+
+    def projector_call_has_image_rows(self, args: tuple) -> bool:
+        """Whether one call of the projector module, with positional arguments ``args``, makes image-token rows
+        (what ``projector.hook_out`` keeps): every call by default; a family whose projector module is also called
+        on something else overrides this (Ovis2's visual embedding table also embeds the visual indicator ids)."""
+        return True
 
     def deepstack_merger_module(self, injection: int) -> nn.Module:
         """The module whose output (``N d_model``, laid out as the projector's) is DeepStack injection
@@ -426,6 +467,12 @@ class ModelAdapter:
         else None (the model derives them from the cache position). Runs a forward on part of a sequence needs
         them sliced from the full sequence, never recomputed from the part."""
         return None
+
+    @classmethod
+    def model_class_for(cls, config: Any) -> str:
+        """The transformers class (by name) that loads a checkpoint with ``config``: :attr:`model_class_name`, unless
+        a family whose model types have classes of their own overrides this (GLM-4.1V / GLM-4.6V)."""
+        return cls.model_class_name
 
     @classmethod
     def default_attn_implementation(cls, config: Any) -> str:

@@ -5,7 +5,7 @@ Every cell is ``yes`` (possibly qualified, ``yes (...)``), ``n/a because ...`` o
 difference in :attr:`~vlmbind.adapters.base.ModelAdapter.capability_notes`, and the rest follows from what it
 declares (a TransformerLens bridge, a vision-row map, point frames), so the tables cannot drift from the code. The
 compact table shortens each cell to ``yes``, ``yes*`` (a qualified yes) or ``no (N)`` / ``n/a (N)``, N numbering the
-reason printed under it.
+reason printed under it, and gives families with the same short cells one row.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ CAPABILITIES: dict[str, str] = {
     "head patching": "PatchHeads / PatchHeadEntries at any positions, identity exact",
     "ablation": "zero, mean, role_mean and image_attention ablation of chosen heads",
     "exact locate": "head-level CMA by the exact prefix-cache method, equal to one forward per head",
+    "circuits": "edges between heads by path patching (`vlmbind circuit`), receivers reading through q, k and v",
     "position-ID edits": "VSM's additive edit of estimated position-ID vectors",
     "object tokens": "language-model sites pooled over the image tokens each object covers (RSA, probes, "
                      "IsSameObject)",
@@ -88,15 +89,12 @@ def markdown_table(rows: Sequence[Mapping[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# what the compact table keeps of a row besides the capability columns (how each family lays out its image tokens
-# is the full table's: one line per family there, too long for a README row)
-COMPACT_COLUMNS = ("family", "tiny model")
-
-
 def compact_table(rows: Sequence[Mapping[str, str]]) -> str:
-    """The rows as the README's short markdown table: family and tiny model, then per capability
-    ``yes``, ``yes*`` (a qualified yes; the full table says how), or ``no (N)`` / ``n/a (N)``, with reason N listed
-    under the table (numbered in order of first appearance, row by row)."""
+    """The rows as the README's short markdown table: per capability ``yes``, ``yes*`` (a qualified yes; the full
+    table says how), or ``no (N)`` / ``n/a (N)``, with reason N listed under the table (numbered in order of first
+    appearance, row by row). Families whose short cells are the same share one row, named in listing order, so the
+    table grows with the kinds of family, not their number (each family's own row, and its tiny model, are the
+    full table's)."""
     reasons: dict[str, int] = {}
 
     def short(cell: str) -> str:
@@ -108,7 +106,10 @@ def compact_table(rows: Sequence[Mapping[str, str]]) -> str:
         return f"{word} ({reasons.setdefault(reason, len(reasons) + 1)})"
 
     capabilities = [c for c in CAPABILITIES if c in rows[0]]
-    short_rows = [{**{c: r[c] for c in COMPACT_COLUMNS}, **{c: short(r[c]) for c in capabilities}} for r in rows]
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for row in rows:
+        groups.setdefault(tuple(short(row[c]) for c in capabilities), []).append(row["family"])
+    short_rows = [{"families": ", ".join(names), **dict(zip(capabilities, cells))} for cells, names in groups.items()]
     notes = "".join(f"{n}. {reason[0].upper()}{reason[1:]}.\n" for reason, n in reasons.items())
     return (markdown_table(short_rows) + "\n`yes*`: yes, with a qualification the full table states. Why not, for "
             "`no (N)` and `n/a (N)`:\n\n" + notes)

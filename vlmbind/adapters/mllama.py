@@ -76,6 +76,7 @@ class MllamaAdapter(ModelAdapter):
                     "its zero ablation removes its image attention)",
         "exact locate": "yes (no prefix-cache reuse: cross-attention layers cache the image's keys; every head "
                         "reruns the prompt from its layer)",
+        "circuits": "yes (cross-attention receivers read through q only: their keys and values are the image's)",
         "vision-token sites": "no: the family declares no map from vision-block rows to patch keys",
         "points": "yes (formats that carry their frame; track lays the cross-attention layers' maps on the key grid, "
                   "the self-attention layers' maps are empty)",

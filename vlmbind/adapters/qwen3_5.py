@@ -51,6 +51,7 @@ class Qwen35Adapter(_QwenVLAdapter):
         "ablation": "yes (image_attention on full-attention layers only; zero and mean as for hook_z)",
         "exact locate": "yes (no prefix-cache reuse: the DeltaNet state is recurrent; every head reruns the prompt "
                         "from its layer)",
+        "circuits": "yes (receivers on full-attention layers only: DeltaNet layers have no heads)",
     }
     model_types = ("qwen3_5",)
     model_class_name = "Qwen3_5ForConditionalGeneration"

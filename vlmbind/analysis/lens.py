@@ -155,7 +155,8 @@ def _check_heads(vlm: Any, heads: Any, layers: list[int]) -> tuple[list[tuple[in
     """The heads to read (``(layer, head)``) and whether they were named."""
     adapter = vlm.adapter
     if heads is None:
-        with_heads = set(adapter.head_layers())
+        # a head's write alone needs a fixed gate, which hyper-connections (Qwen4-Exp: write_sources) do not give
+        with_heads = {l for l in adapter.head_layers() if not adapter.write_sources(l, "attn")}
         return [(l, h) for l in layers if l in with_heads for h in range(vlm.n_heads)], False
     pairs = sorted(set(parse_heads(heads)))
     if not pairs:
@@ -454,7 +455,8 @@ def lens(vlm: Any, dataset: Any, *, layers: Sequence[int] | None = None, words: 
         layers: decoder layers to decode after (default: all); the ``embed`` row is always read.
         words: the words whose probabilities are saved (default: every colour and shape of the data set's objects).
         heads: heads for the head lens, ``"3.1,5.2"`` or ``[(3, 1), ...]`` (default: every head of the layers
-            looked at, at the last token only).
+            looked at, at the last token only; none on a family whose head writes need the run's hyper-connection
+            weights, Qwen4-Exp, where naming one raises UnsupportedModelError).
         head_cells: also read the heads at every image token (default: when ``heads`` are named).
         colours, shapes: the pools decodability is judged among (default: the data set's ``params``, else all).
         batch_size: examples run together.

@@ -24,6 +24,9 @@ Shapes (``B`` batch, ``P`` positions, ``H`` query heads, ``D`` head dim, ``N`` v
 ``deepstack.{i}.hook_out``                    ``N d_model``: DeepStack merger i's rows, which the text model adds to
                                               the image tokens' residual stream after layer i (projector layout)
 ============================================  ===========================================================
+
+A hyper-connection family (Qwen4-Exp: ``adapter.n_residual_streams`` > 1) keeps that many ``d_model`` streams side by
+side: its four residual and output sites are ``B P (n_residual_streams * d_model)``.
 """
 
 from __future__ import annotations

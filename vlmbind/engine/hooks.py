@@ -14,7 +14,8 @@ itself against the model and batch, and which hook it needs:
 * cross-attention layers (Llama-3.2-Vision) have ``cross_attn.hook_z`` / ``cross_attn.hook_pattern`` in place of
   ``attn.*``: the same hooks on the layer's cross-attention module and its ``o_proj`` (the adapter points
   ``attention_module`` / ``o_proj_module`` there), and their attention and MLP outputs reach the residual stream
-  through tanh gates (``adapter.output_gate``), which ``hook_attn_out`` / ``hook_mlp_out`` include;
+  through tanh gates (``adapter.output_gate``), which ``hook_attn_out`` / ``hook_mlp_out`` include (in general they
+  are ``adapter.residual_write``: Qwen4-Exp's hyper-connections write each output into several residual streams);
 * hybrid models (Qwen3.5's linear-attention layers) lack some sites on some layers
   (``adapter.absent_sites``): a session asking for one raises its named error before any hook is registered;
 * residual stream, attention and MLP outputs, vision blocks and the projector: forward (pre-)hooks on those modules;
@@ -260,10 +261,13 @@ class HookSession:
                     kind = site.hook.removeprefix("hook_").removesuffix("_out")
                     module = a.attn_out_module(site.layer) if kind == "attn" else a.mlp_out_module(site.layer)
                     layer_kwargs: dict[str, Any] = {}
+                    sources: dict[int, Any] = {}
                     self._handles.append(a.layer(site.layer).register_forward_pre_hook(
                         self._remember_kwargs(layer_kwargs), with_kwargs=True))
+                    for i, source in enumerate(a.write_sources(site.layer, kind)):
+                        self._handles.append(source.register_forward_hook(self._remember_output(sources, i)))
                     self._handles.append(module.register_forward_hook(
-                        self._gated_capture(name, site.layer, kind, layer_kwargs)))
+                        self._gated_capture(name, site.layer, kind, layer_kwargs, sources)))
                 elif site.hook in PATTERN_HOOKS:
                     self._handles.append(
                         a.attention_module(site.layer).register_forward_hook(self._pattern_capture(name))
@@ -271,8 +275,7 @@ class HookSession:
             elif site.component == "vision":
                 self._handles.append(a.vision_block(site.layer).register_forward_hook(self._post_capture(name)))
             elif site.component == "projector":
-                self._handles.append(a.projector_module().register_forward_hook(
-                    self._post_capture(name, a.projector_output)))
+                self._handles.append(a.projector_module().register_forward_hook(self._projector_capture(name)))
             elif site.component == "deepstack":
                 self._handles.append(a.deepstack_merger_module(site.layer).register_forward_hook(
                     self._post_capture(name)))
@@ -308,18 +311,39 @@ class HookSession:
 
         return hook
 
-    def _gated_capture(self, name: str, layer: int, kind: str, layer_kwargs: dict[str, Any]) -> Callable:
-        """Capture a module's output times the gate it passes on its way into the residual stream, if any."""
+    @staticmethod
+    def _remember_output(into: dict[int, Any], key: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            into[key] = output
+
+        return hook
+
+    def _gated_capture(self, name: str, layer: int, kind: str, layer_kwargs: dict[str, Any],
+                       sources: dict[int, Any]) -> Callable:
+        """Capture what a module's output adds to the residual stream (``adapter.residual_write``: the output times
+        the gate it passes, if any), given the outputs of the layer's ``adapter.write_sources`` in this forward."""
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             value = _first_tensor(output)
-            gate = self.adapter.output_gate(layer, kind, layer_kwargs)
-            self._store(name, value if gate is None else gate.to(value.dtype) * value)
+            outputs = [sources[i] for i in sorted(sources)]
+            self._store(name, self.adapter.residual_write(layer, kind, value, layer_kwargs, outputs))
 
         return hook
 
     def _post_capture(self, name: str, attribute: str | None = None) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self._store(name, getattr(output, attribute) if attribute else _first_tensor(output))
+
+        return hook
+
+    def _projector_capture(self, name: str) -> Callable:
+        """The projector's features of each of its calls that makes image-token rows
+        (``adapter.projector_call_has_image_rows``)."""
+        adapter = self.adapter
+        capture = self._post_capture(name, adapter.projector_output)
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if adapter.projector_call_has_image_rows(args):
+                capture(module, args, output)
 
         return hook
 

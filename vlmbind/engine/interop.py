@@ -72,7 +72,7 @@ def transformer_lens_bridge(vlm: VLM) -> TransformerBridge:
         ModelLoadError: torchvision is missing (TL would try to install it at run time).
     """
     from transformer_lens.model_bridge import TransformerBridge
-    architecture = vlm.adapter.model_class_name
+    architecture = vlm.adapter.model_class_for(vlm.model.config)
     supported = transformer_lens_architectures()
     if architecture not in supported:
         bridged = [a for a in supported if a.endswith("ForConditionalGeneration")]

@@ -258,7 +258,7 @@ def _from_pretrained(name: str, **hf_kwargs: Any) -> VLM:
     if config.model_type in ENCODERS:
         return load_encoder(name, config, **hf_kwargs)
     adapter_cls = adapter_class_for_config(config)
-    model_cls = getattr(transformers, adapter_cls.model_class_name)
+    model_cls = getattr(transformers, adapter_cls.model_class_for(config))
     hf_kwargs.setdefault("attn_implementation", adapter_cls.default_attn_implementation(config))
     try:
         with _attn_import_errors(hf_kwargs.get("attn_implementation")):

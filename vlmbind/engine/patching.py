@@ -97,7 +97,7 @@ def check_task(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> N
     that layer's :class:`~vlmbind.core.errors.HeadLayoutError`, whichever method runs: the gradient methods hook
     ``o_proj`` directly, so without this check hand-made values of the right shape would pass."""
     seq = task.batch.seq_len
-    n_heads, d_head = vlm.n_heads, vlm.adapter.d_head
+    n_heads = vlm.n_heads
     bad = [(l, h) for l, h in heads if not (0 <= l < vlm.n_layers and 0 <= h < n_heads)]
     if bad:
         raise InputError(f"heads {bad[:5]} are outside the model's {vlm.n_layers} layers x {n_heads} heads")
@@ -112,8 +112,8 @@ def check_task(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]]) -> N
     vocab = vlm.model.get_output_embeddings().weight.shape[0]
     if not (0 <= task.a < vocab and 0 <= task.a_star < vocab):
         raise InputError(f"answer token ids {task.a}, {task.a_star} are outside the vocabulary of {vocab}")
-    want = (task.positions.size, n_heads, d_head)
     for layer in sorted({l for l, _ in heads}):
+        want = (task.positions.size, n_heads, vlm.adapter.layer_d_head(layer))
         value = task.values.get(layer)
         if value is None or tuple(value.shape) != want:
             got = None if value is None else tuple(value.shape)
@@ -660,12 +660,12 @@ def _path_gradients(vlm: Any, task: PatchTask, layers: Sequence[int], alphas: Se
 def _estimates(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], clean: float,
                clean_z: dict[int, torch.Tensor], grads: dict[int, torch.Tensor]) -> np.ndarray:
     """``clean + sum_positions (z* - z) . grad`` per head."""
-    h, d = vlm.adapter.n_heads, vlm.adapter.d_head
+    h = vlm.adapter.n_heads
     n = len(task.positions)
     effect: dict[int, np.ndarray] = {}
     for layer, grad in grads.items():
-        z = clean_z[layer].reshape(n, h, d).float()
-        g = grad.reshape(n, h, d)
+        z = clean_z[layer].reshape(n, h, -1).float()  # this layer's own head width (layer_d_head)
+        g = grad.reshape(n, h, -1)
         effect[layer] = ((task.values[layer].to(z) - z) * g).sum((0, 2)).cpu().numpy()
     return np.array([clean + effect[layer][head] for layer, head in heads])
 
@@ -810,7 +810,7 @@ def atp_star_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], 
     check_task(vlm, task, heads)
     adapter = vlm.adapter
     layers = sorted({l for l, _ in heads})
-    n, h, d = task.positions.size, vlm.n_heads, adapter.d_head
+    n, h = task.positions.size, vlm.n_heads
     pos = torch.as_tensor(task.positions)
     per_drop = []
     clean = None
@@ -822,7 +822,7 @@ def atp_star_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], 
         if not changes:  # the exact pattern changes are forward quantities: the same for every cut
             with torch.no_grad():
                 for layer in layers:
-                    z = clean_z[layer].reshape(n, h, d)
+                    z = clean_z[layer].reshape(n, h, -1)
                     writes[layer] = head_writes(vlm, layer, z, task.values[layer])
                 for layer, head in heads:
                     later = {}
@@ -839,8 +839,8 @@ def atp_star_diffs(vlm: Any, task: PatchTask, heads: Sequence[tuple[int, int]], 
                     changes[(layer, head)] = later
         out = np.zeros(len(heads))
         for i, (layer, head) in enumerate(heads):
-            z = clean_z[layer].reshape(n, h, d).float()
-            g = fixed_grads[layer].reshape(n, h, d)
+            z = clean_z[layer].reshape(n, h, -1).float()
+            g = fixed_grads[layer].reshape(n, h, -1)
             value = float(((task.values[layer].to(z) - z)[:, head] * g[:, head]).sum())
             value += sum(float((change.float() * pattern_grads[m].float()).sum())
                          for m, change in changes[(layer, head)].items())

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..core.choices import PATH_CHANNELS as CHANNELS
-from ..core.errors import InputError
+from ..core.errors import InputError, UnsupportedModelError
 from .hooks import ATTENTION_IMPL, STATE_EDITS, HookSession, attention_implementation
 from .interventions import PatchHeads
 from .patching import (
@@ -118,8 +118,26 @@ class PathTask:
 def check_edges(vlm: Any, task: PathTask, edges: Sequence[Edge]) -> None:
     """Raise :class:`InputError` (or the layer's :class:`~vlmbind.core.errors.SiteError`) unless every edge fits
     ``vlm`` and ``task``: heads in range, receivers after their senders, a channel the receiver's layer reads the
-    residual stream through, positions inside the prompt and sender values of shape ``n H D``."""
+    residual stream through, positions inside the prompt and sender values of shape ``n H D``.
+
+    Raises:
+        UnsupportedModelError: what a layer writes depends on more than its attention and MLP outputs
+            (``adapter.write_sources``: Qwen4-Exp's hyper-connections), which path patching cannot hold, or a layer
+            rescales the residual stream (``adapter.residual_scale``: Gemma-4's layer scalars).
+    """
     n_layers, n_heads = vlm.n_layers, vlm.n_heads
+    adapter = vlm.adapter
+    if any(adapter.write_sources(l, kind) for l in range(n_layers) for kind in ("attn", "mlp")):
+        raise UnsupportedModelError(
+            f"path patching holds every later attention and MLP output at its clean value; {adapter.display_name}'s "
+            "layers write them into the residual stream with weights read from it (hyper-connections), which it "
+            "cannot hold: not supported on this family")
+    scaled = [l for l in range(n_layers) if adapter.residual_scale(l) is not None]
+    if scaled:
+        raise UnsupportedModelError(
+            f"path patching adds a sender's write to a later layer's input as it is; {adapter.display_name}'s layers "
+            f"rescale the whole residual stream (layers {scaled[:3]}{'...' if len(scaled) > 3 else ''}: "
+            "adapter.residual_scale), which it does not model: not supported on this family")
     seq = task.batch.seq_len
     for edge in edges:
         heads = [edge.sender] + ([edge.receiver] if edge.receiver is not None else [])
