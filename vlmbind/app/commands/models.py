@@ -32,14 +32,15 @@ def add_parser(sub: Any, common: Any) -> None:
     models.add_argument("--families", nargs="?", const="full", choices=FAMILY_FORMS, metavar="full|compact",
                         help="instead, one row per supported family: what works on it, as a markdown table derived "
                              "from the adapters' declarations (full, the default: every cell with its reason, "
-                             "docs/families.md's; compact: yes / no with numbered reasons, the README's); loads no "
-                             "model")
+                             "docs/families.md's; compact: yes / no with numbered reasons, families with the same cells "
+                             "in one row, the README's); loads no model")
     models.set_defaults(func=cmd_models)
 
 
 def families_table(form: str = "full") -> tuple[list[dict[str, str]], str]:
     """The families table's rows and its markdown: ``full``, every cell as the adapters state it, with the columns'
-    legend (docs/families.md); ``compact``, yes / no with numbered reasons (the README's "Supported families")."""
+    legend (docs/families.md); ``compact``, yes / no with numbered reasons, one row per kind of family (the README's
+    "Supported families")."""
     from ...adapters.capabilities import compact_table, family_rows, legend, markdown_table
     from ...tiny import tiny_names_by_family
 
