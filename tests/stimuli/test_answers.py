@@ -138,6 +138,36 @@ def test_internvl_grounding_boxes_are_read_as_their_centres():
     assert pointing_spans("<box>[[1, 2, 3, 4]]") == [] and pointing_spans("<box>" * 2000 + "[[") == []
 
 
+def test_glm_boxes_are_read_as_their_centres():
+    # GLM-4.1V / GLM-4.6V answer a grounding request with <|begin_of_box|>[x0, y0, x1, y1]<|end_of_box|>, per-mille,
+    # one box or a list of them
+    text = ("The red circle is at <|begin_of_box|>[100, 200, 300, 400]<|end_of_box|>, the stars at "
+            "<|begin_of_box|>[[500, 500, 700, 900], [0,0,10,20]]<|end_of_box|>. There are 3.")
+    spans = pointing_spans(text)
+    assert [s.format for s in spans] == ["glm", "glm"]
+    assert [s.points for s in spans] == [[(200, 300)], [(600, 700), (5, 10)]]
+    assert [text[a:b] for s in spans for a, b in s.parts] == ["[100, 200, 300, 400]", "[500, 500, 700, 900]",
+                                                              "[0,0,10,20]"]
+    assert read_count(text) == 3 and "begin_of_box" not in strip_points(text) and "[" not in strip_points(text)
+    # its frame is part of the format: per-mille of the image, on every family
+    canvas = Canvas(image_size=200, grid=4)
+    got = to_canvas(pointing_spans("<|begin_of_box|>[600, 350, 650, 400]<|end_of_box|>"), frames_for({}), canvas)
+    np.testing.assert_allclose(got, [(2.0, 1.0)], atol=1e-9)
+    # incomplete boxes are skipped, never raised on
+    assert pointing_spans("<|begin_of_box|>[1, 2, 3]<|end_of_box|>")[0].points == []
+    assert pointing_spans("<|begin_of_box|>[1, 2, 3, 4]") == [] and pointing_spans("<|begin_of_box|>" * 2000) == []
+
+
+def test_generated_text_keeps_glm_grounding_markers():
+    from vlmbind.tiny.common import build_tokenizer
+
+    tok = build_tokenizer(["<|user|>", "<|begin_of_box|>", "<|end_of_box|>"], eos_token="<|user|>")
+    text = "<|begin_of_box|>[100, 200, 300, 400]<|end_of_box|>"
+    ids = tok(text + "<|user|>", add_special_tokens=False)["input_ids"]
+    assert decode_generated(tok, ids) == text
+    assert "<|begin_of_box|>" not in tok.decode(ids, skip_special_tokens=True)  # the plain decode loses them
+
+
 def test_generated_text_keeps_internvl_grounding_markers():
     from vlmbind.tiny.common import build_tokenizer
 

@@ -48,7 +48,6 @@ class Glm4vAdapter(_QwenVLAdapter):
     capability_notes = {
         "TransformerLens": "yes (glm4v checkpoints such as GLM-4.1V-9B; TransformerLens has no bridge for glm46v or "
                            "glm4v_moe)",
-        "points": "no: GLM's own boxes (per mille of the image, between <|begin_of_box|> tags) are not read yet",
     }
     # the tower's merger: its rows are the image tokens' embeddings, in sequence order
     projector = "model.visual.merger"

@@ -169,10 +169,11 @@ def _covering(grids: list[ImageGrid], box: tuple[float, float, float, float], im
     return np.sort(np.concatenate(out)) if out else np.zeros(0, dtype=int)
 
 
-# special tokens that belong to an answer's text: Qwen's and InternVL's grounding markers (a box means nothing
+# special tokens that belong to an answer's text: Qwen's, InternVL's and GLM's grounding markers (a box means nothing
 # without them)
 POINTING_TOKENS = ("<|box_start|>", "<|box_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|quad_start|>",
-                   "<|quad_end|>", "<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>")
+                   "<|quad_end|>", "<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>", "<|begin_of_box|>",
+                   "<|end_of_box|>")
 
 
 def hidden_ids(tokenizer) -> frozenset[int]:

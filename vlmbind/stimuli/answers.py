@@ -50,7 +50,8 @@ NUMBER_WORDS.update({"none": 0, "single": 1})
 SPELLINGS = {"grey": "gray"}
 
 # formats whose frame is part of the format, whatever model wrote them
-SELF_DESCRIBING = {"box": "permille", "molmo": "percent", "molmo2": "permille", "internvl": "permille"}
+SELF_DESCRIBING = {"box": "permille", "molmo": "percent", "molmo2": "permille", "internvl": "permille",
+                   "glm": "permille"}
 
 _WORD = re.compile(r"[a-z]+|\d+(?:\.\d+)?")
 # a count: whole digits (never part of a decimal such as 2.5) or a number word

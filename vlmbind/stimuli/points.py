@@ -8,9 +8,10 @@ and ``<points x1=".." y1=".." x2=".." ...>`` (percent of the image) and Molmo2's
 ``<points coords="[frame] idx x y idx x y ...">`` (per-mille, frame groups separated by ``;``), Qwen2-VL's boxes
 ``<|box_start|>(x0,y0),(x1,y1)<|box_end|>`` (0-1000; one point, the box centre) and Qwen2.5-VL's JSON objects
 ``{"point_2d": [x, y], ...}`` / ``{"bbox_2d": [x0, y0, x1, y1], ...}`` (the box centre) and InternVL's grounding boxes
-``<ref>label</ref><box>[[x0, y0, x1, y1], ...]</box>`` (0-1000; each box's centre). Points come back in order of
-appearance, in the coordinate frame of the text; :func:`pointing_spans` names each span's format, and
-:mod:`vlmbind.stimuli.answers` converts formats to the stimulus canvas.
+``<ref>label</ref><box>[[x0, y0, x1, y1], ...]</box>`` (0-1000; each box's centre) and GLM-4.1V / GLM-4.6V's
+``<|begin_of_box|>[x0, y0, x1, y1]<|end_of_box|>`` (0-1000, one box or a list of them; each box's centre). Points
+come back in order of appearance, in the coordinate frame of the text; :func:`pointing_spans` names each span's
+format, and :mod:`vlmbind.stimuli.answers` converts formats to the stimulus canvas.
 Parsing scans the text once with a regular expression that has no nested quantifiers, so it stays linear on hostile
 input and never raises: anything that is not a complete point (an unbalanced parenthesis, ``(a, b)``, a lone
 number, a tag without both coordinates, a non-finite value) is skipped. Text inside a ``<point>..</point>`` element is
@@ -41,11 +42,13 @@ _BOX = (rf"<\|box_start\|>\s*\(\s*(?P<bx0>{_NUM})\s*,\s*(?P<by0>{_NUM})\s*\)\s*,
         rf"\(\s*(?P<bx1>{_NUM})\s*,\s*(?P<by1>{_NUM})\s*\)\s*<\|box_end\|>")
 # InternVL: one or more [x0, y0, x1, y1] lists inside <box>..</box> (no nested tags, so the scan stays linear)
 _IBOX = r"<box>(?P<ibox>[^<>]*)</box>"
+# GLM: one box [x0, y0, x1, y1] or a list of them between <|begin_of_box|> and <|end_of_box|>
+_GBOX = r"<\|begin_of_box\|>(?P<gbox>[^<>]*)<\|end_of_box\|>"
 _IBOX_ITEM = re.compile(rf"\[\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*\]")
 # a flat JSON object naming point_2d or bbox_2d (the lookahead stops at the next brace, so the scan stays linear)
 _JSON = r"""\{(?=[^{}]*["'](?:point_2d|bbox_2d)["'])(?P<json>[^{}]*)\}"""
 _JSON_KEY = re.compile(rf"""["'](?P<key>point_2d|bbox_2d)["']\s*:\s*\[(?P<values>[^\[\]]*)\]""")
-_SCAN = re.compile(rf"{_BOX}|{_IBOX}|{_JSON}|{_TAG}|{_TUPLE}", re.IGNORECASE)
+_SCAN = re.compile(rf"{_BOX}|{_IBOX}|{_GBOX}|{_JSON}|{_TAG}|{_TUPLE}", re.IGNORECASE)
 # what each format is, for messages and docs
 POINT_FORMATS = {
     "tuple": "(x, y) pairs (vlmbind's Point-to-Answer format)",
@@ -54,6 +57,7 @@ POINT_FORMATS = {
     "molmo": '<point x=".." y=".."> and <points x1=".." y1=".." ...> (Molmo)',
     "molmo2": '<points coords="[frame] idx x y ..."> (Molmo2)',
     "internvl": "<ref>label</ref><box>[[x0, y0, x1, y1], ...]</box> (InternVL; each box's centre)",
+    "glm": "<|begin_of_box|>[x0, y0, x1, y1]<|end_of_box|> (GLM-4.1V / GLM-4.6V; each box's centre)",
 }
 _ATTR = re.compile(r"""([A-Za-z_][\w-]*)\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 _INDEXED = re.compile(r"([xy])(\d+)", re.IGNORECASE)
@@ -214,12 +218,13 @@ def pointing_spans(text: str) -> list[PointSpan]:
         if m.group("bx0") is not None:
             spans.append(PointSpan(m.start(), m.end(), "box",
                                    _centre(m.group("bx0"), m.group("by0"), m.group("bx1"), m.group("by1"))))
-        elif m.group("ibox") is not None:
-            base = m.start("ibox")
+        elif m.group("ibox") is not None or m.group("gbox") is not None:
+            group, fmt = ("ibox", "internvl") if m.group("ibox") is not None else ("gbox", "glm")
+            base = m.start(group)
             items = [(base + b.start(), base + b.end(), _centre(*b.groups())) for b in
-                     _IBOX_ITEM.finditer(m.group("ibox"))]
+                     _IBOX_ITEM.finditer(m.group(group))]
             items = [(a, b, pts[0]) for a, b, pts in items if pts]
-            spans.append(PointSpan(m.start(), m.end(), "internvl", [pt for _, _, pt in items],
+            spans.append(PointSpan(m.start(), m.end(), fmt, [pt for _, _, pt in items],
                                    [(a, b) for a, b, _ in items]))
         elif m.group("json") is not None:
             spans.append(PointSpan(m.start(), m.end(), "json", _json_points(m.group("json"))))
