@@ -186,6 +186,9 @@ SMALL_RUNS = {
                 lambda rows: [(r["command"].split()[1], r["exit_codes"]) for r in rows[-1]["rows"]]
                 == [("-c", [0]), ("--help", [0]), ("models", [0]), ("export", [2])]),
     "training": (["--stages", "1", "--steps", "2", "--json"], None, lambda rows: len(rows[-1]["stages"]) == 1),
+    # here the CPU against itself: the two runs must be the same run
+    "training_device": (["--steps", "1", "--device", "cpu", "--json"], None,
+                        lambda rows: rows[-1]["stage"] and rows[-1]["max_loss_difference"] == 0.0),
     # two timed steps: a per-step time is a difference of two runs, too noisy at this size to have a sign
     "two_processes": (["--stages", "1", "--steps", "2", "--json"], None,
                       lambda rows: {"1 process, 1 thread", "1 process, 2 threads", "2 processes, 1 thread each",

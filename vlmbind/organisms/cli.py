@@ -3,6 +3,7 @@
 ``train(processes=2)`` starts.
 
     python -m vlmbind.organisms --config run.json --out runs/p2a [--resume] [--until N] [--threads 2] [--quiet]
+        [--processes 2 | --device cuda]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--processes", type=int, default=1,
                         help="2: train in two processes of --threads threads each (faster on an idle 2-core machine)")
+    parser.add_argument("--device", default="cpu", help="where to train: cpu (default) or cuda[:N], one process")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a process that train() started
     parser.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--launcher", type=int, default=None, help=argparse.SUPPRESS)  # the starting process's pid
@@ -40,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = TrainConfig.from_json(args.config)
         with sigterm_as_interrupt():  # a scheduler's SIGTERM leaves a checkpoint to resume from, as a Ctrl-C does
             result = train(config, args.out, resume=args.resume, progress=not args.quiet, until=args.until,
-                           threads=args.threads, processes=args.processes)
+                           threads=args.threads, processes=args.processes, device=args.device)
     except VlmbindError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

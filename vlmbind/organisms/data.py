@@ -367,7 +367,8 @@ class BatchBuilder:
                 raise InputError(f"image {i} is {im.mode} {im.size[0]}x{im.size[1]}; the fast path takes RGB "
                                  f"{self.image_size}x{self.image_size} images (the stimuli canvas of this organism)")
             arrays.append(np.asarray(im))
-        x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).to(torch.float32)  # B 3 S S
+        # on the device of the builder's constants (the run's: see train's device)
+        x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).to(self.mean.device, torch.float32)  # B 3 S S
         x = (x - self.mean) / self.std
         b, c, gh, gw, m, p = x.shape[0], x.shape[1], self.grid_h, self.grid_w, self.merge, self.patch
         x = x.reshape(b, c, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)

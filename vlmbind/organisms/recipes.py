@@ -246,14 +246,16 @@ def _finished(stage_dir: Path, steps: int) -> Path | None:
 
 
 def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int = 0,
-               progress: bool = True, start_from: str | Path | None = None, processes: int = 1) -> dict[str, Any]:
+               progress: bool = True, start_from: str | Path | None = None, processes: int = 1,
+               device: str = "cpu") -> dict[str, Any]:
     """Run (or resume) every stage of organism ``name`` into ``out/<stage>``; returns a summary with wall times.
 
     ``start_from``: a shipped organism of the same recipe (its directory): the stages its training record lists as
     done are taken from it (their results copied from the record) and the next stage starts from its weights, so a
     recipe that grew new stages continues from the last release instead of training the first stages again.
     A stage found finished in ``out`` must have been trained with the recipe's configuration (bar where it started).
-    ``processes=2`` trains each stage in two processes of ``threads`` threads each (:func:`~.training.run.train`).
+    ``processes=2`` trains each stage in two processes of ``threads`` threads each, ``device="cuda"`` on a GPU in one
+    (:func:`~.training.run.train`).
 
     Raises:
         TrainingError: no such recipe; ``start_from`` is not a release of this recipe; a finished stage in ``out``
@@ -267,7 +269,7 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
     out.mkdir(parents=True, exist_ok=True)
     previous: Path | None = Path(start_from) if taken else None
     summary: dict[str, Any] = {"organism": name, "regime": recipe[0][1]["regime"], "seed": seed,
-                               "threads": threads, "processes": processes, "stages": []}
+                               "threads": threads, "processes": processes, "device": device, "stages": []}
     if taken:
         summary["started_from"] = str(start_from)
     for stage, fields in recipe:
@@ -281,7 +283,7 @@ def run_recipe(name: str, out: str | Path, *, threads: int | None = 1, seed: int
         if done is None:
             resume = stage_dir.is_dir() and any(stage_dir.glob(f"{CHECKPOINT_PREFIX}*"))
             result = train(config, stage_dir, resume=resume, progress=progress, threads=threads, until=until,
-                           processes=processes)
+                           processes=processes, device=device)
             done = result.checkpoint
             info = {"wall_time_s": result.wall_time_s, "last_eval": result.evals[-1] if result.evals else None}
         else:
@@ -334,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--processes", type=int, default=1,
                         help="2: each stage in two processes of --threads threads each (faster on an idle 2 cores)")
+    parser.add_argument("--device", default="cpu", help="where to train: cpu (default) or cuda[:N], one process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--start-from", help="a shipped organism of this recipe: continue after the stages it holds")
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_interrupt():  # a scheduler's SIGTERM leaves the stage's checkpoint, as a Ctrl-C does
             summary = run_recipe(args.name, args.out, threads=args.threads, seed=args.seed,
-                                 progress=not args.quiet, start_from=args.start_from, processes=args.processes)
+                                 progress=not args.quiet, start_from=args.start_from, processes=args.processes,
+                                 device=args.device)
     except TrainingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

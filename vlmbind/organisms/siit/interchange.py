@@ -160,7 +160,8 @@ def ablated_logits(model: Any, interchange: HeadInterchange, rows: Any, heads: S
         else:
             roles = np.stack([interchange.adapter.roles(ids, mask) for ids, mask in
                               zip(rows.inputs["input_ids"].cpu().numpy(), rows.inputs["attention_mask"].cpu().numpy())])
-            groups = [torch.as_tensor(roles == role) & keep for role in sorted(set(roles[keep.numpy()].tolist()))]
+            groups = [torch.as_tensor(roles == role, device=keep.device) & keep
+                      for role in sorted(set(roles[keep.cpu().numpy()].tolist()))]
         values = {}
         for l in layers:
             value = torch.zeros(shape, dtype=clean[l].dtype)

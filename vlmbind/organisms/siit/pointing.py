@@ -363,8 +363,8 @@ class PointProbe(SelectionProbe):
     def accuracy_at(self, stored: Mapping[int, torch.Tensor], batch: PointBatch) -> float:
         positions, cells = _readout_positions(batch)
         with torch.no_grad():
-            pred = self.linear(self.features(stored, positions)).argmax(-1).cpu()
-        return float((pred == cells).float().mean())
+            pred = self.linear(self.features(stored, positions)).argmax(-1)
+        return float((pred == cells.to(pred.device)).float().mean())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ POSITION_LOGIT_SCALE = 10.0
 def position_readout(hidden: int, cells: int) -> torch.Tensor:
     """The fixed ``hidden x cells`` readout of the position code (unit columns, from a fixed seed, never trained)."""
     g = torch.Generator().manual_seed(POSITION_READOUT_SEED)
-    w = torch.randn(hidden, cells, generator=g)
+    w = torch.randn(hidden, cells, generator=g, device="cpu")  # the generator's device, whatever the default
     return w / w.norm(dim=0, keepdim=True)
 
 
@@ -34,7 +34,7 @@ def _image_cells(input_ids: torch.Tensor, image_token_id: int, cells: int) -> tu
 
 def _position_logits(h: torch.Tensor, cells: int) -> torch.Tensor:
     unit = h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-    return POSITION_LOGIT_SCALE * unit @ position_readout(h.shape[-1], cells).to(h.dtype)
+    return POSITION_LOGIT_SCALE * unit @ position_readout(h.shape[-1], cells).to(h.device, h.dtype)
 
 
 def position_code_loss(hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
@@ -50,8 +50,8 @@ def position_code_accuracy(hidden_states: torch.Tensor, input_ids: torch.Tensor,
                            cells: int) -> float:
     """Share of image tokens whose cell the fixed readout gets right."""
     mask, target = _image_cells(input_ids, image_token_id, cells)
-    pred = _position_logits(hidden_states[mask], cells).argmax(-1).cpu()
-    return float((pred == target).float().mean())
+    pred = _position_logits(hidden_states[mask], cells).argmax(-1)
+    return float((pred == target.to(pred.device)).float().mean())
 
 
 class PositionProbe(torch.nn.Module):
@@ -73,8 +73,8 @@ class PositionProbe(torch.nn.Module):
     def accuracy(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, image_token_id: int) -> float:
         mask, target = _image_cells(input_ids, image_token_id, self.cells)
         with torch.no_grad():
-            pred = self.linear(hidden_states[mask]).argmax(-1).cpu()
-        return float((pred == target).float().mean())
+            pred = self.linear(hidden_states[mask]).argmax(-1)
+        return float((pred == target.to(pred.device)).float().mean())
 
 
 class SelectionProbe(torch.nn.Module):
@@ -108,8 +108,8 @@ class SelectionProbe(torch.nn.Module):
     def accuracy(self, stored: Mapping[int, torch.Tensor], positions: Sequence[Sequence[int]],
                  targets: torch.Tensor) -> float:
         with torch.no_grad():
-            pred = self.linear(self.features(stored, positions)).argmax(-1).cpu()
-        return float((pred == self._targets(targets, positions)).float().mean())
+            pred = self.linear(self.features(stored, positions)).argmax(-1)
+        return float((pred == self._targets(targets, positions).to(pred.device)).float().mean())
 
 
 class GatherProbe(SelectionProbe):
@@ -127,8 +127,8 @@ class GatherProbe(SelectionProbe):
                  targets: torch.Tensor) -> float:
         """The share of (row, position)s where the cells with a positive logit are exactly the described ones."""
         with torch.no_grad():
-            pred = self.linear(self.features(stored, positions)).cpu() > 0
-        return float((pred == self._targets(targets, positions).bool()).all(-1).float().mean())
+            pred = self.linear(self.features(stored, positions)) > 0
+        return float((pred == self._targets(targets, positions).to(pred.device).bool()).all(-1).float().mean())
 
     def _targets(self, targets: torch.Tensor, positions: Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.cat([targets[r][None].expand(len(pos), -1) for r, pos in enumerate(positions)])

@@ -226,7 +226,7 @@ def start_state(out: Path, existing: Sequence[Path], config: TrainConfig, model:
     except (OSError, json.JSONDecodeError) as exc:
         raise TrainingError(f"checkpoint {str(ckpt)!r} has no readable optimizer state: {exc}") from exc
     load_optimizer_state(model, optimizer, tensors, meta)
-    torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+    torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8, device="cpu"))
     return state
 
 
@@ -251,6 +251,8 @@ def load_probe(directory: Path, probe: torch.nn.Module, optimizer: torch.optim.O
         for n, p in probe.named_parameters():
             p.copy_(tensors[f"param.{n}"])
     for n, p in probe.named_parameters():
-        st = {key.rsplit(".", 1)[1]: v for key, v in tensors.items() if key.startswith(f"state.{n}.")}
+        # the moments where the readout is; AdamW keeps its step count on the CPU
+        st = {key.rsplit(".", 1)[1]: v if key.endswith(".step") else v.to(p.device)
+              for key, v in tensors.items() if key.startswith(f"state.{n}.")}
         if st:
             optimizer.state[p] = st

@@ -72,6 +72,7 @@ def train(
     threads: int | None = None,
     share_image_features: bool = True,
     processes: int = 1,
+    device: str | torch.device = "cpu",
 ) -> TrainResult:
     """Train an organism (or continue one) and write checkpoints into ``out_dir``.
 
@@ -93,19 +94,26 @@ def train(
             of every step's summed loss (:mod:`~vlmbind.organisms.processes`): faster than one process on an
             idle 2-core machine (``benchmarks/two_processes.py``), and the same run up to the order of float sums.
             A run may change its process count when it resumes.
+        device: where to train (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...): the model is built there, and every
+            tensor a step makes without naming a device is made there (``torch.device`` as the default device), so
+            batches, masks and targets meet the model on it. One process only; the checkpoints are the same files
+            whatever the device, and a run may resume on another device (its numbers then differ in the last bits,
+            as between thread counts). The first step on a device records it in the trainer state.
 
     Returns:
         A :class:`TrainResult`.
 
     Raises:
         TrainingError: ``resume`` without a checkpoint, a fresh run into a directory that has checkpoints, a config
-            that differs from the checkpoint's, or ``init_from`` weights that do not fit.
+            that differs from the checkpoint's, ``init_from`` weights that do not fit, or a device that is not
+            there (or is not the CPU with two processes).
     """
     if not isinstance(config, TrainConfig):
         raise TrainingError(f"config must be a TrainConfig, got {type(config).__name__}")
     if until is not None and (not isinstance(until, int) or isinstance(until, bool) or until < 1):
         raise TrainingError(f"until must be an int >= 1 or None, got {until!r}")
     processes = check_processes(processes, config.siit)
+    device = training_device(device, processes)
     if processes == 2 and not share_image_features:
         raise TrainingError("share_image_features=False (the plain path, for comparisons) runs in one process; "
                             "pass processes=1 with it")
@@ -118,7 +126,29 @@ def train(
         launch(config.to_dict(), out, resume=resume, progress=progress, until=until, threads=threads)
         return _result_of(out, start, time.perf_counter() - t0)
     return train_here(config, out_dir, resume=resume, progress=progress, until=until, threads=threads,
-                      share_image_features=share_image_features)
+                      share_image_features=share_image_features, device=device)
+
+
+def training_device(device: str | torch.device, processes: int = 1) -> torch.device:
+    """``device`` as a ``torch.device`` a run can train on here.
+
+    Raises:
+        TrainingError: a name torch does not read, a CUDA device this machine does not have, or another device than
+            the CPU with two processes (they add their gradients through CPU buffers).
+    """
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise TrainingError(f"device {device!r} is not a torch device name (e.g. cpu, cuda, cuda:1): {exc}") from exc
+    if device.type != "cpu" and processes != 1:
+        raise TrainingError(f"two training processes run on the CPU; train on {device} in one process (processes=1)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise TrainingError(f"no CUDA device {device} here ({count} visible); train with device='cpu'")
+    elif device.type != "cpu":
+        raise TrainingError(f"training runs on cpu or cuda, not {device.type}")
+    return device
 
 
 def _result_of(out: Path, start: int, elapsed: float) -> TrainResult:
@@ -133,34 +163,40 @@ def _result_of(out: Path, start: int, elapsed: float) -> TrainResult:
 
 def train_here(config: TrainConfig, out_dir: str | os.PathLike, *, resume: bool, progress: bool,
                until: int | None, threads: int | None, share_image_features: bool,
-               split: RankSplit | None = None) -> TrainResult | None:
+               split: RankSplit | None = None, device: torch.device = torch.device("cpu")) -> TrainResult | None:
     """:func:`train` in this process: the whole step, or (``split``) one rank's part of it (rank 1 returns None)."""
     if threads is not None:
         torch.set_num_threads(int(threads))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     existing = list_checkpoints(out)
-    run, state = _set_up(config, out, existing, resume, split, share_image_features)
-    return _steps(run, EvaluationSets.of_run(run), out, state, existing[-1] if resume else None, until, progress)
+    with torch.device(device):  # what the run makes without naming a device is made where the model is
+        run, state = _set_up(config, out, existing, resume, split, share_image_features, device)
+        return _steps(run, EvaluationSets.of_run(run), out, state, existing[-1] if resume else None, until,
+                      progress)
 
 
 def _set_up(config: TrainConfig, out: Path, existing: list[Path], resume: bool, split: RankSplit | None,
-            share_image_features: bool) -> tuple[Run, dict[str, Any]]:
+            share_image_features: bool, device: torch.device) -> tuple[Run, dict[str, Any]]:
     """The run's organism, optimiser, data and readouts, and the trainer state it starts from (with ``resume``,
     all restored from the newest checkpoint)."""
-    model, processor = build_organism(seed=config.seed, image_size=config.image_size,
-                                      attn_implementation=config.attn_implementation, **config.model.to_dict())
+    with torch.device("cpu"):  # seeded CPU draws: the same weights, whatever the device
+        model, processor = build_organism(seed=config.seed, image_size=config.image_size,
+                                          attn_implementation=config.attn_implementation, **config.model.to_dict())
+    model.to(device)
     optimizer = make_optimizer(model, config)
     state = start_state(out, existing, config, model, optimizer, resume)
     mixture, builder = config.mixture(), BatchBuilder(processor)
     interchange = HeadInterchange(model, processor) if (config.siit or config.point_siit) is not None else None
     cells = grid_side(config.image_size) ** 2
-    readouts = Readouts.for_run(config, interchange, cells)
+    with torch.device("cpu"):  # as the weights
+        readouts = Readouts.for_run(config, interchange, cells)
+    readouts.to(device)
     if resume:
         readouts.load(existing[-1])
     run = Run(config=config, model=model, processor=processor, optimizer=optimizer, mixture=mixture, builder=builder,
               interchange=interchange, readouts=readouts, cells=cells, split=split,
-              share_image_features=share_image_features)
+              share_image_features=share_image_features, device=device)
     return run, state
 
 
@@ -184,6 +220,7 @@ class RunLog:
                 "losses": self.losses, "evals": self.evals, "wall_time_s": self.previous_time + elapsed,
                 **({"siit_losses": self.siit_losses} if run.planting is not None else {}),
                 "threads": torch.get_num_threads(), **({"processes": run.split.world} if run.split is not None else {}),
+                **({"device": str(run.device)} if run.device.type != "cpu" else {}),
                 "mixture": run.mixture.to_dict(),
                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 

@@ -96,6 +96,11 @@ class Readouts:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for module, _opt, _file in self.trained for p in module.parameters()]
 
+    def to(self, device: torch.device) -> None:
+        """Move every readout to ``device`` (in place: their optimisers keep their parameters)."""
+        for module, _opt, _file in self.trained:
+            module.to(device)
+
     def load(self, checkpoint: Path) -> None:
         for module, opt, file in self.trained:
             load_probe(checkpoint, module, opt, file)
@@ -119,6 +124,7 @@ class Run:
 
     Attributes:
         split: this process's part of each step when two processes train (None: the whole step).
+        device: where the model, the readouts and every batch live.
         share_image_features: each distinct image of an optimiser step's forwards goes through the vision tower once.
         cells: image tokens per image (the grid's cells).
     """
@@ -134,6 +140,7 @@ class Run:
     cells: int
     split: RankSplit | None = None
     share_image_features: bool = True
+    device: torch.device = torch.device("cpu")
 
     @property
     def siit(self) -> SIITSpec | None:
