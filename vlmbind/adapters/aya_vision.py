@@ -46,6 +46,7 @@ from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_t
 from ..core.errors import UnsupportedModelError
 from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, get_module, register_adapter
+from .frames import frame_row_tokens, structure_token_id
 
 START_IMAGE = "<|START_OF_IMG|>"
 END_IMAGE = "<|END_OF_IMG|>"
@@ -115,17 +116,10 @@ class AyaVisionAdapter(ModelAdapter):
         return self.patches_per_side // self.shuffle
 
     # ---- structure tokens ------------------------------------------------------------------------------------
-    def _token_id(self, attr: str, default: str) -> int:
-        token = getattr(self.processor, attr, None) or default
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or token_id == self.tokenizer.unk_token_id:
-            raise UnsupportedModelError(f"{self.display_name}: the tokenizer has no {token} token, which the "
-                                        f"processor writes around every image; vlmbind cannot lay out its images")
-        return int(token_id)
-
     def structure_ids(self) -> tuple[int, int]:
         """Ids of ``<|START_OF_IMG|>`` and ``<|END_OF_IMG|>``."""
-        return self._token_id("start_of_img_token", START_IMAGE), self._token_id("end_of_img_token", END_IMAGE)
+        return (structure_token_id(self, "start_of_img_token", START_IMAGE),
+                structure_token_id(self, "end_of_img_token", END_IMAGE))
 
     def roles(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Role of every position: ``<|IMG_PATCH|>`` is ``image``; every other token of an image block (its
@@ -257,17 +251,4 @@ class AyaVisionAdapter(ModelAdapter):
         Raises:
             UnsupportedModelError: the batch has no image ``image_id``.
         """
-        ids = inputs["input_ids"].cpu().numpy()
-        seen = 0
-        for row in range(ids.shape[0]):
-            blocks = self.image_blocks(ids[row], row)
-            if image_id < seen + len(blocks):
-                n_frames = len(blocks[image_id - seen].frames)
-                break
-            seen += len(blocks)
-        else:
-            raise UnsupportedModelError(f"image {image_id} is not in this batch ({seen} images)")
-        side, s, n = self.patches_per_side, self.shuffle, self.tokens_per_side
-        patch_r, patch_c = np.divmod(np.arange(side * side), side)
-        in_frame = (patch_r // s) * n + patch_c // s
-        return (np.arange(n_frames)[:, None] * n * n + in_frame[None, :]).reshape(-1)
+        return frame_row_tokens(self, inputs, image_id, self.shuffle)

@@ -36,6 +36,7 @@ from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_t
 from ..core.errors import UnsupportedModelError
 from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
+from .frames import structure_token_id
 
 START_IMAGE = "<img>"
 END_IMAGE = "</img>"
@@ -116,17 +117,10 @@ class InternVLAdapter(ModelAdapter):
         return self.patches_per_side // self.shuffle
 
     # ---- structure tokens ------------------------------------------------------------------------------------
-    def _token_id(self, attr: str, default: str) -> int:
-        token = getattr(self.processor, attr, None) or default
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or token_id == self.tokenizer.unk_token_id:
-            raise UnsupportedModelError(f"{self.display_name}: the tokenizer has no {token} token, which the "
-                                        f"processor writes around every image; vlmbind cannot lay out its images")
-        return int(token_id)
-
     def structure_ids(self) -> tuple[int, int]:
         """Ids of ``<img>`` and ``</img>``."""
-        return self._token_id("start_image_token", START_IMAGE), self._token_id("end_image_token", END_IMAGE)
+        return (structure_token_id(self, "start_image_token", START_IMAGE),
+                structure_token_id(self, "end_image_token", END_IMAGE))
 
     def roles(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Role of every position: ``<IMG_CONTEXT>`` is ``image``; ``<img>`` and ``</img>`` are ``special`` even

@@ -41,6 +41,7 @@ import torch
 from ..core.errors import UnsupportedModelError
 from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
+from .frames import frame_row_tokens
 
 # the processor's separators, in the order of config.visual_indicator_token_ids (and of the table's last rows)
 INDICATORS = ("<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>")
@@ -242,17 +243,4 @@ class Ovis2Adapter(ModelAdapter):
         """Each vision row of image ``image_id`` (its frames in sequence order, the thumbnail first, each frame's
         patches in raster order) -> the image token it is concatenated into, counting the image's tokens in
         sequence order (frame by frame)."""
-        ids = inputs["input_ids"].cpu().numpy()
-        seen = 0
-        for row in range(ids.shape[0]):
-            blocks = self.image_blocks(ids[row], row)
-            if image_id < seen + len(blocks):
-                n_frames = len(blocks[image_id - seen].frames)
-                break
-            seen += len(blocks)
-        else:
-            raise UnsupportedModelError(f"image {image_id} is not in this batch ({seen} images)")
-        side, s, n = self.patches_per_side, self.stride, self.tokens_per_side
-        patch_r, patch_c = np.divmod(np.arange(side * side), side)
-        in_frame = (patch_r // s) * n + patch_c // s
-        return (np.arange(n_frames)[:, None] * n * n + in_frame[None, :]).reshape(-1)
+        return frame_row_tokens(self, inputs, image_id, self.stride)
