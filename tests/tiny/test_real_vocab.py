@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 from PIL import Image
 
 import vlmbind as vb
@@ -70,6 +71,16 @@ def test_the_real_vocabularies_have_the_real_ids():
     assert llava.convert_tokens_to_ids(["<image>", "<pad>"]) == [32000, 32001]
     assert llava(" red", add_special_tokens=False)["input_ids"] == [2654]
     assert len(llava(" purple", add_special_tokens=False)["input_ids"]) == 2  # ▁pur ple
+    # Qwen2.5's vocabulary (the fetched Qwen3 one less its four added tokens) and the ids Ovis2's config gives
+    ovis = real.real_tokenizer("ovis2")
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<IMG_ATOM>", "<IMG_START>", "<IMG_GRID>", "<IMG_COL>",
+              "<IMG_ROW>", "<IMG_END>"]
+    assert ovis.convert_tokens_to_ids(tokens) == [151643, 151644, 151645, *range(151665, 151671)]
+    assert len(ovis) == 151671 and "<think>" not in ovis.get_vocab()
+    assert ovis(" red purple", add_special_tokens=False)["input_ids"] == qwen(" red purple", add_special_tokens=False)[
+        "input_ids"]
+    config = transformers.Ovis2Config()
+    assert [config.image_token_id, *config.visual_indicator_token_ids] == list(range(151665, 151671))
 
 
 def test_sentencepiece_prompt_text_keeps_its_spaces_and_every_object_is_found(loaded):
@@ -258,7 +269,7 @@ def test_cli_commands_on_a_saved_real_vocabulary_model(saved, family, fmt, tmp_p
     for command, argv in COMMANDS.items():
         if fmt == "raw" and command != "ablate":  # raw prompts are the organisms' path, tested everywhere else
             continue
-        if command in ("probe", "rsa") and family in ("qwen2_vl", "molmo2"):
+        if command in ("probe", "rsa") and family in ("qwen2_vl", "molmo2", "ovis2"):
             continue  # captures only: Qwen's vocabulary is covered by qwen2_5_vl, their towers by the tiny models'
 
         out = tmp_path / command
@@ -277,6 +288,7 @@ NATIVE_POINTS = {
     "molmo2": '<points coords="1 {a} {b} 2 {c} {d}">objects</points> 2',
     "llava": "({a}, {b}) ({c}, {d}) 2",
     "gemma3": "({a}, {b}) ({c}, {d}) 2",
+    "ovis2": "({a}, {b}) ({c}, {d}) 2",
 }
 
 
@@ -308,7 +320,7 @@ def test_cli_track_reads_each_familys_points(saved, loaded, family, tmp_path, ca
         return [(list(ids), maps) for _ in range(len(batch_))]
     monkeypatch.setattr(tracking, "_trace", scripted)
     argv = ["track", "--model", saved(family), "--task", "count", "--n", "1", "--objects", "2", "--json"]
-    if family in ("llava", "gemma3"):
+    if family in ("llava", "gemma3", "ovis2"):
         capsys.readouterr()
         assert cli.main([*argv, "--out", str(tmp_path / "refused")]) == 2
         err = [l for l in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in l]

