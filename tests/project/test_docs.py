@@ -332,5 +332,7 @@ def test_documented_chat_templates_are_what_the_tiny_models_render():
     assert len(shown) >= 6, "the page has lost its template markers"
     prompt = "in this image there is a red square , a blue circle and a"
     for name, block in shown:
+        if name.startswith("real-"):  # a real-vocabulary model: tests/tiny/test_real_vocab.py renders it
+            continue
         rendered = get_tiny(name).prompt_text(prompt, 1, chat=True)
         assert block == rendered.rstrip("\n"), name

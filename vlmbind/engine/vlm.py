@@ -209,13 +209,17 @@ class VLM:
     def answer_separator(self, chat: bool) -> str:
         """What comes between the prompt and the answer's first word: a space after a raw prompt (``... and a``
         then `` red``); in a chat reply nothing after a template that opens the reply on a new line (ChatML's
-        ``assistant\n``, Gemma's ``model\n``) and a space after one that ends on a word (LLaVA's ``ASSISTANT:``)."""
+        ``assistant\n``, Gemma-3's ``model\n``) or with a marker token (Gemma-4's ``<channel|>``, Kimi's
+        ``<|im_middle|>``, Cohere's ``<|CHATBOT_TOKEN|>``), and a space after one that ends on a word (LLaVA's
+        ``ASSISTANT:``)."""
         if not chat:
             return " "
         cached = getattr(self, "_chat_separator", None)
         if cached is None:  # rendered once: every pair asks
             rendered = self.prompt_text("x", 1, chat=True)
-            cached = self._chat_separator = "" if rendered[-1:].isspace() else " "
+            markers = [t.content for t in self.adapter.tokenizer.added_tokens_decoder.values() if t.content.strip()]
+            ends_on_marker = any(rendered.endswith(m) for m in markers)
+            cached = self._chat_separator = "" if rendered[-1:].isspace() or ends_on_marker else " "
         return cached
 
     def answer_ids(self, answer: str, chat: bool) -> list[int]:

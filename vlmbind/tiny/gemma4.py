@@ -54,18 +54,21 @@ LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full
 
 @register_tiny("tiny-gemma4", rank=29)
 def tiny_gemma4(
-    seed: int = 0, *, attn_implementation: str = "eager"
+    seed: int = 0, *, attn_implementation: str = "eager", tokenizer: Any = None, chat_template: str | None = None
 ) -> tuple[Gemma4ForConditionalGeneration, Gemma4Processor]:
-    """Build the tiny Gemma-4 model and processor."""
-    return build_gemma4(seed, attn_implementation=attn_implementation)
+    """Build the tiny Gemma-4 model and processor; ``tokenizer`` and ``chat_template`` replace the tiny ones
+    (:mod:`vlmbind.tiny.real`)."""
+    return build_gemma4(seed, attn_implementation=attn_implementation, tokenizer=tokenizer,
+                        chat_template=chat_template)
 
 
 def build_gemma4(
-    seed: int = 0, *, attn_implementation: str = "eager", text_overrides: dict[str, Any] | None = None
+    seed: int = 0, *, attn_implementation: str = "eager", text_overrides: dict[str, Any] | None = None,
+    tokenizer: Any = None, chat_template: str | None = None,
 ) -> tuple[Gemma4ForConditionalGeneration, Gemma4Processor]:
     """The tiny Gemma-4 with ``text_overrides`` applied to its text config: the tests build the other checkpoints'
     shapes with it (the 26B-A4B's MoE block, wider full-attention heads, E2B's per-layer embeddings)."""
-    tok = build_tokenizer(
+    tok = tokenizer or build_tokenizer(
         SPECIALS,
         bos_token="<bos>",
         eos_token="<turn|>",
@@ -120,6 +123,6 @@ def build_gemma4(
                                            max_soft_tokens=MAX_SOFT_TOKENS)
     processor = Gemma4Processor(
         feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=image_processor, tokenizer=tok,
-        video_processor=video_processor, chat_template=CHAT_TEMPLATE, image_seq_length=MAX_SOFT_TOKENS,
+        video_processor=video_processor, chat_template=chat_template or CHAT_TEMPLATE, image_seq_length=MAX_SOFT_TOKENS,
     )
     return model.eval(), processor

@@ -11,7 +11,8 @@ models keep the tiny decoder and vision tower of each family (so they are fast) 
   vocabulary is Qwen2.5's, which is the fetched one without Qwen3's four added tokens (151665-151668), so they are
   dropped first and Ovis2's tokens take the ids its checkpoints give them;
 * the family's chat template: Qwen2-VL / Qwen2.5-VL's published template (with its default system prompt),
-  llava-hf's ``USER: <image>\\n... ASSISTANT:`` for LLaVA-1.5, Gemma-3's own (shipped with its vocabulary), and
+  llava-hf's ``USER: <image>\\n... ASSISTANT:`` for LLaVA-1.5, Gemma-3's and Gemma-4's own (shipped with their
+  vocabularies), and
   ChatML with the images first for Molmo2 (whose processor ships no template of its own), and
   ``thisisiron/Ovis2-2B-hf``'s for Ovis2;
 * Qwen's image processor at its default pixel bounds (images resized to multiples of 28 px), as real checkpoints
@@ -36,6 +37,7 @@ from transformers import AutoTokenizer
 
 from ..core.errors import UnsupportedModelError
 from .gemma3 import tiny_gemma3
+from .gemma4 import tiny_gemma4
 from .llava import tiny_llava
 from .molmo2 import IMAGE_TOKENS as MOLMO2_IMAGE_TOKENS
 from .molmo2 import tiny_molmo2
@@ -81,6 +83,12 @@ FAMILIES: dict[str, tuple[str, list[str], str | None]] = {
     "gemma3": ("gemma3", [], None),
     "molmo2": ("qwen2", ["<|image|>", "<|video|>", *MOLMO2_IMAGE_TOKENS], CHATML_IMAGES_FIRST),
     "ovis2": ("qwen2", ["<IMG_ATOM>", *OVIS2_INDICATORS], OVIS2_CHAT_TEMPLATE),
+    "gemma4": ("gemma4", [], None),
+}
+# tokens the family's processor reads by name (the checkpoints' tokenizer_config.json names them; a GGUF does not)
+NAMED_TOKENS: dict[str, dict[str, str]] = {
+    "gemma4": {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+               "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"},
 }
 # Qwen3's additions to the Qwen2.5 vocabulary, which the Qwen2.5-based Ovis2 checkpoints lack
 QWEN3_ADDED = ("<tool_response>", "</tool_response>", "<think>", "</think>")
@@ -114,6 +122,9 @@ def real_tokenizer(family: str) -> Any:
         tok.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     if family == "llava":
         tok.image_token = "<image>"
+    if family in NAMED_TOKENS:
+        # names for tokens already in the vocabulary; passing them to from_pretrained would add a second <|image>
+        tok._set_model_specific_special_tokens(NAMED_TOKENS[family])
     return tok
 
 
@@ -148,18 +159,22 @@ def _last_logit_std(model: torch.nn.Module, processor: Any) -> float:
 
 def _scale_output(model: torch.nn.Module, processor: Any) -> None:
     """Scale the logits to a real checkpoint's spread (:data:`LOGIT_STD`): the output layer, or for tied embeddings
-    (Gemma-3, Ovis2) the final norm's gain, so the input embeddings stay as they are."""
-    factor = LOGIT_STD / _last_logit_std(model, processor)
+    (Gemma-3, Gemma-4, Ovis2) the final norm's gain, so the input embeddings stay as they are. A few rounds, because a
+    final soft cap (Gemma-4's) makes the spread less than proportional to the scale."""
     head = model.get_output_embeddings()
-    with torch.no_grad():
-        if head.weight is not model.get_input_embeddings().weight:
-            head.weight.mul_(factor)
-        else:
+    for _ in range(5):
+        factor = LOGIT_STD / _last_logit_std(model, processor)
+        if abs(factor - 1) < 1e-3:
+            return
+        with torch.no_grad():
+            if head.weight is not model.get_input_embeddings().weight:
+                head.weight.mul_(factor)
+                continue
             norm = model.model.language_model.norm
             kind = type(norm).__name__
-            if kind.startswith("Gemma"):
-                norm.weight.copy_(factor * (1 + norm.weight) - 1)  # Gemma's RMSNorm multiplies by (1 + weight)
-            elif kind == "Qwen2RMSNorm":
+            if kind == "Gemma3RMSNorm":
+                norm.weight.copy_(factor * (1 + norm.weight) - 1)  # Gemma-3's RMSNorm multiplies by (1 + weight)
+            elif kind in ("Gemma4RMSNorm", "Qwen2RMSNorm"):
                 norm.weight.mul_(factor)
             else:
                 raise UnsupportedModelError(f"tied embeddings with a {kind} final norm")
@@ -174,7 +189,8 @@ def build(family: str, seed: int = 0, *, attn_implementation: str = "eager") -> 
         model, processor = build_qwen_vl(family, seed, tokenizer=tok, chat_template=template,
                                          processor_defaults=True, attn_implementation=attn_implementation)
     else:
-        builder = {"llava": tiny_llava, "gemma3": tiny_gemma3, "molmo2": tiny_molmo2, "ovis2": tiny_ovis2}[family]
+        builder = {"llava": tiny_llava, "gemma3": tiny_gemma3, "molmo2": tiny_molmo2, "ovis2": tiny_ovis2,
+                   "gemma4": tiny_gemma4}[family]
         model, processor = builder(seed=seed, tokenizer=tok, chat_template=template,
                                    attn_implementation=attn_implementation)
     _scale_output(model, processor)

