@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r))
     else:
         print(table(rows))
-    if args.save:
+    if args.save_run:
         save("capture", argv if argv is not None else sys.argv[1:], {"rows": rows, "repeats": args.repeats},
              threads=args.threads)
     return 0

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c.strip() for c in args.cases.split(",")]
     rows = [row for model in models for row in run_model(model, args, layers, cases)]
     print("\n".join(json.dumps(r) for r in rows) if args.json else table(rows))
-    if args.save:
+    if args.save_run:
         shape = {k: getattr(SEVEN_B_SHAPE, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate",
                                                         "vision_depth", "image_size")}
         save("circuit", argv if argv is not None else sys.argv[1:],

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
     else:
         print(table(out))
-    if args.save:
+    if args.save_run:
         save("edits", argv if argv is not None else sys.argv[1:], out)
     return 0
 

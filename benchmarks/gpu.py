@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text + "\n")
     else:
         print(text)
-    if args.save:
+    if args.save_run:
         save("gpu", argv if argv is not None else sys.argv[1:], result, threads=torch.get_num_threads())
     return 0
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    if args.save:
+    if args.save_run:
         save("hooks", argv if argv is not None else sys.argv[1:], {"rows": rows, "repeats": args.repeats},
              threads=2)
     return 0

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(result), flush=True)
     if not args.json:
         print(table(rows))
-    if args.save:
+    if args.save_run:
         save("locate", argv if argv is not None else sys.argv[1:], {"rows": rows}, threads=args.threads)
     return 0
 

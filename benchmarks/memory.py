@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"budget_bytes": BUDGET_BYTES, "rows": rows, "within_budget": within, "full_logits_over_eval": ratio}
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
-    if args.save:
+    if args.save_run:
         save("memory", argv if argv is not None else sys.argv[1:], summary, threads=torch.get_num_threads())
     return 0 if within else 1
 

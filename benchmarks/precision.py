@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(summary, args.out)
     print(table(rows))
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
-    if args.save:
+    if args.save_run:
         save("precision", argv if argv is not None else sys.argv[1:], summary, threads=args.threads)
     return 0
 

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     write_json_atomic(summary, out / "probe_size.json")
     print(json.dumps(summary, indent=1))
-    if args.save:
+    if args.save_run:
         save("probe_size", argv if argv is not None else sys.argv[1:], summary, threads=args.threads)
     return 0
 

@@ -49,7 +49,9 @@ def machine(threads: int | None = None) -> dict[str, Any]:
 
 
 def add_save_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--save", action="store_true",
+    """``--save``, read as ``args.save_run``: nnsight gives every object a ``save`` method, so once it is imported an
+    ``args.save`` would exist before parsing (argparse then keeps it instead of the default) and be true."""
+    parser.add_argument("--save", action="store_true", dest="save_run",
                         help="save the run to benchmarks/saved/<benchmark>.json and write benchmarks/RESULTS.md again")
 
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     result = run(args.repeats)
     print(json.dumps(result) if args.json else table(result))
-    if args.save:
+    if args.save_run:
         save("startup", argv if argv is not None else sys.argv[1:], result)
     return 0
 

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--stages must be within 1-{n} and --steps at least 2")
     out = run(stages, args.steps, args.threads, args.recorded)
     print(json.dumps(out) if args.json else table(out))
-    if args.save:
+    if args.save_run:
         save("training", argv if argv is not None else sys.argv[1:], out, threads=args.threads)
     return 0
 

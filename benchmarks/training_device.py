@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     out = run(args.organism, args.stage, args.steps, args.device, args.threads)
     print(json.dumps(out) if args.json else table(out))
-    if args.save:
+    if args.save_run:
         save("training_device", argv if argv is not None else sys.argv[1:], out, threads=args.threads)
     return 0
 

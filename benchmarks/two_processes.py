@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--stages must be within 1-{n} and --steps at least 2")
     out = run(stages, args.steps, args.organism)
     print(json.dumps(out) if args.json else table(out))
-    if args.save:
+    if args.save_run:
         save("two_processes", argv if argv is not None else sys.argv[1:], out, threads=1)
     return 0
 

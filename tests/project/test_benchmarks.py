@@ -23,9 +23,11 @@ def load_benchmark(name: str):
 
 def test_locate_benchmark_json():
     bench = load_benchmark("locate")
+    saved_run = (ROOT / "benchmarks" / "saved" / "locate.json").read_bytes()
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert bench.main(["--cases", "organism", "--pairs", "1", "--json", "--threads", "1"]) == 0
+    assert (ROOT / "benchmarks" / "saved" / "locate.json").read_bytes() == saved_run  # saved only with --save
     rows = [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
     assert [r["condition"] for r in rows] == ["id_selection", "id_retrieval"]
     for r in rows:
@@ -128,6 +130,16 @@ def test_results_page_is_rendered_from_the_saved_runs():
         assert record["benchmark"] == name and record["command"].startswith(f"python benchmarks/{name}.py")
         assert f"## `{record['command'].removeprefix('python ')}`" in page
     assert saved.main(["--check"]) == 0
+
+
+def test_save_is_off_unless_asked_also_after_nnsight_gave_every_object_a_save_method():
+    import argparse
+
+    import nnsight  # noqa: F401  (its import adds object.save)
+
+    parser = argparse.ArgumentParser()
+    load_benchmark("saved").add_save_option(parser)
+    assert parser.parse_args([]).save_run is False and parser.parse_args(["--save"]).save_run is True
 
 
 def test_save_writes_the_run_and_the_page_again(tmp_path):
