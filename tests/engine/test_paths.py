@@ -45,7 +45,8 @@ def path_task(vlm, senders_at: str, seed: int = 0, strong: bool = True) -> PathT
 CASES = [("tiny-qwen2_vl", "text"),   # M-RoPE
          ("tiny-gemma3", "image"),    # bidirectional image block, post-norms, sliding windows
          ("tiny-mllama", "text"),     # cross-attention layers (q only)
-         ("tiny-qwen3_5", "text")]    # linear-attention layers (no heads to receive)
+         ("tiny-qwen3_5", "text"),    # linear-attention layers (no heads to receive)
+         ("tiny-aya_vision", "text")]  # parallel attention and MLP (both read the same normed residual)
 
 
 @pytest.mark.parametrize("name,senders_at", CASES)
