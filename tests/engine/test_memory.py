@@ -128,17 +128,23 @@ class ForwardSpy:
         self.handle.remove()
 
 
-@pytest.mark.parametrize("condition", ["id_selection", "mid_prompt"])
-def test_batched_layout_keeps_the_prefix_cache_under_the_budget(condition):
-    vlm = get_tiny("tiny-qwen2_5_vl")
+@pytest.mark.parametrize("name,condition", [("tiny-qwen2_5_vl", "id_selection"), ("tiny-qwen2_5_vl", "mid_prompt"),
+                                            ("tiny-kimi_k25", "id_selection")])
+def test_batched_layout_keeps_the_prefix_cache_under_the_budget(name, condition):
+    """Rows per forward follow the memory budget, measured on the cache rows actually copied: keys and values of
+    every layer (grouped-query attention), or Kimi-K2.5's shared latent and rotary key (multi-head latent attention,
+    a fraction of its heads' keys and values)."""
+    vlm = get_tiny(name)
     task = strong_task(vlm, condition)
     heads = all_heads(vlm)
     a = vlm.adapter
     inputs = vlm.model_inputs(task.batch)
     prefix = prefix_end(vlm, task.batch, inputs, int(task.positions.min()))
     assert prefix > 0
-    # one row's copy of the prefix cache: keys and values of every layer
-    per_row = 2 * vlm.n_layers * prefix * a.n_kv_heads * a.d_head * 4
+    # one row's copy of the prefix cache, as the adapter declares it
+    per_row = sum(a.cache_width(layer) for layer in range(vlm.n_layers)) * prefix * 4
+    if name == "tiny-kimi_k25":
+        assert per_row < 2 * vlm.n_layers * prefix * a.n_kv_heads * a.d_head * 4 / 4
     clean, naive = naive_diffs(vlm, task, heads)
     results = {}
     for rows_allowed in (1, 3, 7, 64):
@@ -153,6 +159,8 @@ def test_batched_layout_keeps_the_prefix_cache_under_the_budget(condition):
         assert sum(rows) == len(heads) and max(rows) == expected, (rows_allowed, rows)
         assert len(rows) == -(-len(heads) // expected)
         assert all(0 < copied <= budget for _, copied in spy.calls), (budget, spy.calls)
+        # the chunk of layer-0 heads runs every layer: there the declared width is the cache's own
+        assert spy.calls[0][1] == spy.calls[0][0] * per_row
         print(f"\nbatched, {condition}, budget {budget} B ({rows_allowed} rows of {per_row} B): rows per forward "
               f"{rows}, largest materialised prefix copy {max(b for _, b in spy.calls)} B")
         results[rows_allowed] = patched - c

@@ -160,6 +160,12 @@ class ModelAdapter:
         :attr:`d_head` by default; Gemma-4's full-attention layers have wider heads than its sliding ones."""
         return self.d_head
 
+    def cache_width(self, layer: int) -> int:
+        """Elements one position takes in layer ``layer``'s key-value cache (keys and values): ``2 x n_kv_heads x
+        layer_d_head`` by default, an upper bound where a sliding window keeps fewer positions; multi-head latent
+        attention (Kimi-K2.5) caches its shared latent instead. The exact method sizes its batched chunks by it."""
+        return 2 * self.n_kv_heads * self.layer_d_head(layer)
+
     @property
     def d_model(self) -> int:
         return int(self.text_config.hidden_size)

@@ -70,6 +70,10 @@ class KimiK25Adapter(ModelAdapter):
                                         "vlmbind places square merge kernels only")
         return int(kernel[0])
 
+    def cache_width(self, layer: int) -> int:
+        """MLA caches one shared latent and one shared rotary key a position, not every head's keys and values."""
+        return int(self.text_config.kv_lora_rank + self.text_config.qk_rope_head_dim)
+
     def layer_kind(self, layer: int) -> str:
         dense = layer < int(self.text_config.first_k_dense_replace or 0)
         return f"multi-head latent attention, {'dense MLP' if dense else 'mixture of experts'}"

@@ -252,7 +252,7 @@ def _rows_per_chunk(vlm: Any, prefix: int, max_rows: int, memory_budget: int) ->
     """Rows per batched forward so that the materialised prefix cache stays under the budget."""
     a = vlm.adapter
     itemsize = next(vlm.model.parameters()).element_size()
-    per_row = 2 * a.n_layers * max(prefix, 1) * a.n_kv_heads * a.d_head * itemsize
+    per_row = sum(a.cache_width(layer) for layer in range(a.n_layers)) * max(prefix, 1) * itemsize
     return int(max(1, min(max_rows, memory_budget // per_row)))
 
 
