@@ -12,7 +12,8 @@ every unplanted head interchanged alone): one ``answer_changes`` call per head, 
 (the straightforward way), against ``answer_changes_per_set`` in a ``shared_image_features`` block (one unpatched
 and one source run per batch for all heads, as training evaluates now); ``equal`` says the shares came out the same.
 
-    python benchmarks/training.py [--stages 1,6,12] [--steps 8] [--threads 1] [--recorded] [--json] [--save]
+    python benchmarks/training.py [--stages 1,6,12] [--steps 8] [--threads 1] [--recorded] [--strictness-pairs N]
+        [--json] [--save]
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def strictness_evaluation(threads: int, n_pairs: int | None = None) -> dict:
             "equal": alone == together}
 
 
-def run(stages: list[int], steps: int, threads: int, recorded: bool = False) -> dict:
+def run(stages: list[int], steps: int, threads: int, recorded: bool = False,
+        strictness_pairs: int | None = None) -> dict:
     recipe = recipe_stages("organism-vsm")
     record = json.loads((organism_dir("organism-vsm") / TRAINING_FILE).read_text()) if recorded else {}
     walls = {s["stage"]: s.get("wall_time_s") for s in record.get("stage_results", [])}
@@ -107,7 +109,7 @@ def run(stages: list[int], steps: int, threads: int, recorded: bool = False) -> 
         rows.append(row)
     plain = sum(r["plain_projected_min"] for r in rows)
     shared = sum(r["shared_projected_min"] for r in rows)
-    return {"stages": rows, "steps_timed": steps, "threads": threads, "strictness": strictness_evaluation(threads),
+    return {"stages": rows, "steps_timed": steps, "threads": threads, "strictness": strictness_evaluation(threads, strictness_pairs),
             "plain_projected_min": round(plain, 1),
             "shared_projected_min": round(shared, 1), "ratio": round(plain / shared, 2),
             **({"recorded_min": round(sum(r.get("recorded_min", 0.0) for r in rows), 1)} if recorded else {})}
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="training steps timed per stage and path (at least 2)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--recorded", action="store_true", help="show the release's recorded wall time per stage")
+    p.add_argument("--strictness-pairs", type=int, default=None,
+                   help="pairs per variable in the strictness timing (default: stage 12's evaluation size)")
     p.add_argument("--json", action="store_true")
     add_save_option(p)
     args = p.parse_args(argv)
@@ -162,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--stages takes stage numbers 1-{n} separated by commas, or 'all'; got {args.stages!r}")
     if any(not 1 <= s <= n for s in stages) or args.steps < 2:
         p.error(f"--stages must be within 1-{n} and --steps at least 2")
-    out = run(stages, args.steps, args.threads, args.recorded)
+    if args.strictness_pairs is not None and args.strictness_pairs < 1:
+        p.error(f"--strictness-pairs must be at least 1; got {args.strictness_pairs}")
+    out = run(stages, args.steps, args.threads, args.recorded, args.strictness_pairs)
     print(json.dumps(out) if args.json else table(out))
     if args.save_run:
         save("training", argv if argv is not None else sys.argv[1:], out, threads=args.threads)

@@ -197,7 +197,8 @@ SMALL_RUNS = {
     "startup": (["--repeats", "1", "--json"], None,
                 lambda rows: [(r["command"].split()[1], r["exit_codes"]) for r in rows[-1]["rows"]]
                 == [("-c", [0]), ("--help", [0]), ("models", [0]), ("export", [2])]),
-    "training": (["--stages", "1", "--steps", "2", "--json"], None, lambda rows: len(rows[-1]["stages"]) == 1),
+    "training": (["--stages", "1", "--steps", "2", "--strictness-pairs", "2", "--json"], None,
+                 lambda rows: len(rows[-1]["stages"]) == 1 and rows[-1]["strictness"]["pairs_per_variable"] == 2),
     # here the CPU against itself: the two runs must be the same run
     "training_device": (["--steps", "1", "--device", "cpu", "--json"], None,
                         lambda rows: rows[-1]["stage"] and rows[-1]["max_loss_difference"] == 0.0),
