@@ -12,8 +12,7 @@ models keep the tiny decoder and vision tower of each family (so they are fast) 
   dropped first and Ovis2's tokens take the ids its checkpoints give them;
 * the family's chat template: Qwen2-VL / Qwen2.5-VL's published template (with its default system prompt),
   llava-hf's ``USER: <image>\\n... ASSISTANT:`` for LLaVA-1.5, Gemma-3's and Gemma-4's own (shipped with their
-  vocabularies), and
-  ChatML with the images first for Molmo2 (whose processor ships no template of its own), and
+  vocabularies), ChatML with the images first for Molmo2 (whose processor ships no template of its own), and
   ``thisisiron/Ovis2-2B-hf``'s for Ovis2;
 * Qwen's image processor at its default pixel bounds (images resized to multiples of 28 px), as real checkpoints
   configure it; the other families keep the tiny image sizes, which the real processors' arithmetic handles alike.
