@@ -46,7 +46,7 @@ from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_t
 from ..core.errors import UnsupportedModelError
 from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, get_module, register_adapter
-from .frames import frame_row_tokens, structure_token_id
+from .frames import SquareFrames, frame_row_tokens, structure_token_id
 
 START_IMAGE = "<|START_OF_IMG|>"
 END_IMAGE = "<|END_OF_IMG|>"
@@ -70,7 +70,7 @@ class ImageBlock:
 
 
 @register_adapter
-class AyaVisionAdapter(ModelAdapter):
+class AyaVisionAdapter(SquareFrames, ModelAdapter):
     """Aya Vision (``CohereLabs/aya-vision-8b`` / ``-32b``): SigLIP on tiles plus a global image, Cohere2 decoder."""
 
     family = "aya_vision"
@@ -90,16 +90,6 @@ class AyaVisionAdapter(ModelAdapter):
     # TransformerLens bridges Cohere2ForCausalLM (the text model alone), not this class: the default "no" cell
 
     # ---- geometry -------------------------------------------------------------------------------------------
-    @property
-    def tile_size(self) -> int:
-        """Side in pixels of one frame (the tower's ``image_size``)."""
-        return int(self.config.vision_config.image_size)
-
-    @property
-    def patches_per_side(self) -> int:
-        """Side of one frame's patch grid (``image_size / patch_size``)."""
-        return self.tile_size // int(self.config.vision_config.patch_size)
-
     @property
     def shuffle(self) -> int:
         """Patches per token side: the projector's ``downsample_factor``."""

@@ -2,7 +2,8 @@
 thumbnail or global view), each frame an ``n x n`` token grid that ``s x s`` vision patches are merged into.
 
 An adapter using these has ``image_blocks(input_ids, row)`` (the image blocks of a row, each with ``frames``: one
-array of token positions per frame, in sequence order), ``patches_per_side`` and ``tokens_per_side``.
+array of token positions per frame, in sequence order), ``patches_per_side`` (:class:`SquareFrames` gives it) and
+``tokens_per_side``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,29 @@ import numpy as np
 import torch
 
 from ..core.errors import UnsupportedModelError
+
+
+def config_side(value: int | list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """``(height, width)`` of a config size given as one int or a pair."""
+    return (int(value), int(value)) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+class SquareFrames:
+    """A frame's geometry from the vision tower's config, for an adapter whose frames are square tiles."""
+
+    @property
+    def tile_size(self) -> int:
+        """Side in pixels of one frame (the tower's ``image_size``)."""
+        height, width = config_side(self.config.vision_config.image_size)
+        if height != width:
+            raise UnsupportedModelError(f"{self.display_name}: a {height}x{width} vision tower; vlmbind grids only "
+                                        f"square tiles (every {self.display_name} checkpoint's)")
+        return height
+
+    @property
+    def patches_per_side(self) -> int:
+        """Side of one frame's patch grid (``image_size / patch_size``)."""
+        return self.tile_size // config_side(self.config.vision_config.patch_size)[0]
 
 
 def structure_token_id(adapter: Any, attr: str, default: str) -> int:

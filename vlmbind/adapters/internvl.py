@@ -36,15 +36,10 @@ from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_t
 from ..core.errors import UnsupportedModelError
 from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
-from .frames import structure_token_id
+from .frames import SquareFrames, structure_token_id
 
 START_IMAGE = "<img>"
 END_IMAGE = "</img>"
-
-
-def _side(value: int | list[int] | tuple[int, ...]) -> tuple[int, int]:
-    """``(height, width)`` of a config size given as one int or a pair."""
-    return (int(value), int(value)) if isinstance(value, int) else (int(value[0]), int(value[1]))
 
 
 @dataclass(frozen=True)
@@ -63,7 +58,7 @@ class ImageBlock:
 
 
 @register_adapter
-class InternVLAdapter(ModelAdapter):
+class InternVLAdapter(SquareFrames, ModelAdapter):
     """InternVL 3 / 3.5 (``OpenGVLab/InternVL3-*-hf``): InternViT on dynamic tiles plus a thumbnail, pixel shuffle."""
 
     family = "internvl"
@@ -86,20 +81,6 @@ class InternVLAdapter(ModelAdapter):
     }
 
     # ---- geometry -------------------------------------------------------------------------------------------
-    @property
-    def tile_size(self) -> int:
-        """Side in pixels of one frame (the tower's ``image_size``)."""
-        height, width = _side(self.config.vision_config.image_size)
-        if height != width:
-            raise UnsupportedModelError(f"{self.display_name}: a {height}x{width} vision tower; vlmbind grids only "
-                                        "square tiles (every InternVL checkpoint's)")
-        return height
-
-    @property
-    def patches_per_side(self) -> int:
-        """Side of one frame's patch grid (``image_size / patch_size``)."""
-        return self.tile_size // _side(self.config.vision_config.patch_size)[0]
-
     @property
     def shuffle(self) -> int:
         """Patches per token side: ``1 / downsample_ratio``."""

@@ -41,15 +41,10 @@ import torch
 from ..core.errors import UnsupportedModelError
 from ..core.tokens import ImageGrid, grid_boxes
 from .base import ModelAdapter, register_adapter
-from .frames import frame_row_tokens
+from .frames import SquareFrames, frame_row_tokens
 
 # the processor's separators, in the order of config.visual_indicator_token_ids (and of the table's last rows)
 INDICATORS = ("<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>")
-
-
-def _side(value: int | list[int] | tuple[int, ...]) -> tuple[int, int]:
-    """``(height, width)`` of a config size given as one int or a pair."""
-    return (int(value), int(value)) if isinstance(value, int) else (int(value[0]), int(value[1]))
 
 
 @dataclass(frozen=True)
@@ -72,7 +67,7 @@ class ImageBlock:
 
 
 @register_adapter
-class Ovis2Adapter(ModelAdapter):
+class Ovis2Adapter(SquareFrames, ModelAdapter):
     """Ovis2 (``thisisiron/Ovis2-*-hf``): AIMv2 on a thumbnail plus tiles, probabilities over a visual vocabulary
     times a visual embedding table."""
 
@@ -93,20 +88,6 @@ class Ovis2Adapter(ModelAdapter):
     image_token_attr = "image_token_id"
 
     # ---- geometry -------------------------------------------------------------------------------------------
-    @property
-    def tile_size(self) -> int:
-        """Side in pixels of one frame (the tower's ``image_size``)."""
-        height, width = _side(self.config.vision_config.image_size)
-        if height != width:
-            raise UnsupportedModelError(f"{self.display_name}: a {height}x{width} vision tower; vlmbind grids only "
-                                        "square tiles (every Ovis2 checkpoint's)")
-        return height
-
-    @property
-    def patches_per_side(self) -> int:
-        """Side of one frame's patch grid (``image_size / patch_size``)."""
-        return self.tile_size // _side(self.config.vision_config.patch_size)[0]
-
     @property
     def stride(self) -> int:
         """Patches per token side: ``vision_config.hidden_stride``."""
